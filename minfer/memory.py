@@ -1,0 +1,176 @@
+"""The explicit allocator: one preallocated byte buffer per arena, carved into aligned typed views.
+
+Why an arena: the engine owns its memory in the spirit of BMInf. Every large buffer (KV caches,
+cross-attention K/V, position-bias tables, activation scratch) is a view into one buffer whose size
+is fixed up front, so the peak is known before a run starts and a request that cannot fit fails
+with a clear error instead of an out-of-memory kill halfway through a generation.
+
+The discipline is a stack (a bump pointer): `alloc` hands out the next aligned block, `mark` /
+`release` (or the `scope()` context manager) give back everything allocated after a mark, and
+`reset()` empties the arena. Views handed out before a release must not be used after it; the model
+code keeps each view inside the scope that allocated it.
+
+Buffers are described declaratively as `{name: (shape, dtype)}` specs, so the same description
+drives the allocation (`alloc_many`) and the up-front plan (`bytes_needed`) without two copies of
+the shape arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from .errors import ArenaExhausted, ConfigError
+
+ALIGNMENT = 256  # bytes; matches CUDA's allocation granularity and any CPU cache line / SIMD width
+
+BufferSpec = Mapping[str, tuple[tuple[int, ...], Any]]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | str, option: str = "memory size") -> int:
+    """'2GiB', '512MB', '1.5g' or an int -> bytes. Raises ConfigError naming `option`."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{option}: expected a size such as '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{option}: size must not be negative, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{option}: expected a size such as '2GiB' or '512MB', got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def block_bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return int(math.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def bytes_needed(specs: BufferSpec, alignment: int = ALIGNMENT) -> int:
+    """Bytes an arena needs to hand out every buffer of `specs` (worst case alignment padding)."""
+    return sum(align_up(block_bytes(shape, dtype), alignment) for shape, dtype in specs.values())
+
+
+def _address(array: Any) -> int:
+    iface = getattr(array, "__array_interface__", None) or array.__cuda_array_interface__
+    return int(iface["data"][0])
+
+
+@dataclass(frozen=True)
+class ArenaStats:
+    used: int
+    peak: int
+    capacity: int
+
+
+class Arena:
+    """A bounded bump allocator over one byte buffer of the array namespace `xp`.
+
+    `capacity` is the number of usable bytes. The backing buffer is over-allocated by one alignment
+    unit so the first block starts on an aligned address whatever the base allocator returns.
+    """
+
+    def __init__(self, capacity: int | str, xp: Any = np, name: str = "host",
+                 alignment: int = ALIGNMENT):
+        self.capacity = parse_bytes(capacity, f"arena '{name}' capacity")
+        self.name = name
+        self.alignment = alignment
+        self._raw = xp.empty(self.capacity + alignment, dtype=xp.uint8)
+        skip = (-_address(self._raw)) % alignment
+        self._buf = self._raw[skip: skip + self.capacity]
+        self._top = 0
+        self._peak = 0
+
+    # -- allocation -------------------------------------------------------------------------------
+    def alloc(self, shape: tuple[int, ...] | int, dtype: Any, what: str = "") -> Any:
+        """A fresh (uninitialised) array view of `shape` and `dtype`, aligned to `alignment`."""
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"negative dimension in shape {shape} for {what or 'arena block'}")
+        dtype = np.dtype(dtype)
+        nbytes = block_bytes(shape, dtype)
+        start = align_up(self._top, self.alignment)
+        end = start + nbytes
+        if end > self.capacity:
+            raise ArenaExhausted(self.name, nbytes, max(0, self.capacity - start), self.capacity, what)
+        self._top = end
+        self._peak = max(self._peak, end)
+        return self._buf[start:end].view(dtype).reshape(shape)
+
+    def zeros(self, shape: tuple[int, ...] | int, dtype: Any, what: str = "") -> Any:
+        out = self.alloc(shape, dtype, what)
+        out[...] = 0
+        return out
+
+    def alloc_many(self, specs: BufferSpec) -> dict[str, Any]:
+        """Allocate every buffer of a `{name: (shape, dtype)}` spec; fails before allocating any
+        if the whole set does not fit, naming the total."""
+        need = bytes_needed(specs, self.alignment)
+        available = self.capacity - align_up(self._top, self.alignment)
+        if need > available:
+            raise ArenaExhausted(self.name, need, max(0, available), self.capacity,
+                                 ", ".join(specs)[:120])
+        return {name: self.alloc(shape, dtype, name) for name, (shape, dtype) in specs.items()}
+
+    # -- release ----------------------------------------------------------------------------------
+    def mark(self) -> int:
+        return self._top
+
+    def release(self, mark: int) -> None:
+        """Give back every block allocated since `mark` (stack order)."""
+        if not 0 <= mark <= self._top:
+            raise ValueError(f"arena '{self.name}': release to {mark} outside 0..{self._top}")
+        self._top = mark
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Arena"]:
+        """Everything allocated inside the `with` block is released when it exits."""
+        mark = self.mark()
+        try:
+            yield self
+        finally:
+            self.release(mark)
+
+    def reset(self) -> None:
+        self._top = 0
+
+    # -- accounting -------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._top
+
+    @property
+    def available(self) -> int:
+        return self.capacity - self._top
+
+    def stats(self) -> ArenaStats:
+        return ArenaStats(used=self._top, peak=self._peak, capacity=self.capacity)
+
+    def reset_peak(self) -> None:
+        self._peak = self._top
+
+    def __repr__(self) -> str:
+        return (f"Arena({self.name!r}, used={format_bytes(self._top)}, "
+                f"peak={format_bytes(self._peak)}, capacity={format_bytes(self.capacity)})")

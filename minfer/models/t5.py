@@ -1,0 +1,666 @@
+"""T5 (v1.0, v1.1 / flan-t5, mT5) as pure functions over `be.xp`.
+
+Follows Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+Transformer", and the numerics of Hugging Face transformers' T5 (see docs/architecture.md):
+pre-norm blocks with RMS "layer norm", attention without 1/sqrt(d) scaling, a learned bias per
+(bucketed relative distance, head) shared by all layers of a stack, and a tied output head rescaled
+by d_model**-0.5.
+
+Shapes: B batch, T query length, S key length, H heads, D head dim (d_kv), C d_model,
+F d_ff, V vocab, L layers. Linear weights are stored (in, out) so a layer is `x @ w`.
+
+Layout of this file: config -> checkpoint name map and parameter tree -> position buckets ->
+forward functions (encoder, full decoder, one incremental decoder step) -> buffer specs for the
+arena -> `T5Model`, the stateful wrapper the public API hands out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .. import ops
+from ..backend import Backend
+from ..checkpoint import Checkpoint, check_names
+from ..errors import CheckpointError, ConfigError, InputError
+from ..memory import BufferSpec, bytes_needed
+
+NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
+
+
+# =====================================================================================================
+# Config
+# =====================================================================================================
+@dataclass(frozen=True)
+class T5Config:
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_heads: int
+    num_layers: int
+    num_decoder_layers: int
+    num_buckets: int
+    max_distance: int
+    eps: float
+    act: str                  # activation name of the FF input projection, e.g. "relu", "gelu_new"
+    gated: bool               # gated FF (v1.1): act(x @ wi_0) * (x @ wi_1)
+    tie_word_embeddings: bool
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    decoder_start_token_id: int
+    model_type: str = "t5"
+
+    @property
+    def inner(self) -> int:
+        """Attention inner width H*D (need not equal d_model)."""
+        return self.num_heads * self.d_kv
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "T5Config":
+        def get_int(key: str, default: int | None = None, minimum: int = 1) -> int:
+            value = cfg.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{source}: '{key}' must be an integer >= {minimum}, got {value!r}")
+            return value
+
+        model_type = cfg.get("model_type", "t5")
+        if model_type not in ("t5", "mt5"):
+            raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model (t5, mt5)")
+        proj = cfg.get("feed_forward_proj", "relu")
+        parts = proj.split("-") if isinstance(proj, str) else []
+        if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or not parts[-1]:
+            raise ConfigError(f"{source}: feed_forward_proj {proj!r} is not 'ACT' or 'gated-ACT'")
+        act = "gelu_new" if proj == "gated-gelu" else parts[-1]
+        gated = parts[0] == "gated"
+        # HF lets explicit config keys override what feed_forward_proj implies.
+        act = cfg.get("dense_act_fn", act)
+        gated = bool(cfg.get("is_gated_act", gated))
+        ops.activation(act)  # unsupported activations fail here, naming themselves
+
+        eps = cfg.get("layer_norm_epsilon", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ConfigError(f"{source}: 'layer_norm_epsilon' must be a small number, got {eps!r}")
+        eos = cfg.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        pad = get_int("pad_token_id", 0, minimum=0)
+        start = cfg.get("decoder_start_token_id")
+        start = pad if start is None else start
+        num_layers = get_int("num_layers", 6)
+        vocab = get_int("vocab_size", 32128)
+        for name, value in (("eos_token_id", eos_ids), ("decoder_start_token_id", (start,))):
+            if not all(isinstance(i, int) and 0 <= i < vocab for i in value):
+                raise ConfigError(f"{source}: '{name}' must be token id(s) below vocab_size {vocab}, "
+                                  f"got {value!r}")
+        num_buckets = get_int("relative_attention_num_buckets", 32, minimum=2)
+        max_distance = get_int("relative_attention_max_distance", 128, minimum=2)
+        if max_distance <= num_buckets // 4:
+            # log(max_distance / max_exact) would be <= 0: the bucket formula breaks down
+            raise ConfigError(f"{source}: relative_attention_max_distance {max_distance} must exceed "
+                              f"num_buckets/4 = {num_buckets // 4}")
+        return cls(
+            vocab_size=vocab, d_model=get_int("d_model", 512), d_kv=get_int("d_kv", 64),
+            d_ff=get_int("d_ff", 2048), num_heads=get_int("num_heads", 8), num_layers=num_layers,
+            num_decoder_layers=get_int("num_decoder_layers", num_layers) if cfg.get(
+                "num_decoder_layers") is not None else num_layers,
+            num_buckets=num_buckets, max_distance=max_distance, eps=float(eps), act=act,
+            gated=gated, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            pad_token_id=pad, eos_token_ids=eos_ids, decoder_start_token_id=start,
+            model_type=model_type,
+        )
+
+
+# =====================================================================================================
+# Checkpoint names -> parameter tree
+# =====================================================================================================
+def _ff_names(prefix: str, gated: bool) -> list[str]:
+    wi = ["wi_0", "wi_1"] if gated else ["wi"]
+    return [f"{prefix}.DenseReluDense.{w}.weight" for w in wi + ["wo"]]
+
+
+def expected_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must hold, with its HF (out, in) shape."""
+    C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"shared.weight": (V, C)}
+
+    def attention(prefix: str) -> None:
+        for w in "qkv":
+            shapes[f"{prefix}.{w}.weight"] = (I, C)
+        shapes[f"{prefix}.o.weight"] = (C, I)
+
+    def ff(prefix: str) -> None:
+        for name in _ff_names(prefix, cfg.gated):
+            shapes[name] = (C, F) if name.endswith("wo.weight") else (F, C)
+        shapes[f"{prefix}.layer_norm.weight"] = (C,)
+
+    for stack, depth in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
+        for i in range(depth):
+            block = f"{stack}.block.{i}.layer"
+            attention(f"{block}.0.SelfAttention")
+            shapes[f"{block}.0.layer_norm.weight"] = (C,)
+            if stack == "decoder":
+                attention(f"{block}.1.EncDecAttention")
+                shapes[f"{block}.1.layer_norm.weight"] = (C,)
+            ff(f"{block}.{2 if stack == 'decoder' else 1}")
+        shapes[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = (
+            cfg.num_buckets, cfg.num_heads)
+        shapes[f"{stack}.final_layer_norm.weight"] = (C,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, C)
+    return shapes
+
+
+def ignorable_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
+    """Tensors some checkpoints carry that the math does not use (aliases and a legacy bias)."""
+    V, C = cfg.vocab_size, cfg.d_model
+    extra = {
+        "encoder.embed_tokens.weight": (V, C),
+        "decoder.embed_tokens.weight": (V, C),
+        # old checkpoints: a cross-attention position bias HF never applies
+        "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight":
+            (cfg.num_buckets, cfg.num_heads),
+    }
+    if cfg.tie_word_embeddings:
+        extra["lm_head.weight"] = (V, C)  # a saved copy of the tied head
+    return extra
+
+
+def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend) -> dict:
+    """Check names and shapes, then build the parameter tree (fused, transposed to (in, out))."""
+    expected = expected_shapes(cfg)
+    ignorable = ignorable_shapes(cfg)
+    if "shared.weight" not in ckpt:
+        for alias in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            if alias in ckpt:  # some saves keep only an alias of the shared embedding
+                expected[alias] = expected.pop("shared.weight")
+                ignorable.pop(alias)
+                break
+    check_names(ckpt, expected, ignorable)
+    for name, shape in {**expected, **{k: v for k, v in ignorable.items() if k in ckpt}}.items():
+        got = ckpt.info(name).shape
+        if got != shape:
+            raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}' has shape {list(got)}, "
+                                  f"config implies {list(shape)}")
+
+    def read(name: str) -> np.ndarray:  # (out, in) as stored
+        return ckpt.read(name, be.dtype)
+
+    def linear(*names: str) -> Any:  # HF (out, in) weights fused along `out` -> (in, sum(out))
+        return be.asarray(np.ascontiguousarray(np.concatenate([read(n) for n in names], axis=0).T))
+
+    def ff(prefix: str) -> dict:
+        *wi, wo = _ff_names(prefix, cfg.gated)
+        return {"ff_ln": be.asarray(read(f"{prefix}.layer_norm.weight")),
+                "w_in": linear(*wi), "w_out": linear(wo)}
+
+    def self_attention(prefix: str, ln: str) -> dict:
+        return {"attn_ln": be.asarray(read(ln)),
+                "w_qkv": linear(*(f"{prefix}.{w}.weight" for w in "qkv")),
+                "w_o": linear(f"{prefix}.o.weight")}
+
+    shared_name = "shared.weight" if "shared.weight" in expected else next(
+        n for n in expected if n.endswith("embed_tokens.weight"))
+    shared = be.asarray(read(shared_name))  # (V, C)
+    params: dict[str, Any] = {"shared": shared}
+    # The tied head reuses the embedding through a transposed view (no copy): BLAS takes it as is.
+    params["lm_head"] = shared.T if cfg.tie_word_embeddings else linear("lm_head.weight")
+
+    encoder_blocks = []
+    for i in range(cfg.num_layers):
+        p = f"encoder.block.{i}.layer"
+        encoder_blocks.append({**self_attention(f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight"),
+                               **ff(f"{p}.1")})
+    decoder_blocks = []
+    cross_kv = []
+    for i in range(cfg.num_decoder_layers):
+        p = f"decoder.block.{i}.layer"
+        block = self_attention(f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight")
+        block.update(cross_ln=be.asarray(read(f"{p}.1.layer_norm.weight")),
+                     w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight"),
+                     w_cross_o=linear(f"{p}.1.EncDecAttention.o.weight"), **ff(f"{p}.2"))
+        decoder_blocks.append(block)
+        cross_kv += [f"{p}.1.EncDecAttention.k.weight", f"{p}.1.EncDecAttention.v.weight"]
+    for stack, blocks in (("encoder", encoder_blocks), ("decoder", decoder_blocks)):
+        params[stack] = {
+            "blocks": blocks,
+            "rel_bias": read(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+            "final_ln": be.asarray(read(f"{stack}.final_layer_norm.weight")),
+        }
+    # All decoder layers' cross K and V as one matmul per encode: (C, L*2*H*D), order (L, k|v, H, D)
+    params["decoder"]["w_cross_kv"] = linear(*cross_kv)
+    return params
+
+
+# =====================================================================================================
+# Relative position buckets (host-side integer work, cached)
+# =====================================================================================================
+def relative_bucket(relative_position: np.ndarray, bidirectional: bool, num_buckets: int,
+                    max_distance: int) -> np.ndarray:
+    """T5's bucket of each relative position (key - query).
+
+    Distances below max_exact get their own bucket; larger ones share log-spaced buckets up to
+    max_distance. The log is taken in float32, as the reference does, so truncation at bucket
+    edges matches it exactly. Bidirectional: half the buckets for keys after the query.
+    """
+    rel = np.asarray(relative_position, dtype=np.int64)
+    bucket = np.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        bucket += (rel > 0) * num_buckets
+        n = np.abs(rel)
+    else:
+        n = np.maximum(-rel, 0)
+    max_exact = num_buckets // 2
+    scaled = (np.log(np.maximum(n, 1).astype(np.float32) / np.float32(max_exact))
+              / np.float32(math.log(max_distance / max_exact))
+              * np.float32(num_buckets - max_exact))
+    large = np.minimum(max_exact + scaled.astype(np.int64), num_buckets - 1)
+    return bucket + np.where(n < max_exact, n, large)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_matrix(q_len: int, k_len: int, bidirectional: bool, num_buckets: int,
+                   max_distance: int) -> np.ndarray:
+    rel = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]  # (T, S): key - query
+    out = relative_bucket(rel, bidirectional, num_buckets, max_distance)
+    out.setflags(write=False)
+    return out
+
+
+def position_bias(cfg: T5Config, rel_bias: np.ndarray, q_len: int, k_len: int,
+                  bidirectional: bool) -> np.ndarray:
+    """(H, T, S) bias of every (query, key) pair: rel_bias[bucket(key - query)]."""
+    buckets = _bucket_matrix(q_len, k_len, bidirectional, cfg.num_buckets, cfg.max_distance)
+    return rel_bias[buckets].transpose(2, 0, 1)  # (T, S, H) -> (H, T, S)
+
+
+def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -> np.ndarray:
+    """(H, max_len) decoder bias indexed by reversed distance: column max_len-1-n holds distance n.
+
+    Step t's row over keys 0..t is then the contiguous slice [:, max_len-1-t:], so one table of
+    O(H * max_len) serves every step of a generation.
+    """
+    distance = np.arange(max_len - 1, -1, -1)  # reversed: column j has distance max_len-1-j
+    buckets = relative_bucket(-distance, False, cfg.num_buckets, cfg.max_distance)
+    return np.ascontiguousarray(rel_bias[buckets].T)  # (H, max_len)
+
+
+# =====================================================================================================
+# Forward functions
+# =====================================================================================================
+def _attend(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
+    """softmax(q k^T + bias) v into ctx. q (B,H,T,D), k/v (B,H,S,D), bias broadcast to
+    (B,H,T,S), scores a (B,H,T,S) scratch buffer, ctx a (B,T,H,D) output buffer. No 1/sqrt(D):
+    T5 folds it into its initialisation."""
+    xp.matmul(q, k.swapaxes(-1, -2), out=scores)   # (B, H, T, S)
+    scores += bias
+    ops.softmax_(xp, scores)
+    xp.matmul(scores, v, out=ctx.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+
+
+def _feed_forward(be: Backend, cfg: T5Config, h: Any, w_in: Any, w_out: Any, hidden: Any,
+                  out: Any) -> Any:
+    """FF sublayer into `out` (B,T,C). hidden: (B,T,F) or (B,T,2F) when gated (scratch)."""
+    xp = be.xp
+    xp.matmul(h, w_in, out=hidden)                      # (B, T, F | 2F)
+    act = ops.activation(cfg.act)
+    if cfg.gated:
+        F = cfg.d_ff
+        gate = act(xp, hidden[..., :F])                # wi_0 branch is the activated one
+        gate *= hidden[..., F:]
+        return xp.matmul(gate, w_out, out=out)
+    return xp.matmul(act(xp, hidden), w_out, out=out)   # (B, T, C)
+
+
+def encoder_specs(cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+    H, I = cfg.num_heads, cfg.inner
+    return {
+        "encoder.x": ((B, T, cfg.d_model), dtype),
+        "encoder.proj": ((B, T, cfg.d_model), dtype),
+        "encoder.qkv": ((B, T, 3 * I), dtype),
+        "encoder.ctx": ((B, T, I), dtype),
+        "encoder.bias": ((B, H, T, T), dtype),
+        "encoder.scores": ((B, H, T, T), dtype),
+        "encoder.ff": ((B, T, cfg.d_ff * (2 if cfg.gated else 1)), dtype),
+    }
+
+
+def mask_bias(be: Backend, attention_mask: np.ndarray) -> Any:
+    """(B, 1, 1, S) additive mask: 0 where attended, finfo(float32).min where padded."""
+    B, S = attention_mask.shape
+    return be.asarray(np.where(attention_mask.astype(bool), 0.0, NEG_INF).reshape(B, 1, 1, S),
+                      be.dtype)
+
+
+def encode(be: Backend, cfg: T5Config, params: dict, input_ids: np.ndarray,
+           attention_mask: np.ndarray, out: Any) -> Any:
+    """Encoder stack: (B, T) ids -> final-normed states written into `out` (B, T, C)."""
+    xp = be.xp
+    B, T = input_ids.shape
+    H, D, I = cfg.num_heads, cfg.d_kv, cfg.inner
+    p = params["encoder"]
+    with be.arena.scope():
+        ws = be.arena.alloc_many(encoder_specs(cfg, B, T, be.dtype))
+        x = ws["encoder.x"]
+        xp.take(params["shared"], be.asarray(input_ids), axis=0, out=x)  # (B, T, C)
+        # position bias (1,H,T,T) + padding mask (B,1,1,T), built once and shared by all layers
+        bias = ws["encoder.bias"]
+        bias[...] = be.asarray(position_bias(cfg, p["rel_bias"], T, T, bidirectional=True))
+        bias += mask_bias(be, attention_mask)
+        for blk in p["blocks"]:
+            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            qkv = xp.matmul(h, blk["w_qkv"], out=ws["encoder.qkv"]).reshape(B, T, 3, H, D)
+            q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, H, T, D)
+            _attend(xp, q, k, v, bias, ws["encoder.scores"], ws["encoder.ctx"].reshape(B, T, H, D))
+            x += xp.matmul(ws["encoder.ctx"], blk["w_o"], out=ws["encoder.proj"])
+            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["encoder.ff"],
+                               ws["encoder.proj"])
+        out[...] = ops.rms_norm(xp, x, p["final_ln"], cfg.eps)
+    return out
+
+
+def cross_kv(be: Backend, cfg: T5Config, params: dict, encoder_states: Any, cache_k: Any,
+             cache_v: Any) -> None:
+    """Every decoder layer's cross-attention K and V from the encoder output, in one matmul.
+
+    encoder_states (B, S, C) -> cache_k / cache_v (L, B, H, S, D)."""
+    xp = be.xp
+    B, S, _ = encoder_states.shape
+    L, H, D = cfg.num_decoder_layers, cfg.num_heads, cfg.d_kv
+    with be.arena.scope():
+        raw = be.arena.alloc((B, S, L * 2 * H * D), be.dtype, "cross K/V projection")
+        xp.matmul(encoder_states, params["decoder"]["w_cross_kv"], out=raw)
+        kv = raw.reshape(B, S, L, 2, H, D)
+        cache_k[...] = kv[:, :, :, 0].transpose(2, 0, 3, 1, 4)  # (L, B, H, S, D)
+        cache_v[...] = kv[:, :, :, 1].transpose(2, 0, 3, 1, 4)
+
+
+def decoder_specs(cfg: T5Config, B: int, T: int, S: int, dtype: Any) -> BufferSpec:
+    """Scratch of a full (teacher-forced) decoder pass over T target and S source positions."""
+    H, I, L = cfg.num_heads, cfg.inner, cfg.num_decoder_layers
+    return {
+        "decoder.x": ((B, T, cfg.d_model), dtype),
+        "decoder.proj": ((B, T, cfg.d_model), dtype),
+        "decoder.qkv": ((B, T, 3 * I), dtype),
+        "decoder.q": ((B, T, I), dtype),
+        "decoder.ctx": ((B, T, I), dtype),
+        "decoder.self_bias": ((1, H, T, T), dtype),
+        "decoder.self_scores": ((B, H, T, T), dtype),
+        "decoder.cross_scores": ((B, H, T, S), dtype),
+        "decoder.cross_k": ((L, B, H, S, cfg.d_kv), dtype),
+        "decoder.cross_v": ((L, B, H, S, cfg.d_kv), dtype),
+        "decoder.ff": ((B, T, cfg.d_ff * (2 if cfg.gated else 1)), dtype),
+        "decoder.logits": ((B, T, cfg.vocab_size), dtype),
+    }
+
+
+def _cross_attention(be: Backend, cfg: T5Config, blk: dict, h: Any, k: Any, v: Any, bias: Any,
+                     q_buf: Any, scores: Any, ctx: Any, out: Any) -> Any:
+    """Cross-attention sublayer: h (B,T,C) attends to precomputed k/v (B,H,S,D); no position bias."""
+    xp = be.xp
+    B, T, _ = h.shape
+    q = xp.matmul(h, blk["w_cross_q"], out=q_buf).reshape(B, T, cfg.num_heads, cfg.d_kv)
+    _attend(xp, q.transpose(0, 2, 1, 3), k, v, bias, scores, ctx.reshape(B, T, cfg.num_heads,
+                                                                          cfg.d_kv))
+    return xp.matmul(ctx, blk["w_cross_o"], out=out)
+
+
+def _lm_head(be: Backend, cfg: T5Config, params: dict, x: Any, out: Any) -> Any:
+    """Final-normed decoder states (..., C) -> logits (..., V)."""
+    h = ops.rms_norm(be.xp, x, params["decoder"]["final_ln"], cfg.eps)
+    if cfg.tie_word_embeddings:
+        h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
+    return be.xp.matmul(h, params["lm_head"], out=out)
+
+
+def decode_full(be: Backend, cfg: T5Config, params: dict, decoder_input_ids: np.ndarray,
+                encoder_states: Any, attention_mask: np.ndarray) -> np.ndarray:
+    """Teacher-forced decoder: (B, T) ids over encoder states (B, S, C) -> logits (B, T, V) host."""
+    xp = be.xp
+    B, T = decoder_input_ids.shape
+    S = encoder_states.shape[1]
+    H, D = cfg.num_heads, cfg.d_kv
+    p = params["decoder"]
+    with be.arena.scope():
+        ws = be.arena.alloc_many(decoder_specs(cfg, B, T, S, be.dtype))
+        cross_kv(be, cfg, params, encoder_states, ws["decoder.cross_k"], ws["decoder.cross_v"])
+        x = ws["decoder.x"]
+        xp.take(params["shared"], be.asarray(decoder_input_ids), axis=0, out=x)  # (B, T, C)
+        self_bias = ws["decoder.self_bias"]
+        self_bias[0] = be.asarray(position_bias(cfg, p["rel_bias"], T, T, bidirectional=False))
+        self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
+        cross_bias = mask_bias(be, attention_mask)
+        for i, blk in enumerate(p["blocks"]):
+            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            qkv = xp.matmul(h, blk["w_qkv"], out=ws["decoder.qkv"]).reshape(B, T, 3, H, D)
+            q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, H, T, D)
+            _attend(xp, q, k, v, self_bias, ws["decoder.self_scores"],
+                    ws["decoder.ctx"].reshape(B, T, H, D))
+            x += xp.matmul(ws["decoder.ctx"], blk["w_o"], out=ws["decoder.proj"])
+            h = ops.rms_norm(xp, x, blk["cross_ln"], cfg.eps)
+            x += _cross_attention(be, cfg, blk, h, ws["decoder.cross_k"][i],
+                                  ws["decoder.cross_v"][i], cross_bias, ws["decoder.q"],
+                                  ws["decoder.cross_scores"], ws["decoder.ctx"], ws["decoder.proj"])
+            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["decoder.ff"],
+                               ws["decoder.proj"])
+        logits = _lm_head(be, cfg, params, x, ws["decoder.logits"])
+        return np.array(be.to_host(logits), dtype=np.float32)
+
+
+# -- incremental decoding -----------------------------------------------------------------------------
+def generation_specs(cfg: T5Config, B: int, S: int, max_len: int, dtype: Any) -> BufferSpec:
+    """Everything one generation keeps for its whole length: KV caches, cross K/V, the bias table,
+    and the per-step scratch (allocated once, reused by every step)."""
+    H, D, I, L, C = cfg.num_heads, cfg.d_kv, cfg.inner, cfg.num_decoder_layers, cfg.d_model
+    return {
+        "state.self_k": ((L, B, H, max_len, D), dtype),
+        "state.self_v": ((L, B, H, max_len, D), dtype),
+        "state.cross_k": ((L, B, H, S, D), dtype),
+        "state.cross_v": ((L, B, H, S, D), dtype),
+        "state.cross_bias": ((B, 1, 1, S), dtype),
+        "state.self_bias": ((H, max_len), dtype),
+        "step.x": ((B, 1, C), dtype),
+        "step.proj": ((B, 1, C), dtype),
+        "step.qkv": ((B, 1, 3 * I), dtype),
+        "step.q": ((B, 1, I), dtype),
+        "step.ctx": ((B, 1, I), dtype),
+        "step.scores": ((B * H * max(max_len, S),), dtype),  # viewed per step as (B, H, 1, keys)
+        "step.ff": ((B, 1, cfg.d_ff * (2 if cfg.gated else 1)), dtype),
+        "step.logits": ((B, 1, cfg.vocab_size), dtype),
+    }
+
+
+class DecodeState:
+    """The run state of one incremental decode: views into the arena plus the step counter.
+
+    Created by `T5Model.start_decoding` inside an arena scope; every array here is released when
+    that scope closes, so the state must not be used afterwards.
+    """
+
+    def __init__(self, be: Backend, cfg: T5Config, params: dict, buffers: dict, batch: int,
+                 src_len: int, max_len: int):
+        self.be, self.cfg, self.params, self.buf = be, cfg, params, buffers
+        self.batch, self.src_len, self.max_len = batch, src_len, max_len
+        self.length = 0  # positions already in the self-attention cache
+
+    def step(self, token_ids: np.ndarray) -> Any:
+        """Feed one token per row (B,), get that position's logits (B, V) (an arena view, valid
+        until the next step)."""
+        be, cfg, params, buf = self.be, self.cfg, self.params, self.buf
+        xp = be.xp
+        t = self.length
+        if t >= self.max_len:
+            raise InputError(f"decode state is full ({self.max_len} positions)")
+        B, H, D = self.batch, cfg.num_heads, cfg.d_kv
+        x = buf["step.x"]
+        xp.take(params["shared"], be.asarray(token_ids).reshape(B, 1), axis=0, out=x)  # (B, 1, C)
+        self_bias = buf["state.self_bias"][:, self.max_len - 1 - t:].reshape(1, H, 1, t + 1)
+        self_scores = buf["step.scores"][:B * H * (t + 1)].reshape(B, H, 1, t + 1)
+        cross_scores = buf["step.scores"][:B * H * self.src_len].reshape(B, H, 1, self.src_len)
+        ctx = buf["step.ctx"]
+        for i, blk in enumerate(params["decoder"]["blocks"]):
+            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            qkv = xp.matmul(h, blk["w_qkv"], out=buf["step.qkv"]).reshape(B, 3, H, 1, D)
+            k_cache, v_cache = buf["state.self_k"][i], buf["state.self_v"][i]  # (B, H, max, D)
+            k_cache[:, :, t] = qkv[:, 1, :, 0]
+            v_cache[:, :, t] = qkv[:, 2, :, 0]
+            _attend(xp, qkv[:, 0], k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], self_bias,
+                    self_scores, ctx.reshape(B, 1, H, D))
+            x += xp.matmul(ctx, blk["w_o"], out=buf["step.proj"])
+            h = ops.rms_norm(xp, x, blk["cross_ln"], cfg.eps)
+            x += _cross_attention(be, cfg, blk, h, buf["state.cross_k"][i], buf["state.cross_v"][i],
+                                  buf["state.cross_bias"], buf["step.q"], cross_scores, ctx,
+                                  buf["step.proj"])
+            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], buf["step.ff"],
+                               buf["step.proj"])
+        self.length = t + 1
+        return _lm_head(be, cfg, params, x, buf["step.logits"])[:, 0]  # (B, V)
+
+
+# =====================================================================================================
+# The model object the public API hands out
+# =====================================================================================================
+def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
+             attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (a list of id lists, or a (B, T) array) -> right-padded (B, T) int64 ids + mask."""
+    if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
+        ids = np.asarray(inputs)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise InputError(f"{what}: expected a non-empty (batch, length) array, "
+                             f"got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{what}: expected integer token ids, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask: shape {mask.shape} does not match {what} {ids.shape}")
+        mask = mask.astype(np.int64)
+    else:
+        rows = list(inputs) if isinstance(inputs, (list, tuple)) else None
+        if not rows:
+            raise InputError(f"{what}: expected a non-empty list of token-id lists")
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in rows):
+            rows = [rows]  # a single sequence
+        lengths = []
+        for r, row in enumerate(rows):
+            if not isinstance(row, (list, tuple, np.ndarray)) or len(row) == 0:
+                raise InputError(f"{what}: row {r} is empty or not a list of token ids")
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in row):
+                raise InputError(f"{what}: row {r} holds something other than integer token ids")
+            lengths.append(len(row))
+        ids = np.full((len(rows), max(lengths)), pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = row
+            mask[r, :len(row)] = 1
+        if attention_mask is not None:
+            raise InputError("attention_mask: pass it only with an array of token ids")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise InputError(f"{what}: token id {ids[r, c]} at row {r}, position {c} is outside the "
+                         f"vocabulary (0..{vocab_size - 1})")
+    if not mask.any(axis=1).all():
+        raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
+    return ids, mask
+
+
+class T5Model:
+    """A loaded T5: config, parameters on a backend, and the encode / forward / generate API."""
+
+    family = "t5"
+
+    def __init__(self, config: T5Config, params: dict, backend: Backend, folder: str,
+                 generation_config: dict | None = None):
+        self.config = config
+        self.params = params
+        self.backend = backend
+        self.folder = folder
+        self.generation_config = generation_config or {}
+
+    # -- batches and sizes ----------------------------------------------------------------------------
+    def _batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        return as_batch(input_ids, self.config.pad_token_id, self.config.vocab_size, "input_ids",
+                        attention_mask)
+
+    def plan(self, batch: int, src_len: int, max_new_tokens: int) -> dict[str, int]:
+        """Bytes of arena workspace a generation of this shape needs (pure: nothing allocated)."""
+        cfg, dt = self.config, self.backend.dtype
+        state = bytes_needed(generation_specs(cfg, batch, src_len, max_new_tokens + 1, dt))
+        encoder = (bytes_needed(encoder_specs(cfg, batch, src_len, dt))
+                   + bytes_needed({"out": ((batch, src_len, cfg.d_model), dt)}))
+        cross = bytes_needed({"raw": ((batch, src_len, 2 * cfg.num_decoder_layers * cfg.inner), dt)})
+        return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
+                "peak": state + max(encoder, cross)}
+
+    # -- the public surface ---------------------------------------------------------------------------
+    def encode(self, input_ids: Any, attention_mask: Any = None) -> np.ndarray:
+        """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        be = self.backend
+        with be.arena.scope():
+            out = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
+            encode(be, self.config, self.params, ids, mask, out)
+            return np.array(be.to_host(out), dtype=np.float32)
+
+    def forward(self, input_ids: Any, decoder_input_ids: Any, attention_mask: Any = None) -> np.ndarray:
+        """Teacher-forced logits (B, T_dec, V) float32 for given encoder and decoder ids."""
+        ids, mask = self._batch(input_ids, attention_mask)
+        dec, _ = as_batch(decoder_input_ids, self.config.pad_token_id, self.config.vocab_size,
+                          "decoder_input_ids")
+        if dec.shape[0] != ids.shape[0]:
+            raise InputError(f"decoder_input_ids: batch {dec.shape[0]} != input_ids batch "
+                             f"{ids.shape[0]}")
+        be = self.backend
+        with be.arena.scope():
+            enc = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
+            encode(be, self.config, self.params, ids, mask, enc)
+            return decode_full(be, self.config, self.params, dec, enc, mask)
+
+    @contextlib.contextmanager
+    def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                       max_len: int) -> Iterator[DecodeState]:
+        """Encode once, fill the cross-attention K/V and yield a `DecodeState` of `max_len`
+        positions. Everything it holds is arena memory released when the `with` block exits."""
+        be, cfg = self.backend, self.config
+        B, S = input_ids.shape
+        with be.arena.scope():
+            buf = be.arena.alloc_many(generation_specs(cfg, B, S, max_len, be.dtype))
+            buf["state.self_bias"][...] = be.asarray(causal_bias_by_distance(
+                cfg, self.params["decoder"]["rel_bias"], max_len))
+            buf["state.cross_bias"][...] = mask_bias(be, attention_mask)
+            with be.arena.scope():
+                enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")
+                encode(be, cfg, self.params, input_ids, attention_mask, enc)
+                cross_kv(be, cfg, self.params, enc, buf["state.cross_k"], buf["state.cross_v"])
+            yield DecodeState(be, cfg, self.params, buf, B, S, max_len)
+
+    def generate(self, inputs: Any, max_new_tokens: int | None = None, min_new_tokens: int = 0,
+                 attention_mask: Any = None) -> list[list[int]]:
+        """Greedy decoding. `inputs`: token-id lists (or a (B, T) array). Returns one id list per
+        row, starting with the decoder start token and ending at the first eos (included) or
+        after `max_new_tokens` new tokens."""
+        from ..generation import greedy_generate  # generation depends on models, not vice versa
+        ids, mask = self._batch(inputs, attention_mask)
+        return greedy_generate(self, ids, mask, max_new_tokens=max_new_tokens,
+                               min_new_tokens=min_new_tokens)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"T5Model({self.folder!r}, layers={c.num_layers}/{c.num_decoder_layers}, "
+                f"d_model={c.d_model}, vocab={c.vocab_size}, device={self.backend.device!r})")
+
+
+def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None) -> T5Model:
+    cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+    return T5Model(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), generation_config)

@@ -1,0 +1,108 @@
+"""Shared math over an array namespace `xp` (numpy or cupy): norms, softmax, activations.
+
+Functions take the namespace explicitly so one code path serves both backends. Where a function
+has an `out=` argument it may write into a caller-owned (arena) buffer, which is how the models
+keep their large activations inside the allocator; `out` may be the input itself (in place).
+All math here runs in the dtype of its input; callers pass float32 where precision matters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
+    """T5's LayerNorm: w * x / sqrt(mean(x^2) + eps); no mean subtraction, no bias. (..., C)."""
+    variance = xp.mean(xp.square(x), axis=-1, keepdims=True)  # (..., 1)
+    return x * (1.0 / xp.sqrt(variance + eps)) * weight
+
+
+def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, eps: float) -> Any:
+    """Ordinary LayerNorm over the last axis (biased variance, as torch computes it)."""
+    mean = xp.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    variance = xp.mean(xp.square(centred), axis=-1, keepdims=True)
+    return centred * (1.0 / xp.sqrt(variance + eps)) * weight + bias
+
+
+def softmax_(xp: Any, x: Any) -> Any:
+    """Softmax over the last axis, in place (x is scratch). Max-subtracted, so a row of equal
+    (even all-masked, finfo.min) values gives a uniform row, never NaN."""
+    x -= xp.max(x, axis=-1, keepdims=True)
+    xp.exp(x, out=x)
+    x /= xp.sum(x, axis=-1, keepdims=True)
+    return x
+
+
+def log_softmax(xp: Any, x: Any) -> Any:
+    shifted = x - xp.max(x, axis=-1, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+
+
+# -- activations (in place on scratch buffers) --------------------------------------------------------
+def relu_(xp: Any, x: Any) -> Any:
+    return xp.maximum(x, 0, out=x)
+
+
+def gelu_tanh_(xp: Any, x: Any) -> Any:
+    """GELU, tanh approximation ('gelu_new'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = x * x
+    inner *= 0.044715 * _SQRT_2_OVER_PI
+    inner += _SQRT_2_OVER_PI
+    inner *= x
+    xp.tanh(inner, out=inner)
+    inner += 1.0
+    x *= inner
+    x *= 0.5
+    return x
+
+
+def erf(xp: Any, x: Any) -> Any:
+    """erf without scipy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below float32 noise in GELU)."""
+    sign = xp.sign(x)
+    a = xp.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
+                                                                          + t * 1.061405429))))
+    return sign * (1.0 - poly * xp.exp(-a * a))
+
+
+def gelu_erf_(xp: Any, x: Any) -> Any:
+    """Exact GELU ('gelu'): 0.5 x (1 + erf(x / sqrt(2)))."""
+    e = erf(xp, x * (1.0 / math.sqrt(2.0)))
+    e += 1.0
+    x *= e
+    x *= 0.5
+    return x
+
+
+def silu_(xp: Any, x: Any) -> Any:
+    """SiLU / swish: x * sigmoid(x)."""
+    s = xp.exp(-x)
+    s += 1.0
+    x /= s
+    return x
+
+
+ACTIVATIONS: dict[str, Callable[[Any, Any], Any]] = {
+    "relu": relu_,
+    "gelu_new": gelu_tanh_,
+    "gelu_pytorch_tanh": gelu_tanh_,
+    "gelu_fast": gelu_tanh_,
+    "gelu": gelu_erf_,
+    "silu": silu_,
+    "swish": silu_,
+}
+
+
+def activation(name: str) -> Callable[[Any, Any], Any]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(f"activation {name!r} is not supported "
+                          f"(supported: {', '.join(sorted(ACTIVATIONS))})") from None

@@ -1,0 +1,103 @@
+import numpy as np
+import pytest
+
+from minfer.errors import ArenaExhausted, ConfigError
+from minfer.memory import ALIGNMENT, Arena, align_up, bytes_needed, parse_bytes
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
+def test_blocks_are_aligned_and_typed():
+    arena = Arena(64 * 1024)
+    for shape, dtype in [((3,), np.float32), ((5, 7), np.float64), ((1,), np.int8), ((2, 3, 4), np.int64)]:
+        a = arena.alloc(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype
+        assert address(a) % ALIGNMENT == 0
+        assert a.flags.c_contiguous and a.flags.writeable
+
+
+def test_live_blocks_do_not_overlap():
+    arena = Arena(1 << 20)
+    rng = np.random.default_rng(0)
+    blocks = [arena.alloc((int(rng.integers(1, 500)),), np.float32) for _ in range(50)]
+    spans = sorted((address(b), address(b) + b.nbytes) for b in blocks)
+    for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+        assert e0 <= s1
+    for i, b in enumerate(blocks):  # writing one block leaves the others intact
+        b[...] = i
+    assert all((b == i).all() for i, b in enumerate(blocks))
+
+
+def test_stats_track_current_and_peak():
+    arena = Arena(10_000)
+    assert arena.stats().used == 0
+    with arena.scope():
+        arena.alloc((1000,), np.float32)  # 4000 bytes
+        with arena.scope():
+            arena.alloc((100,), np.float32)  # aligned start at 4096
+            assert arena.stats().used == 4096 + 400
+        assert arena.stats().used == 4000
+    stats = arena.stats()
+    assert (stats.used, stats.peak, stats.capacity) == (0, 4496, 10_000)
+
+
+def test_reset_reuses_the_same_memory():
+    arena = Arena(4096)
+    a = arena.alloc((256,), np.float32)
+    arena.reset()
+    b = arena.alloc((256,), np.float32)
+    assert address(a) == address(b)
+    mark = arena.mark()
+    c = arena.alloc((10,), np.float32)
+    arena.release(mark)
+    d = arena.alloc((10,), np.float32)
+    assert address(c) == address(d)
+
+
+def test_exhaustion_names_requested_and_available_bytes():
+    arena = Arena(1024, name="test")
+    arena.alloc((100,), np.uint8)
+    with pytest.raises(ArenaExhausted) as err:
+        arena.alloc((1000,), np.uint8, "kv cache")
+    assert isinstance(err.value, MemoryError)
+    msg = str(err.value)
+    assert "1000 bytes" in msg and "768 bytes available" in msg and "kv cache" in msg
+    assert arena.used == 100  # a failed request changes nothing
+
+
+def test_alloc_many_is_all_or_nothing():
+    arena = Arena(2048)
+    specs = {"a": ((256,), np.float32), "b": ((256,), np.float32)}  # 2048 bytes exactly
+    assert bytes_needed(specs) == 2048
+    bufs = arena.alloc_many(specs)
+    assert set(bufs) == {"a", "b"}
+    arena.reset()
+    arena.alloc((1,), np.uint8)
+    with pytest.raises(ArenaExhausted):
+        arena.alloc_many(specs)
+    assert arena.used == 1
+
+
+def test_release_outside_the_stack_is_refused():
+    arena = Arena(1024)
+    arena.alloc((10,), np.uint8)
+    with pytest.raises(ValueError):
+        arena.release(500)
+
+
+@pytest.mark.parametrize("text,expected", [("2GiB", 2 * 1024**3), ("512MB", 512 * 10**6),
+                                           ("1.5k", 1500), (4096, 4096), ("100", 100)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "-1GiB", "2 parsecs", True, -5])
+def test_parse_bytes_rejects_nonsense(bad):
+    with pytest.raises(ConfigError):
+        parse_bytes(bad, "workspace")
+
+
+def test_align_up():
+    assert [align_up(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
