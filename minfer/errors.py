@@ -36,3 +36,11 @@ class ArenaExhausted(MinferError, MemoryError):
 
 class InputError(MinferError, ValueError):
     """A request's inputs are empty, out of range or inconsistent (token ids, lengths, options)."""
+
+
+class ModelNotFoundError(MinferError):
+    """A model name resolves to nothing: no such folder, no such hub repo, or not cached offline."""
+
+
+class TokenizerError(MinferError):
+    """A tokenizer file is missing, malformed or unusable."""

@@ -99,10 +99,10 @@ class T5Config:
                                   f"got {value!r}")
         num_buckets = get_int("relative_attention_num_buckets", 32, minimum=2)
         max_distance = get_int("relative_attention_max_distance", 128, minimum=2)
-        if max_distance <= num_buckets // 4:
-            # log(max_distance / max_exact) would be <= 0: the bucket formula breaks down
+        if max_distance <= num_buckets // 2:
+            # the decoder's log(max_distance / max_exact) would be <= 0: the buckets break down
             raise ConfigError(f"{source}: relative_attention_max_distance {max_distance} must exceed "
-                              f"num_buckets/4 = {num_buckets // 4}")
+                              f"num_buckets/2 = {num_buckets // 2}")
         return cls(
             vocab_size=vocab, d_model=get_int("d_model", 512), d_kv=get_int("d_kv", 64),
             d_ff=get_int("d_ff", 2048), num_heads=get_int("num_heads", 8), num_layers=num_layers,

@@ -1,0 +1,32 @@
+"""Random T5 checkpoints in the HF layout, written with NumPy (no torch) for structural tests."""
+import json
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from minfer.models.t5 import T5Config, expected_shapes
+
+BASE = dict(model_type="t5", vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32,
+            num_layers=2, num_decoder_layers=2, relative_attention_num_buckets=8,
+            relative_attention_max_distance=16, feed_forward_proj="relu",
+            tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            layer_norm_epsilon=1e-6)
+
+
+def write_t5(folder, seed=0, extra_tensors=None, drop=(), **overrides):
+    config = {**BASE, **overrides}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(seed)
+    cfg = T5Config.from_hf(config)
+    tensors = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name in drop:
+            continue
+        scale = 1.0 if name.endswith("layer_norm.weight") else shape[-1] ** -0.5
+        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if name.endswith("layer_norm.weight"):
+            tensors[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    tensors.update(extra_tensors or {})
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
