@@ -170,7 +170,7 @@ def test_too_small_workspace_fails_up_front(tmp_path):
     assert model.backend.arena.used == 0
 
 
-@pytest.mark.parametrize("inputs,needle", [([], "non-empty"), ([[3, 4], []], "row 1 is empty"),
+@pytest.mark.parametrize("inputs,needle", [([], "empty"), ([[3, 4], []], "row 1 is empty"),
                                            ([[3, 999]], "token id 999"), ([[3, -1]], "token id -1"),
                                            ([["a"]], "row 0 holds")])
 def test_bad_inputs_are_named(tmp_path, inputs, needle):

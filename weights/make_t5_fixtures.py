@@ -77,15 +77,13 @@ No network access is needed: configs are built by hand with ``T5Config``.
 Tested with torch 2.13 (CPU) and transformers 4.57.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -132,8 +130,10 @@ _V1_0_TINY = dict(
 )
 
 
-@dataclass(frozen=True)
-class Case:
+# A NamedTuple rather than a dataclass: tests load this file with
+# importlib's exec_module without registering it in sys.modules, which
+# dataclasses cannot cope with.
+class Case(NamedTuple):
     name: str
     config: dict  # kwargs for T5Config
     dtype: str  # dtype the weights are saved in
@@ -141,7 +141,7 @@ class Case:
     max_new: int  # MAXNEW for greedy generation
     first_seed: int  # seed search starts here
     gain: float = 1.0  # multiplier on every nn.Linear weight after HF init
-    overrides: dict = field(default_factory=dict)  # set on the config after construction
+    overrides: dict = {}  # set on the config after construction (never mutated)
     sharded: bool = False
     legacy_names: bool = False
 

@@ -489,40 +489,67 @@ class DecodeState:
         self.be, self.cfg, self.params, self.buf = be, cfg, params, buffers
         self.batch, self.src_len, self.max_len = batch, src_len, max_len
         self.length = 0  # positions already in the self-attention cache
+        # self.batch: rows currently live (<= the allocated batch); `reorder` shrinks it
 
     def step(self, token_ids: np.ndarray) -> Any:
-        """Feed one token per row (B,), get that position's logits (B, V) (an arena view, valid
-        until the next step)."""
-        be, cfg, params, buf = self.be, self.cfg, self.params, self.buf
+        """Feed one token per live row (b,), get that position's logits (b, V) (an arena view,
+        valid until the next step)."""
+        be, cfg, params = self.be, self.cfg, self.params
         xp = be.xp
-        t = self.length
+        t, b = self.length, self.batch
         if t >= self.max_len:
             raise InputError(f"decode state is full ({self.max_len} positions)")
-        B, H, D = self.batch, cfg.num_heads, cfg.d_kv
+        H, D = cfg.num_heads, cfg.d_kv
+        buf = {name: a[:b] for name, a in self.buf.items() if name.startswith("step.")}
         x = buf["step.x"]
-        xp.take(params["shared"], be.asarray(token_ids).reshape(B, 1), axis=0, out=x)  # (B, 1, C)
-        self_bias = buf["state.self_bias"][:, self.max_len - 1 - t:].reshape(1, H, 1, t + 1)
-        self_scores = buf["step.scores"][:B * H * (t + 1)].reshape(B, H, 1, t + 1)
-        cross_scores = buf["step.scores"][:B * H * self.src_len].reshape(B, H, 1, self.src_len)
+        xp.take(params["shared"], be.asarray(token_ids).reshape(b, 1), axis=0, out=x)  # (b, 1, C)
+        self_bias = self.buf["state.self_bias"][:, self.max_len - 1 - t:].reshape(1, H, 1, t + 1)
+        scores = self.buf["step.scores"]
+        self_scores = scores[:b * H * (t + 1)].reshape(b, H, 1, t + 1)
+        cross_scores = scores[:b * H * self.src_len].reshape(b, H, 1, self.src_len)
+        cross_bias = self.buf["state.cross_bias"][:b]
         ctx = buf["step.ctx"]
         for i, blk in enumerate(params["decoder"]["blocks"]):
             h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
-            qkv = xp.matmul(h, blk["w_qkv"], out=buf["step.qkv"]).reshape(B, 3, H, 1, D)
-            k_cache, v_cache = buf["state.self_k"][i], buf["state.self_v"][i]  # (B, H, max, D)
+            qkv = xp.matmul(h, blk["w_qkv"], out=buf["step.qkv"]).reshape(b, 3, H, 1, D)
+            k_cache = self.buf["state.self_k"][i, :b]  # (b, H, max_len, D)
+            v_cache = self.buf["state.self_v"][i, :b]
             k_cache[:, :, t] = qkv[:, 1, :, 0]
             v_cache[:, :, t] = qkv[:, 2, :, 0]
             _attend(xp, qkv[:, 0], k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], self_bias,
-                    self_scores, ctx.reshape(B, 1, H, D))
+                    self_scores, ctx.reshape(b, 1, H, D))
             x += xp.matmul(ctx, blk["w_o"], out=buf["step.proj"])
             h = ops.rms_norm(xp, x, blk["cross_ln"], cfg.eps)
-            x += _cross_attention(be, cfg, blk, h, buf["state.cross_k"][i], buf["state.cross_v"][i],
-                                  buf["state.cross_bias"], buf["step.q"], cross_scores, ctx,
-                                  buf["step.proj"])
+            x += _cross_attention(be, cfg, blk, h, self.buf["state.cross_k"][i, :b],
+                                  self.buf["state.cross_v"][i, :b], cross_bias, buf["step.q"],
+                                  cross_scores, ctx, buf["step.proj"])
             h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], buf["step.ff"],
                                buf["step.proj"])
         self.length = t + 1
-        return _lm_head(be, cfg, params, x, buf["step.logits"])[:, 0]  # (B, V)
+        return _lm_head(be, cfg, params, x, buf["step.logits"])[:, 0]  # (b, V)
+
+    def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
+        """Make the live batch `rows` of the current one (drop finished rows, or let beams follow
+        their parents; a row may repeat). Only the filled part of the caches moves. `cross=False`
+        skips the cross-attention K/V when every row keeps its source sentence (beams of one input)."""
+        rows = np.asarray(rows, np.int64)
+        if rows.ndim != 1 or len(rows) == 0 or len(rows) > self.batch \
+                or rows.min() < 0 or rows.max() >= self.batch:
+            raise InputError(f"reorder: rows must be 1..{self.batch} indices below {self.batch}")
+        n, t = len(rows), self.length
+        if not (n == self.batch and (rows == np.arange(n)).all()):
+            idx = self.be.asarray(rows)
+            names = ["state.self_k", "state.self_v"] + (["state.cross_k", "state.cross_v"] if cross
+                                                        else [])
+            for name in names:
+                cache = self.buf[name]
+                for layer in range(cache.shape[0]):  # one layer at a time bounds the temporary
+                    filled = cache[layer, :, :, :t] if name.startswith("state.self") else cache[layer]
+                    filled[:n] = filled[idx]
+            if cross:
+                self.buf["state.cross_bias"][:n] = self.buf["state.cross_bias"][idx]
+        self.batch = n
 
 
 # =====================================================================================================
@@ -581,32 +608,39 @@ class T5Model:
     family = "t5"
 
     def __init__(self, config: T5Config, params: dict, backend: Backend, folder: str,
-                 generation_config: dict | None = None):
+                 hf_config: dict | None = None, generation_config: dict | None = None,
+                 tokenizer: Any = None):
         self.config = config
         self.params = params
         self.backend = backend
         self.folder = folder
-        self.generation_config = generation_config or {}
+        self.hf_config = hf_config or {}                  # config.json as read (task params, ...)
+        self.generation_config = generation_config or {}  # generation_config.json, if any
+        self.tokenizer = tokenizer
 
     # -- batches and sizes ----------------------------------------------------------------------------
-    def _batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id lists or a (B, T) array -> right-padded (B, T) ids and mask, validated."""
         return as_batch(input_ids, self.config.pad_token_id, self.config.vocab_size, "input_ids",
                         attention_mask)
 
     def plan(self, batch: int, src_len: int, max_new_tokens: int) -> dict[str, int]:
         """Bytes of arena workspace a generation of this shape needs (pure: nothing allocated)."""
         cfg, dt = self.config, self.backend.dtype
-        state = bytes_needed(generation_specs(cfg, batch, src_len, max_new_tokens + 1, dt))
+        state = bytes_needed(generation_specs(cfg, batch, src_len, max_new_tokens, dt))
         encoder = (bytes_needed(encoder_specs(cfg, batch, src_len, dt))
                    + bytes_needed({"out": ((batch, src_len, cfg.d_model), dt)}))
         cross = bytes_needed({"raw": ((batch, src_len, 2 * cfg.num_decoder_layers * cfg.inner), dt)})
         return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
                 "peak": state + max(encoder, cross)}
 
+    def parameter_count(self) -> int:
+        return sum(int(np.prod(s)) for s in expected_shapes(self.config).values())
+
     # -- the public surface ---------------------------------------------------------------------------
     def encode(self, input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""
-        ids, mask = self._batch(input_ids, attention_mask)
+        ids, mask = self.batch(input_ids, attention_mask)
         be = self.backend
         with be.arena.scope():
             out = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
@@ -615,7 +649,7 @@ class T5Model:
 
     def forward(self, input_ids: Any, decoder_input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """Teacher-forced logits (B, T_dec, V) float32 for given encoder and decoder ids."""
-        ids, mask = self._batch(input_ids, attention_mask)
+        ids, mask = self.batch(input_ids, attention_mask)
         dec, _ = as_batch(decoder_input_ids, self.config.pad_token_id, self.config.vocab_size,
                           "decoder_input_ids")
         if dec.shape[0] != ids.shape[0]:
@@ -645,15 +679,26 @@ class T5Model:
                 cross_kv(be, cfg, self.params, enc, buf["state.cross_k"], buf["state.cross_v"])
             yield DecodeState(be, cfg, self.params, buf, B, S, max_len)
 
-    def generate(self, inputs: Any, max_new_tokens: int | None = None, min_new_tokens: int = 0,
-                 attention_mask: Any = None) -> list[list[int]]:
-        """Greedy decoding. `inputs`: token-id lists (or a (B, T) array). Returns one id list per
-        row, starting with the decoder start token and ending at the first eos (included) or
-        after `max_new_tokens` new tokens."""
-        from ..generation import greedy_generate  # generation depends on models, not vice versa
-        ids, mask = self._batch(inputs, attention_mask)
-        return greedy_generate(self, ids, mask, max_new_tokens=max_new_tokens,
-                               min_new_tokens=min_new_tokens)
+    def generate(self, inputs: Any, *, stream: bool = False, task: str | None = None,
+                 return_details: bool = False, attention_mask: Any = None, **options: Any) -> Any:
+        """Generate from a prompt, a list of prompts, or token ids.
+
+        inputs: str -> str; list of str -> list of str; token-id lists (or a (B, T) array) -> id
+            lists that start with the decoder start token and end at eos (included).
+            With num_return_sequences n > 1 each prompt gives a list of n (ids: n rows each).
+        stream: return an iterator of text pieces (token ids for id input) for one prompt.
+        task: apply the checkpoint's task_specific_params (prefix and settings), e.g.
+            "translation_en_to_de" or "summarization".
+        return_details: per prompt a list of `generation.Result` (text, ids, finish reason, time).
+        options: max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
+            repetition_penalty, no_repeat_ngram_size, num_beams, length_penalty, early_stopping,
+            num_return_sequences, stop, seed. Unset ones come from generation_config.json, then
+            config.json, then minfer's defaults (max_new_tokens 256; never a silent 20-token cap).
+        """
+        from .. import generation  # generation depends on models, not vice versa
+        return generation.generate(self, inputs, stream_output=stream, task=task,
+                                   return_details=return_details, attention_mask=attention_mask,
+                                   **options)
 
     def __repr__(self) -> str:
         c = self.config
@@ -661,6 +706,8 @@ class T5Model:
                 f"d_model={c.d_model}, vocab={c.vocab_size}, device={self.backend.device!r})")
 
 
-def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None) -> T5Model:
+def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
+         tokenizer: Any = None) -> T5Model:
     cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-    return T5Model(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), generation_config)
+    return T5Model(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), ckpt.config,
+                   generation_config, tokenizer)
