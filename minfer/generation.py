@@ -168,7 +168,7 @@ def repetition_penalty(scores: np.ndarray, seqs: np.ndarray, penalty: float) -> 
 def no_repeat_ngram(scores: np.ndarray, seqs: np.ndarray, n: int) -> np.ndarray:
     """Ban every token that would complete an n-gram already present in the row."""
     b, t = seqs.shape
-    if t + 1 < n:
+    if t < n:  # no complete n-gram yet
         return scores
     windows = np.lib.stride_tricks.sliding_window_view(seqs, n, axis=1)  # (b, t-n+1, n)
     prefix = seqs[:, t - (n - 1):]                                        # (b, n-1)

@@ -1,6 +1,7 @@
 """hub.resolve_model against a fake cache built in huggingface_hub's own layout; never the network.
 
-Layout (huggingface_hub file_download.py / _snapshot_download.py, https://huggingface.co/docs/hub/local-cache):
+Layout (huggingface_hub's file_download.py and _snapshot_download.py;
+https://huggingface.co/docs/hub/local-cache):
 <cache>/models--ORG--NAME/blobs/<hash>             file contents
 <cache>/models--ORG--NAME/snapshots/<commit>/<f>   symlinks into ../../blobs
 <cache>/models--ORG--NAME/refs/<revision>          the commit hash, no newline; the revision
@@ -35,7 +36,7 @@ def weights() -> bytes:
 
 
 def add_snapshot(cache, repo_id: str, commit: str, files: dict, refs=()) -> os.PathLike:
-    """One commit of `repo_id` in the cache, files as blobs + relative symlinks, as the hub writes."""
+    """One commit of `repo_id` in the cache: blobs + relative symlinks, as the hub writes them."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True, exist_ok=True)
@@ -48,7 +49,7 @@ def add_snapshot(cache, repo_id: str, commit: str, files: dict, refs=()) -> os.P
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
     for ref in refs:
-        ref_file = repo / "refs" / ref  # "refs/pr/2" -> refs/refs/pr/2, like os.path.join in the hub
+        ref_file = repo / "refs" / ref  # "refs/pr/2" -> refs/refs/pr/2, as the hub joins them
         ref_file.parent.mkdir(parents=True, exist_ok=True)
         ref_file.write_text(commit)
     return snapshot
@@ -145,14 +146,15 @@ def test_full_name_and_commit_hash(cache):
 def test_transfo_xl_defaults_to_its_safetensors_pr(cache):
     expected = snapshot_of(cache, "transfo-xl/transfo-xl-wt103", XL_PR2)
     assert hub.resolve_model("transfo-xl-wt103", cache_dir=cache, offline=True) == expected
-    assert hub.resolve_model("transfo-xl/transfo-xl-wt103", cache_dir=cache, offline=True) == expected
+    assert hub.resolve_model("transfo-xl/transfo-xl-wt103", cache_dir=cache,
+                             offline=True) == expected
 
 
 def test_revision_without_safetensors_is_a_clear_error(cache):
-    with pytest.raises(ModelNotFoundError, match="no safetensors weights at revision 'main'") as err:
+    with pytest.raises(ModelNotFoundError, match="no safetensors weights at revision 'main'") as e:
         hub.resolve_model("transfo-xl-wt103", revision="main", cache_dir=cache, offline=True)
-    assert "refs/pr/2" in str(err.value)
-    assert_one_line(err)
+    assert "refs/pr/2" in str(e.value)
+    assert_one_line(e)
     # ... unless the legacy .bin is explicitly allowed
     assert (hub.resolve_model("transfo-xl-wt103", revision="main", cache_dir=cache, offline=True,
                               include_bin=True)
@@ -161,7 +163,7 @@ def test_revision_without_safetensors_is_a_clear_error(cache):
 
 def test_cached_repo_lacking_weights(cache):
     add_snapshot(cache, "org/no-weights", T5_MAIN, {"config.json": {}}, refs=["main"])
-    with pytest.raises(ModelNotFoundError, match="'org/no-weights' has no safetensors weights") as err:
+    with pytest.raises(ModelNotFoundError, match="'org/no-weights' has no safetensors") as err:
         hub.resolve_model("org/no-weights", cache_dir=cache, offline=True)
     assert_one_line(err)
 
@@ -214,8 +216,8 @@ def test_hf_hub_offline_env_is_respected(cache, monkeypatch):
         seen.update(kwargs)
         return real(*args, **kwargs)
     monkeypatch.setattr(hf, "snapshot_download", spy)
-    assert hub.resolve_model("t5-small", cache_dir=cache) == snapshot_of(cache, "google-t5/t5-small",
-                                                                        T5_MAIN)
+    expected = snapshot_of(cache, "google-t5/t5-small", T5_MAIN)
+    assert hub.resolve_model("t5-small", cache_dir=cache) == expected
     assert seen["local_files_only"] is True
     with pytest.raises(ModelNotFoundError, match="offline mode is on"):
         hub.resolve_model("t5-large", cache_dir=cache)
@@ -253,7 +255,8 @@ def test_allow_patterns_fetch_only_what_minfer_reads():
     repo_files = [
         "README.md", ".gitattributes", "config.json", "generation_config.json", "model.safetensors",
         "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-        "model-00002-of-00002.safetensors", "pytorch_model.bin", "tf_model.h5", "flax_model.msgpack",
+        "model-00002-of-00002.safetensors", "pytorch_model.bin", "tf_model.h5",
+        "flax_model.msgpack",
         "rust_model.ot", "spiece.model", "tokenizer.json", "tokenizer_config.json",
         "special_tokens_map.json", "vocab.pkl", "vocab.bin", "onnx/config.json",
         "onnx/model.safetensors", "onnx/decoder_model.onnx", "onnx/tokenizer.json",
@@ -295,3 +298,18 @@ def test_progress_bars_only_on_a_terminal(cache, monkeypatch, tty, progress, hid
     hub.resolve_model("t5-small", cache_dir=cache, offline=True, progress=progress)
     assert seen == [hidden]
     assert not are_progress_bars_disabled()  # the previous state is back
+
+
+def test_hub_offline_flag_wins_over_offline_false(cache, monkeypatch, request):
+    # HF_HUB_OFFLINE read by the hub at import refuses every request, even when offline=False:
+    # cached models still resolve, missing ones say offline mode is the reason.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert hf.constants.HF_HUB_OFFLINE
+    # The hub caches one HTTP session per thread, built with the offline flag of its time.
+    hf.utils.reset_sessions()
+    request.addfinalizer(hf.utils.reset_sessions)
+    assert (hub.resolve_model("t5-small", cache_dir=cache, offline=False)
+            == snapshot_of(cache, "google-t5/t5-small", T5_MAIN))
+    with pytest.raises(ModelNotFoundError, match="offline mode is on") as err:
+        hub.resolve_model("t5-large", cache_dir=cache, offline=False)
+    assert_one_line(err)

@@ -84,3 +84,34 @@ def test_live_oracle_agrees_with_committed_references(case, t5_models):
     assert np.array_equal(live["greedy_ids"], ref["greedy_ids"])
     got = t5_models(case).forward(ref["input_ids"], ref["decoder_input_ids"], ref["attention_mask"])
     assert rel_err(got, live["logits"]) < TOL
+
+
+# -- beam search and processors (settings mirror weights/make_t5_fixtures.py SEARCH_SETTINGS) --------
+SEARCH = {
+    "beam4_lp1": dict(num_beams=4, length_penalty=1.0, early_stopping=False),
+    "beam4_lp2_early": dict(num_beams=4, length_penalty=2.0, early_stopping=True),
+    "beam3_never_ngram2": dict(num_beams=3, length_penalty=0.5, early_stopping="never",
+                               no_repeat_ngram_size=2),
+    "beam4_min_ret2": dict(num_beams=4, length_penalty=-0.5, early_stopping=False,
+                           num_return_sequences=2, use_min=True),
+    "greedy_ngram2_rep": dict(num_beams=1, no_repeat_ngram_size=2, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SEARCH))
+@pytest.mark.parametrize("case", T5_CASES)
+def test_search_matches(case, setting, t5_models):
+    ref = load_reference(case)
+    options = dict(SEARCH[setting])
+    use_min = options.pop("use_min", False)
+    model = t5_models(case)
+    results = model.generate(ref["input_ids"], attention_mask=ref["attention_mask"],
+                             return_details=True,
+                             max_new_tokens=int(ref["greedy_max_new_tokens"]),
+                             min_new_tokens=int(ref["greedy_min_new_tokens"]) if use_min else 0,
+                             **options)
+    got = [r.token_ids for row in results for r in row]
+    assert got == [trim_hf_ids(r) for r in ref[f"search_{setting}_ids"]]
+    if options["num_beams"] > 1:
+        scores = [r.score for row in results for r in row]
+        np.testing.assert_allclose(scores, ref[f"search_{setting}_scores"], rtol=1e-4, atol=1e-5)

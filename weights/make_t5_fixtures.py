@@ -412,7 +412,36 @@ def _compute_references(model, inputs: dict, max_new: int, min_new: int):
                 model, single_ids, single_mask, max_new, 0
             )
         out["greedy_min_ids"], margins["greedy_min"] = _greedy(model, ids, mask, max_new, min_new)
+        out.update(_search_references(model, ids, mask, max_new, min_new))
     return out, margins
+
+
+# Decoding settings whose HF outputs are stored as ``search_<name>_ids`` (and ``_scores`` for
+# beam search): beam search with length penalties and every early_stopping mode, n-gram blocking,
+# a minimum length, several returned sequences, and the greedy-mode processors.
+SEARCH_SETTINGS = {
+    "beam4_lp1": dict(num_beams=4, length_penalty=1.0, early_stopping=False),
+    "beam4_lp2_early": dict(num_beams=4, length_penalty=2.0, early_stopping=True),
+    "beam3_never_ngram2": dict(num_beams=3, length_penalty=0.5, early_stopping="never",
+                               no_repeat_ngram_size=2),
+    "beam4_min_ret2": dict(num_beams=4, length_penalty=-0.5, early_stopping=False,
+                           num_return_sequences=2, use_min=True),
+    "greedy_ngram2_rep": dict(num_beams=1, no_repeat_ngram_size=2, repetition_penalty=1.3),
+}
+
+
+def _search_references(model, ids, mask, max_new: int, min_new: int) -> dict[str, np.ndarray]:
+    out = {}
+    for name, settings in SEARCH_SETTINGS.items():
+        settings = dict(settings)
+        use_min = settings.pop("use_min", False)
+        gen = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                             min_new_tokens=min_new if use_min else 0, output_scores=True,
+                             return_dict_in_generate=True, **settings)
+        out[f"search_{name}_ids"] = gen.sequences.numpy().astype(np.int64)
+        if settings["num_beams"] > 1:
+            out[f"search_{name}_scores"] = gen.sequences_scores.float().numpy()
+    return out
 
 
 def reference_outputs(case_dir: str, inputs: dict | None = None) -> dict[str, np.ndarray]:
