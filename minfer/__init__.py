@@ -11,29 +11,34 @@ from typing import Any
 
 from .backend import make_backend
 from .checkpoint import Checkpoint, read_json
-from .errors import ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError
+from . import errors
+from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
+                     ModelNotFoundError, TokenizerError)
 from .models.t5 import T5Config, T5Model
 
 __all__ = ["load", "T5Model", "T5Config", "MinferError", "ConfigError", "CheckpointError",
-           "InputError", "ArenaExhausted"]
+           "InputError", "ArenaExhausted", "ModelNotFoundError", "TokenizerError", "errors"]
 __version__ = "0.1.0"
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
-         **options: Any) -> T5Model:
-    """Load a model from a local folder in the Hugging Face layout.
+         *, revision: str | None = None, offline: bool | None = None, token: str | None = None,
+         cache_dir: str | None = None, **options: Any) -> T5Model:
+    """Load a model by hub name or from a local folder in the Hugging Face layout.
 
-    model: folder with config.json and model.safetensors (or an index and shards).
+    model: "t5-small", "google/flan-t5-base", ... (fetched into the huggingface_hub cache) or a
+        folder with config.json and model.safetensors (or an index and shards).
     device: "cpu" (CUDA arrives with the CuPy backend).
     dtype: compute dtype; float32 on the CPU (bf16/fp16 checkpoints are widened).
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory).
+    revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
     """
     if options:
         raise ConfigError(f"load(): unknown option {sorted(options)[0]!r}")
-    folder = Path(model)
-    if not folder.exists():
-        raise ConfigError(f"model {str(model)!r}: no such folder")
+    from .hub import resolve_model
+    from .tokenizer import load_tokenizer
+    folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
     ckpt = Checkpoint(folder)
     model_type = ckpt.config.get("model_type", "t5")
     if model_type not in ("t5", "mt5"):
@@ -41,4 +46,7 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
                           "(supported: t5, mt5)")
     from .models import t5
     be = make_backend(device, dtype, workspace)
-    return t5.load(ckpt, be, read_json(folder / "generation_config.json"))
+    tokenizer = None
+    if any((folder / f).is_file() for f in ("tokenizer.json", "spiece.model")):
+        tokenizer = load_tokenizer(folder)
+    return t5.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer)

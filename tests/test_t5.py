@@ -113,7 +113,7 @@ def test_load_rejects_bad_options(tmp_path):
         minfer.load(folder, dtype="float16")
     with pytest.raises(ConfigError, match="unknown option 'colour'"):
         minfer.load(folder, colour="red")
-    with pytest.raises(ConfigError, match="no such folder"):
+    with pytest.raises(minfer.errors.ModelNotFoundError, match="no such folder"):
         minfer.load(tmp_path / "nope")
 
 

@@ -1,0 +1,220 @@
+"""Model name -> local folder: a folder as given, or a Hugging Face Hub repo fetched into its cache.
+
+`resolve_model("t5-small")` returns a folder in the Hugging Face layout (config.json, safetensors
+weights, tokenizer files) that `checkpoint.Checkpoint` and `tokenizer` read. Downloading and caching
+are left to `huggingface_hub.snapshot_download`, so the cache is the one every HF library shares
+(https://huggingface.co/docs/hub/local-cache: `<cache>/models--ORG--NAME/{blobs,refs,snapshots}`)
+and HF's own settings stay in force: HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE,
+HF_HUB_DISABLE_PROGRESS_BARS. This module adds what minfer needs on top: legacy short names, a
+default revision where a repo keeps its safetensors weights off `main`, fetching only the files we
+read, and one-line errors instead of the hub's multi-line tracebacks.
+
+No math and no parsing happens here: the folder's contents are validated by checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from .errors import ConfigError, ModelNotFoundError
+
+# Pre-organisation ids the hub now redirects. Resolving them here keeps one cache folder per model
+# (models--google-t5--t5-small) whichever spelling was typed, and offline look-ups cannot follow
+# the hub's redirect anyway.
+ALIASES = {
+    "t5-small": "google-t5/t5-small",
+    "t5-base": "google-t5/t5-base",
+    "t5-large": "google-t5/t5-large",
+    "t5-3b": "google-t5/t5-3b",
+    "t5-11b": "google-t5/t5-11b",
+    "transfo-xl-wt103": "transfo-xl/transfo-xl-wt103",
+}
+
+# Repos whose `main` has only pytorch_model.bin: the safetensors conversion lives on a PR ref.
+DEFAULT_REVISIONS = {
+    "transfo-xl/transfo-xl-wt103": "refs/pr/2",
+}
+
+# The files minfer reads. Exact names (or a digits-only shard pattern) because the hub matches
+# with fnmatch, whose `*` also crosses `/`: a loose "*.json" would pull in onnx/ and other folders.
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+SHARD_PATTERN = "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors"
+OTHER_FILES = (
+    "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
+    "vocab.json", "vocab.txt",
+    "vocab.pkl", "vocab.bin",  # Transformer-XL's WT103 word vocabulary
+)
+BIN_FILE = "pytorch_model.bin"
+
+# The hub's repo-id rule (huggingface_hub.utils.validate_repo_id), ASCII only: an optional
+# namespace and a name, each starting and ending with a letter, digit or "_".
+_PART = r"\w(?:[\w.-]{0,94}\w)?"
+_REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
+
+
+def allow_patterns(include_bin: bool = False) -> list[str]:
+    """The snapshot_download patterns naming every file minfer may read from a repo."""
+    return [*SAFETENSORS_FILES, SHARD_PATTERN, *OTHER_FILES, *([BIN_FILE] if include_bin else [])]
+
+
+def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, *,
+                  offline: bool | None = None, token: str | None = None,
+                  cache_dir: str | os.PathLike | None = None, progress: bool | None = None,
+                  include_bin: bool = False) -> Path:
+    """The local folder holding model `name_or_path`, downloading it from the hub when needed.
+
+    An existing folder is returned as is. Anything else is a hub repo id ("name" or "org/name",
+    legacy names such as "t5-small" accepted) fetched at `revision` (default: "main", or the repo's
+    entry in DEFAULT_REVISIONS). `offline=None` follows HF_HUB_OFFLINE; True never touches the
+    network. `progress=None` shows the download bars only when stderr is a terminal.
+    `include_bin` also fetches pytorch_model.bin, for revisions without safetensors weights.
+    """
+    folder = _local_folder(name_or_path)
+    if folder is not None:
+        return folder
+    name = str(name_or_path)
+    repo_id = ALIASES.get(name, name)
+    if (not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id
+            or repo_id.endswith(".git")):
+        raise ConfigError(f"'{name}' is neither an existing folder nor a hub repo id "
+                          "(expected 'name' or 'org/name' using letters, digits, '-', '_', '.')")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ConfigError(f"revision {revision!r} for '{name}' is not a branch, tag, commit hash "
+                          "or 'refs/pr/N'")
+    rev = revision or DEFAULT_REVISIONS.get(repo_id, "main")
+
+    try:  # imported lazily: loading a local folder should not pay for (or need) the hub client
+        import huggingface_hub as hf
+        from huggingface_hub import errors as hf_errors
+    except ImportError:
+        raise ModelNotFoundError(f"cannot fetch '{name}' from the hub: huggingface_hub is not "
+                                 "installed (pip install huggingface_hub, or pass a local folder)"
+                                 ) from None
+
+    if offline is None:
+        offline = _offline_from_env(hf.constants.HF_HUB_OFFLINE)
+    what = (f"model '{name}'" + (f" ({repo_id})" if repo_id != name else "")
+            + (f" at revision '{rev}'" if rev != "main" else ""))
+    try:
+        with _progress_bars(hf, progress):
+            path = hf.snapshot_download(repo_id, revision=rev, cache_dir=cache_dir, token=token,
+                                        allow_patterns=allow_patterns(include_bin),
+                                        local_files_only=offline)
+    except (OSError, ValueError, hf_errors.HfHubHTTPError) as e:
+        cache = cache_dir or hf.constants.HF_HUB_CACHE
+        raise _explain(e, hf_errors, what, repo_id, rev, offline, cache) from None
+
+    folder = Path(path)
+    # snapshot_download returns the snapshot path even when no file matched our patterns (online)
+    # or when only some files were ever cached (offline): check for weights before claiming success.
+    weights = (*SAFETENSORS_FILES, *([BIN_FILE] if include_bin else []))
+    if not any((folder / f).is_file() for f in weights):
+        known = DEFAULT_REVISIONS.get(repo_id)
+        hint = (f"its safetensors weights are at revision '{known}'" if known and rev != known
+                else "pass a revision that has them, e.g. a 'refs/pr/N' safetensors conversion")
+        cached = (" (or they are not in the local cache: connect once to fetch them)"
+                  if offline else "")
+        raise ModelNotFoundError(f"hub repo '{repo_id}' has no safetensors weights at revision "
+                                 f"'{rev}'{cached}: {hint}")
+    return folder
+
+
+def _local_folder(name: str | os.PathLike) -> Path | None:
+    """`name` as an existing folder; None when it reads as a hub repo id; else an error."""
+    text = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise ConfigError(f"model name {name!r} must be a string or a path")
+    if not text.strip():  # Path("") is ".", which would silently load the working directory
+        raise ConfigError("empty model name: pass a folder or a hub repo id such as 't5-small'")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if not isinstance(name, os.PathLike) and not _looks_like_path(text):
+        return None
+    if path.exists():
+        raise ModelNotFoundError(f"'{text}' is a file, not a model folder: pass the folder holding "
+                                 "config.json and the weights")
+    raise ModelNotFoundError(f"no such folder '{text}': check the path "
+                             "(hub repo ids look like 'org/name')")
+
+
+def _looks_like_path(text: str) -> bool:
+    # "org/name" contains "/" too, so a slash alone does not make a path: its first part must exist.
+    if text.startswith((".", "~")) or os.path.isabs(text):
+        return True
+    first = re.split(r"[\\/]" if os.altsep else "/", text, maxsplit=1)
+    return len(first) == 2 and first[0] != "" and os.path.exists(first[0])
+
+
+def _offline_from_env(hub_flag: bool) -> bool:
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import. Read it again so that a value set later
+    # in the process (a CLI flag, a test) still counts; the hub's own spelling of "true" is used.
+    raw = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(hub_flag) or raw.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+@contextlib.contextmanager
+def _progress_bars(hf, progress: bool | None) -> Iterator[None]:
+    """Hide the hub's tqdm bars unless wanted (and on a terminal); restore the previous state."""
+    show = progress if progress is not None else _stderr_is_tty()
+    utils = hf.utils
+    # HF_HUB_DISABLE_PROGRESS_BARS=0 is an explicit request for bars that the hub lets win.
+    if (show or utils.are_progress_bars_disabled()
+            or hf.constants.HF_HUB_DISABLE_PROGRESS_BARS is False):
+        yield
+        return
+    utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        utils.enable_progress_bars()  # they were enabled globally before (checked above)
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stderr
+        return False
+
+
+def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: bool,
+             cache) -> Exception:
+    """One line saying what went wrong and what to do, for an exception from snapshot_download."""
+    # Order matters: LocalEntryNotFoundError and GatedRepoError subclass the HTTP errors below.
+    if isinstance(e, errs.LocalEntryNotFoundError):
+        why = ("offline mode is on" if offline or isinstance(e.__cause__, errs.OfflineModeIsEnabled)
+               else "the hub could not be reached")
+        return ModelNotFoundError(f"{what} is not in the local cache ({cache}) and {why}: "
+                                  "connect once to download it, or pass a local folder")
+    if isinstance(e, errs.GatedRepoError):
+        return ModelNotFoundError(f"hub repo '{repo_id}' is gated: accept its terms on "
+                                  "huggingface.co and set HF_TOKEN to a token of that account")
+    if isinstance(e, errs.RepositoryNotFoundError):
+        return ModelNotFoundError(f"no hub repo '{repo_id}' (check the name, or set HF_TOKEN for a "
+                                  "private or gated repo)")
+    if isinstance(e, errs.RevisionNotFoundError):
+        return ModelNotFoundError(f"revision '{rev}' not found in {repo_id} (use a branch, tag, "
+                                  "commit hash or 'refs/pr/N' that exists on the hub)")
+    if isinstance(e, errs.DisabledRepoError):
+        return ModelNotFoundError(f"hub repo '{repo_id}' is disabled: use another repo or a local "
+                                  "folder")
+    if isinstance(e, errs.HFValidationError):
+        return ConfigError(f"cannot fetch {what}: {_first_line(e)}")
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if status in (401, 403):
+        return ModelNotFoundError(f"the hub refused access to '{repo_id}' (HTTP {status}): "
+                                  "set HF_TOKEN to a token that can read it")
+    code = f" (HTTP {status})" if status else ""
+    return ModelNotFoundError(f"cannot fetch {what} from the hub{code}: {_first_line(e)} (try "
+                              "again, check the network and disk space, or pass a local folder)")
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
