@@ -1,0 +1,390 @@
+"""Text <-> token ids behind one small interface, and streaming detokenisation.
+
+`load_tokenizer(folder)` reads the first of these that the folder holds:
+
+1. `tokenizer.json`, through the Hugging Face `tokenizers` library (what `transformers`' fast
+   tokenizers run);
+2. `spiece.model`, through `sentencepiece`, with the T5 conventions of `transformers.T5Tokenizer`:
+   `</s>` appended, and `extra_ids` sentinels `<extra_id_N>` (not in the SentencePiece model) given
+   the ids `sp_vocab + extra_ids - 1 - N`, so `<extra_id_0>` is the last id (32099 for T5);
+3. Transformer-XL's word-level WT103 vocabulary: not yet (see `_SOURCES`).
+
+Both sources give the same ids for the same text (checked on T5's vocabulary: the tests compare
+them with each other and with `transformers`) and the same text for the same ids. Decoding
+follows the `tokenizers` library, i.e. `transformers`' fast tokenizers with
+`clean_up_tokenization_spaces=False` (the legacy clean-up that turns "a ." into "a." and that T5's
+tokenizer_config.json switches on is not applied: it edits the model's output and cannot be
+streamed). In detail:
+- SentencePiece marks a word start with "▁"; it decodes to a space, except in the first token,
+  which loses it (so decode([ids of "▁The", "▁house"]) is "The house");
+- `skip_special_tokens=True` drops every special token: `<pad>`, `</s>`, `<unk>` and the sentinels
+  (T5 declares them `additional_special_tokens`), before the "▁" rule applies;
+- consecutive byte-fallback pieces `<0xNN>` decode together as UTF-8, and a run that is not valid
+  UTF-8 becomes one U+FFFD per byte;
+- ids at or past `vocab_size` decode to nothing (T5's embedding has 28 rows more than its
+  vocabulary).
+
+`IncrementalDecoder` turns ids into text pieces as they are generated, the way text-generation
+servers do (prefix/read offsets over a small window of ids), with the guarantee that the pieces
+join to exactly `decode(all ids)`.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import InputError, TokenizerError
+
+SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
+DEFAULT_EXTRA_IDS = 100                     # T5's sentinels, if tokenizer_config.json is silent
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_METASPACE = "\u2581"                       # "▁", SentencePiece's word-start mark
+
+
+class _MissingLibrary(Exception):
+    """A source file is present but the library that reads it is not installed."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+def _read_json_text(path: Path) -> tuple[Any, str]:
+    """A JSON file, parsed, and its text."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        return json.loads(text), text
+    except OSError as e:
+        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({_first_line(e)})") from None
+
+
+def _read_settings(folder: Path) -> dict[str, Any]:
+    """tokenizer_config.json overlaid with special_tokens_map.json (both optional)."""
+    settings: dict[str, Any] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = folder / name
+        if path.is_file():
+            data, _ = _read_json_text(path)
+            if not isinstance(data, dict):
+                raise TokenizerError(f"{path}: not a JSON object")
+            settings.update(data)
+    return settings
+
+
+def _token_name(value: Any) -> str | None:
+    """A special token as configs write it: "</s>" or {"content": "</s>", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _bytes_text(run: bytes) -> str:
+    """A run of byte-fallback pieces as the `tokenizers` ByteFallback decoder renders it."""
+    try:
+        return run.decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(run)
+
+
+class Tokenizer:
+    """The interface every source implements.
+
+    vocab_size: ids 0..vocab_size-1 are meaningful; eos_id / pad_id / unk_id: None when the
+    vocabulary has no such token; special_ids: what `skip_special_tokens=True` drops;
+    byte_ids: byte-fallback pieces (text ending in one is not final until the run ends);
+    path: the file read.
+    """
+
+    vocab_size: int
+    eos_id: int | None
+    pad_id: int | None
+    unk_id: int | None
+    special_ids: frozenset[int]
+    byte_ids: frozenset[int]
+    path: Path
+
+    # -- what a source provides -------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        """Ids of `text`, no `</s>` added; special-token strings in the text become their ids."""
+        raise NotImplementedError
+
+    def _decode(self, ids: list[int]) -> str:
+        """Text of ids already checked to lie in range and already filtered of skipped ones."""
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> int | None:
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str | None:
+        raise NotImplementedError
+
+    # -- the shared interface ---------------------------------------------------------------
+    def encode(self, text: str, add_eos: bool = True) -> list[int]:
+        """Token ids of `text`, with `</s>` appended when add_eos (as T5's post-processor does)."""
+        if not isinstance(text, str):
+            raise InputError(f"encode() takes a str, got {type(text).__name__}")
+        ids = self._encode(text)
+        if add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_eos) for t in texts]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (ints or NumPy integers); see the module docstring for the rules."""
+        checked = map(self._check_id, ids)
+        return self._decode([i for i in checked if self._shown(i, skip_special_tokens)])
+
+    def _check_id(self, token_id: Any) -> int:
+        try:
+            i = operator.index(token_id)
+        except TypeError:
+            raise InputError(f"token ids must be integers, got {token_id!r}") from None
+        if i < 0:
+            raise InputError(f"token id {i} is negative")
+        return i
+
+    def _shown(self, token_id: int, skip_special_tokens: bool) -> bool:
+        """Whether decode() renders this (checked) id at all."""
+        if token_id >= self.vocab_size:
+            return False
+        return not (skip_special_tokens and token_id in self.special_ids)
+
+    def _resolve_specials(self, settings: dict[str, Any], defaults: dict[str, int | None]) -> None:
+        """eos/pad/unk ids: the token named by the config files if the vocabulary has it, else the
+        source's own default."""
+        for key in SPECIAL_KEYS:
+            name = _token_name(settings.get(key))
+            found = self.token_to_id(name) if name is not None else None
+            found = found if found is not None else defaults[key]
+            setattr(self, key.replace("_token", "_id"), found)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({str(self.path)!r}, vocab_size={self.vocab_size}, "
+                f"eos_id={self.eos_id}, pad_id={self.pad_id}, unk_id={self.unk_id})")
+
+
+class JsonTokenizer(Tokenizer):
+    """A `tokenizer.json` run by the `tokenizers` library."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]):
+        try:
+            from tokenizers import Tokenizer as RustTokenizer
+        except ImportError:
+            raise _MissingLibrary(f"{path}: reading it needs the 'tokenizers' package "
+                                  "(pip install tokenizers)") from None
+        self.path = path
+        data, text = _read_json_text(path)
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            raise TokenizerError(f"{path}: not a tokenizer.json (no 'model' object)")
+        try:
+            self._tok = RustTokenizer.from_str(text)
+        except Exception as e:  # the library raises a bare Exception for every kind of problem
+            raise TokenizerError(f"{path}: not a usable tokenizer.json "
+                                 f"({_first_line(e)})") from None
+
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        added = self._tok.get_added_tokens_decoder()                       # {id: AddedToken}
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        self.byte_ids = frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))
+        unk = data["model"].get("unk_id")
+        self._resolve_specials(settings, {
+            "eos_token": self.token_to_id("</s>"), "pad_token": self.token_to_id("<pad>"),
+            "unk_token": unk if isinstance(unk, int) else self.token_to_id("<unk>")})
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
+        texts = list(texts)
+        for t in texts:
+            if not isinstance(t, str):
+                raise InputError(f"encode_batch() takes strs, got {type(t).__name__}")
+        out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        if add_eos and self.eos_id is not None:
+            for ids in out:
+                ids.append(self.eos_id)
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A `spiece.model` with T5's conventions (sentinels after the SentencePiece vocabulary)."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise _MissingLibrary(f"{path}: reading it needs the 'sentencepiece' package "
+                                  "(pip install sentencepiece)") from None
+        self.path = path
+        try:
+            proto = path.read_bytes()
+        except OSError as e:
+            raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
+        sp = sentencepiece.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(proto)
+        except Exception as e:  # RuntimeError / OSError with the C++ parser's message
+            raise TokenizerError(f"{path}: not a SentencePiece model ({_first_line(e)})") from None
+        n = sp.get_piece_size()
+        if n == 0:
+            raise TokenizerError(f"{path}: not a SentencePiece model (no pieces)")
+
+        extra = settings.get("extra_ids", DEFAULT_EXTRA_IDS)
+        if isinstance(extra, bool) or not isinstance(extra, int) or extra < 0:
+            raise TokenizerError(f"{path.parent / 'tokenizer_config.json'}: extra_ids must be a "
+                                 f"non-negative integer, got {extra!r}")
+        self._sp = sp
+        self.vocab_size = n + extra
+        # <extra_id_0> is the last id, <extra_id_{extra-1}> the first after the SentencePiece pieces
+        sentinels = [f"<extra_id_{extra - 1 - k}>" for k in range(extra)]
+        self._pieces: list[str] = sp.id_to_piece(list(range(n))) + sentinels
+        self._sentinel_ids = {self._pieces[i]: i for i in range(n, n + extra)}
+        specials = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i)]
+        self.special_ids = frozenset(specials) | frozenset(range(n, n + extra))
+        self.byte_ids = frozenset(i for i in range(n) if sp.is_byte(i))
+        # Special-token strings in the text are split out first and map to their ids, as in
+        # transformers (longest first, so that no token is cut by a shorter one).
+        strings = sorted({self._pieces[i] for i in self.special_ids}, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, strings)) + ")") if strings else None
+        self._resolve_specials(settings, {
+            "eos_token": sp.eos_id() if sp.eos_id() >= 0 else None,
+            "pad_token": sp.pad_id() if sp.pad_id() >= 0 else None,
+            "unk_token": sp.unk_id() if sp.unk_id() >= 0 else None})
+
+    def _encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return list(self._sp.encode(text))
+        ids: list[int] = []
+        for k, part in enumerate(self._split.split(text)):
+            if k % 2:                                  # a special-token string
+                ids.append(self.token_to_id(part))
+            elif part:
+                ids.extend(self._sp.encode(part))
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        # The `tokenizers` decoder chain ByteFallback + Metaspace, so both sources agree: byte
+        # runs join as UTF-8; "▁" becomes a space except in the first token, which drops it.
+        parts: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if i in self.byte_ids:
+                run.append(int(self._pieces[i][3:5], 16))
+                continue
+            if run:
+                parts.append(_bytes_text(bytes(run)))
+                run.clear()
+            parts.append(self._pieces[i])
+        if run:
+            parts.append(_bytes_text(bytes(run)))
+        if not parts:
+            return ""
+        return parts[0].replace(_METASPACE, "") + "".join(parts[1:]).replace(_METASPACE, " ")
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self._sentinel_ids:
+            return self._sentinel_ids[token]
+        i = self._sp.piece_to_id(token)
+        # SentencePiece answers unk_id for pieces it does not know
+        return i if i < self._sp.get_piece_size() and self._pieces[i] == token else None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._pieces[token_id] if 0 <= token_id < self.vocab_size else None
+
+
+# What load_tokenizer looks for, in order of preference. Transformer-XL's WT103 word-level
+# vocabulary will add an entry here (a Tokenizer subclass splitting on whitespace with <unk>/<eos>);
+# it must read a plain-text or JSON word list: legacy pickled vocabularies are not loaded.
+_SOURCES: tuple[tuple[str, type[Tokenizer]], ...] = (
+    ("tokenizer.json", JsonTokenizer),
+    ("spiece.model", SentencePieceTokenizer),
+)
+
+
+def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
+    """The tokenizer of a model folder (see the module docstring for which file wins)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TokenizerError(f"{folder}: no such tokenizer folder")
+    settings = _read_settings(folder)
+    missing: list[str] = []
+    for filename, source in _SOURCES:
+        path = folder / filename
+        if path.is_file():
+            try:
+                return source(path, settings)
+            except _MissingLibrary as e:   # try the next file, report if none works
+                missing.append(str(e))
+    if missing:
+        raise TokenizerError(missing[0])
+    raise TokenizerError(f"{folder}: no tokenizer file (looked for "
+                         f"{', '.join(name for name, _ in _SOURCES)})")
+
+
+class IncrementalDecoder:
+    """Streaming detokenisation: feed ids one at a time, get text pieces whose concatenation equals
+    decode(all ids).
+
+    Decoding single tokens does not work: a lone "▁house" decodes to "house" (first-token rule),
+    and a character spelled by several byte-fallback pieces is U+FFFD until its last byte. So we
+    keep a window of ids starting at `prefix` (the first id of the previously emitted stretch) and
+    decode it with and without the ids after `read` (those not yet emitted); the difference is the
+    new text. It is emitted when stable, i.e. it does not end in U+FFFD and the last id is not a
+    byte piece (a byte run renders as all-or-nothing UTF-8, so it is final only once it ends). Then
+    the window moves on, so each push costs O(window), not O(length). Ids that decode() drops
+    (skipped special tokens, ids past the vocabulary) never enter the window.
+
+    One decoder per sequence; flush() at the end returns what is held back and resets it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []   # the window: all ids from `prefix` on
+        self._read = 0              # window index of the first id whose text is not emitted yet
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the new stable text (often "", e.g. inside a multi-byte character)."""
+        tok = self.tokenizer
+        i = tok._check_id(token_id)
+        if not tok._shown(i, self.skip_special_tokens):
+            return ""
+        self._ids.append(i)
+        if i in tok.byte_ids:
+            return ""
+        done = tok._decode(self._ids[:self._read])
+        text = tok._decode(self._ids)
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._ids = self._ids[self._read:]
+        self._read = len(self._ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """The text still held back; the decoder is then ready for a new sequence."""
+        tok = self.tokenizer
+        rest = ""
+        if self._ids:
+            rest = tok._decode(self._ids)[len(tok._decode(self._ids[:self._read])):]
+        self._ids, self._read = [], 0
+        return rest

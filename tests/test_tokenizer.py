@@ -1,0 +1,457 @@
+"""minfer.tokenizer: both sources (tokenizer.json, spiece.model), T5 conventions, streaming.
+
+Always runs on the committed tiny tokenizer (weights/tokenizers/tiny-t5, byte fallback); the real T5
+vocabulary is read from ../shared/t5-tokenizer and those tests skip when it is absent, as do the
+comparisons with `transformers` when it is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minfer.errors import InputError, TokenizerError
+from minfer.tokenizer import (IncrementalDecoder, JsonTokenizer, SentencePieceTokenizer,
+                              load_tokenizer)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "weights" / "tokenizers" / "tiny-t5"
+REAL = Path(__file__).resolve().parents[2] / "shared" / "t5-tokenizer"
+CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+
+KNOWN_TEXT = "translate English to German: The house is wonderful."
+KNOWN_IDS = [13959, 1566, 12, 2968, 10, 37, 629, 19, 1627, 5, 1]
+
+SENTENCES = [
+    KNOWN_TEXT,
+    "summarize: studies have shown that owning a dog is good for you.",
+    "Hello <extra_id_0> world <extra_id_1>.",
+    "x<extra_id_0>.<extra_id_1> <extra_id_2>  y",
+    "  leading and   repeated spaces  ",
+    "tabs\tand\nnewlines\r\n",
+    "Café naïve résumé Zürich, São Paulo! Ça va? ¿Dónde está?",
+    "日本語のテキスト 日本",
+    "emoji 😀👍🏽 and symbols © ™ € ½ ﬁ",
+    "Numbers: 3.14159, 1,000,000 and -42% on March 5, 2021.",
+    "</s> in the middle</s> end",
+    "<pad><unk>x",
+    "ＦＵＬＬＷＩＤＴＨ ｶﾀｶﾅ",
+    "",
+    " ",
+    "quotes \"double\" 'single' `back` ~ { } < > \\ | ^",
+    "\u00a0nbsp\u2003em space\u200bzero width",
+    "ö vs o\u0308",
+]
+
+
+def one_line_naming(err: pytest.ExceptionInfo, what: Path | str) -> None:
+    message = str(err.value)
+    assert "\n" not in message
+    assert str(what) in message, message
+    # no library exception chained on (it would print as "During handling of ... another")
+    assert err.value.__cause__ is None
+    assert err.value.__context__ is None or err.value.__suppress_context__
+
+
+def sp_only(src: Path, dest: Path) -> Path:
+    """A folder with src's spiece.model and configs but no tokenizer.json (links, not copies)."""
+    dest.mkdir()
+    for name in ("spiece.model",) + CONFIGS:
+        if (src / name).is_file():
+            try:
+                os.symlink(src / name, dest / name)
+            except OSError:
+                shutil.copy(src / name, dest / name)
+    return dest
+
+
+def stream(tok, ids, skip_special_tokens=True) -> list[str]:
+    dec = IncrementalDecoder(tok, skip_special_tokens)
+    return [dec.push(i) for i in ids] + [dec.flush()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_tokenizer(TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_sp(tmp_path_factory):
+    return load_tokenizer(sp_only(TINY, tmp_path_factory.mktemp("tiny") / "sp"))
+
+
+@pytest.fixture(scope="module")
+def real():
+    if not (REAL / "tokenizer.json").is_file():
+        pytest.skip(f"real T5 tokenizer not found at {REAL}")
+    return load_tokenizer(REAL)
+
+
+@pytest.fixture(scope="module")
+def real_sp(tmp_path_factory):
+    if not (REAL / "spiece.model").is_file():
+        pytest.skip(f"real T5 tokenizer not found at {REAL}")
+    return load_tokenizer(sp_only(REAL, tmp_path_factory.mktemp("real") / "sp"))
+
+
+@pytest.fixture(params=["tiny", "tiny_sp", "real", "real_sp"])
+def any_tok(request):
+    return request.getfixturevalue(request.param)
+
+
+# -- the committed tiny tokenizer -------------------------------------------------------------
+
+def test_tiny_files_are_small_and_t5_shaped(tiny, tiny_sp):
+    assert {p.name for p in TINY.iterdir()} == {"tokenizer.json", "spiece.model", *CONFIGS}
+    assert sum(p.stat().st_size for p in TINY.iterdir()) < 100 * 1024
+    assert isinstance(tiny, JsonTokenizer) and isinstance(tiny_sp, SentencePieceTokenizer)
+    for tok in (tiny, tiny_sp):
+        assert tok.vocab_size == 600
+        assert (tok.pad_id, tok.eos_id, tok.unk_id) == (0, 1, 2)
+        assert [tok.token_to_id(f"<extra_id_{n}>") for n in (0, 1, 9)] == [599, 598, 590]
+        assert tok.token_to_id("<extra_id_10>") is None
+        assert len(tok.byte_ids) == 256
+        assert tok.special_ids == frozenset([0, 1, 2, *range(590, 600)])
+    assert tiny.encode("") == [1]
+
+
+def test_tiny_vocabulary_covers_dates_numbers_letters(tiny):
+    words = ["January", "February", "September", "December", "march", "Monday", "Wednesday",
+             "zero", "seven", "thirteen", "nineteen", "twenty", "ninety", "hundred", "thousand",
+             "million"]
+    for w in words:
+        assert len(tiny.encode(w, add_eos=False)) == 1, w
+    # every printable ASCII character is a piece of its own (no byte fallback), digits are split
+    for c in (chr(i) for i in range(33, 127)):
+        assert tiny.token_to_id(c) is not None, c
+    assert not set(tiny.encode("The Quick BROWN fox: 0-9, $1.50 (50%) [ok]? ~`|")) & tiny.byte_ids
+    digits = [tiny.id_to_token(i) for i in tiny.encode("2021", add_eos=False)]
+    assert digits[-4:] == ["2", "0", "2", "1"]
+
+
+def test_tiny_byte_fallback_instead_of_unk(tiny, tiny_sp):
+    for tok in (tiny, tiny_sp):
+        ids = tok.encode("日本 😀", add_eos=False)
+        assert tok.unk_id not in ids
+        assert [tok.id_to_token(i) for i in ids if i in tok.byte_ids] == [
+            f"<0x{b:02X}>" for b in "日本😀".encode()]
+        assert tok.decode(ids) == "日本 😀"
+
+
+def test_tiny_both_sources_agree(tiny, tiny_sp):
+    texts = SENTENCES + ["March 5, 2021", "2021-03-05", "one hundred twenty-three", "a  b"]
+    for text in texts:
+        assert tiny.encode(text) == tiny_sp.encode(text), text
+        assert tiny_sp.decode(tiny.encode(text)) == tiny.decode(tiny.encode(text))
+    rng = random.Random(1)
+    bytes_ = sorted(tiny.byte_ids)
+    for _ in range(300):  # half byte pieces, so that runs of valid and invalid UTF-8 occur
+        ids = [rng.choice(bytes_) if rng.random() < 0.5 else rng.randrange(tiny.vocab_size)
+               for _ in range(rng.randint(0, 25))]
+        for skip in (True, False):
+            assert tiny_sp.decode(ids, skip) == tiny.decode(ids, skip), ids
+
+
+# -- the real T5 vocabulary -------------------------------------------------------------------
+
+def test_real_known_ids_and_eos(real, real_sp):
+    for tok in (real, real_sp):
+        assert tok.vocab_size == 32100
+        assert (tok.pad_id, tok.eos_id, tok.unk_id) == (0, 1, 2)
+        assert tok.encode(KNOWN_TEXT) == KNOWN_IDS
+        assert tok.encode(KNOWN_TEXT, add_eos=False) == KNOWN_IDS[:-1]
+        assert tok.encode_batch([KNOWN_TEXT, "", "Hi"]) == [KNOWN_IDS, [1], tok.encode("Hi")]
+        assert tok.encode_batch([KNOWN_TEXT], add_eos=False) == [KNOWN_IDS[:-1]]
+        assert tok.decode(KNOWN_IDS) == KNOWN_TEXT
+        assert tok.decode(KNOWN_IDS, skip_special_tokens=False) == KNOWN_TEXT + "</s>"
+        assert tok.decode(np.array(KNOWN_IDS, dtype=np.int64)) == KNOWN_TEXT
+
+
+def test_real_sentinels(real, real_sp):
+    for tok in (real, real_sp):
+        assert tok.token_to_id("<extra_id_0>") == 32099
+        assert tok.token_to_id("<extra_id_99>") == 32000
+        assert tok.id_to_token(32099) == "<extra_id_0>"
+        ids = tok.encode("Hello <extra_id_0> world <extra_id_1>.")
+        assert ids == [8774, 32099, 296, 32098, 3, 5, 1]
+        # like transformers' fast tokenizer: the sentinels come back, glued to the previous word
+        assert tok.decode(ids, skip_special_tokens=False) == "Hello<extra_id_0> world<extra_id_1> .</s>"
+        # ... and, being additional_special_tokens, are skipped with skip_special_tokens=True
+        assert tok.decode(ids) == "Hello world ."
+        assert tok.encode(tok.decode(ids, skip_special_tokens=False), add_eos=False) == ids
+        assert tok.encode("a</s>b<pad>", add_eos=False) == [3, 9, 1, 3, 115, 0]
+
+
+def test_real_unknown_characters_become_unk(real, real_sp):
+    for tok in (real, real_sp):
+        ids = tok.encode("日本 é", add_eos=False)
+        assert ids == [3, 2, 3, 154]           # "▁", <unk>, "▁", "é": one <unk> per unknown run
+        assert tok.decode(ids, skip_special_tokens=False) == "<unk> é"
+        assert tok.decode(ids) == " é"          # <unk> is special: skipped, its "▁" stays a space
+        assert tok.token_to_id("日本") is None and tok.token_to_id("not-a-piece") is None
+
+
+def test_leading_space_rules(real, real_sp):
+    for tok in (real, real_sp):
+        assert tok.id_to_token(37) == "▁The" and tok.id_to_token(629) == "▁house"
+        assert tok.decode([37]) == "The"                 # the first token loses its "▁"
+        assert tok.decode([629]) == "house"
+        assert tok.decode([37, 629]) == "The house"
+        assert tok.decode([1, 37]) == "The"              # ... counted after skipping specials
+        assert tok.decode([0, 37], skip_special_tokens=False) == "<pad> The"
+        assert tok.decode([3]) == "" and tok.decode([3, 3]) == " "
+        assert tok.decode([37, 32105, 629]) == "The house"   # ids past the vocabulary: dropped
+        assert tok.decode([]) == ""
+
+
+def test_real_both_sources_agree(real, real_sp):
+    for text in SENTENCES:
+        assert real_sp.encode(text) == real.encode(text), text
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.randrange(real.vocab_size + 28) for _ in range(rng.randint(0, 30))]
+        for skip in (True, False):
+            assert real_sp.decode(ids, skip) == real.decode(ids, skip), ids
+
+
+@pytest.mark.parametrize("name", ["tiny", "real"])
+def test_decode_matches_the_tokenizers_library(request, name):
+    tok = request.getfixturevalue(name)
+    lib = pytest.importorskip("tokenizers").Tokenizer.from_file(str(tok.path))
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size + 5) for _ in range(rng.randint(0, 20))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == lib.decode(ids, skip_special_tokens=skip)
+
+
+# -- streaming --------------------------------------------------------------------------------
+
+def test_streaming_random_ids(any_tok):
+    tok = any_tok
+    rng = random.Random(4)
+    specials = sorted(tok.special_ids)
+    bytes_ = sorted(tok.byte_ids) or [tok.unk_id]
+    for _ in range(150):
+        ids = []
+        for _ in range(rng.randint(0, 40)):
+            r = rng.random()
+            ids.append(rng.choice(specials) if r < 0.1 else rng.choice(bytes_) if r < 0.4
+                       else rng.randrange(tok.vocab_size))
+        for skip in (True, False):
+            assert "".join(stream(tok, ids, skip)) == tok.decode(ids, skip), ids
+
+
+def test_streaming_sentences(any_tok):
+    tok = any_tok
+    for text in SENTENCES:
+        ids = tok.encode(text)
+        for skip in (True, False):
+            pieces = stream(tok, ids, skip)
+            assert "".join(pieces) == tok.decode(ids, skip), text
+
+
+def test_streaming_keeps_spaces_between_tokens(real):
+    pieces = stream(real, KNOWN_IDS)
+    assert pieces[:10] == ["translate", " English", " to", " German", ":", " The", " house", " is",
+                           " wonderful", "."]
+    assert "".join(pieces) == KNOWN_TEXT
+    # specials in the middle are skipped without eating the next word's space
+    ids = [37, 1, 0, 32099, 629]
+    assert stream(real, ids) == ["The", "", "", "", " house", ""]
+    assert "".join(stream(real, ids, False)) == "The</s><pad><extra_id_0> house"
+
+
+def test_streaming_multibyte_characters(tiny, tiny_sp):
+    text = "Café 日本 😀!"
+    for tok in (tiny, tiny_sp):
+        ids = tok.encode(text, add_eos=False)
+        dec = IncrementalDecoder(tok)
+        pieces = []
+        for i in ids:
+            piece = dec.push(i)
+            assert "\ufffd" not in piece                 # never half a character
+            if i in tok.byte_ids:
+                assert piece == ""                       # held until the byte run ends
+            pieces.append(piece)
+        pieces.append(dec.flush())
+        assert "".join(pieces) == text
+        assert "😀!" in pieces[-2] and "本" in "".join(pieces[:-2])   # the emoji came out whole
+
+
+def test_streaming_window_stays_small(real):
+    ids = real.encode(" ".join([KNOWN_TEXT, "Café, 日本 and emoji 😀."] * 50))
+    dec = IncrementalDecoder(real)
+    out, widest = [], 0
+    for i in ids:
+        out.append(dec.push(i))
+        widest = max(widest, len(dec._ids))
+    out.append(dec.flush())
+    assert "".join(out) == real.decode(ids)
+    assert widest <= 4, widest                            # O(window) per token, not O(length)
+
+
+def test_streaming_flush_resets(real):
+    dec = IncrementalDecoder(real)
+    first = "".join([dec.push(i) for i in KNOWN_IDS] + [dec.flush()])
+    second = "".join([dec.push(i) for i in KNOWN_IDS] + [dec.flush()])
+    assert first == second == KNOWN_TEXT
+    assert dec.flush() == ""
+
+
+def test_streaming_rejects_bad_ids(tiny):
+    dec = IncrementalDecoder(tiny)
+    with pytest.raises(InputError, match="negative"):
+        dec.push(-1)
+    with pytest.raises(InputError, match="integers"):
+        dec.push("5")
+    assert dec.push(10_000) == ""                         # past the vocabulary: dropped, as decode
+
+
+# -- transformers as the oracle ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    if not (REAL / "tokenizer.json").is_file():
+        pytest.skip(f"real T5 tokenizer not found at {REAL}")
+    fast = transformers.T5TokenizerFast.from_pretrained(str(REAL))
+    slow = transformers.T5Tokenizer.from_pretrained(str(REAL), legacy=True)
+    return fast, slow
+
+
+def test_matches_transformers(real, real_sp, hf):
+    fast, slow = hf
+    for text in SENTENCES:
+        ids = real.encode(text)
+        assert fast(text).input_ids == ids, text
+        assert real_sp.encode(text) == ids
+        if not text.rstrip().endswith("</s>"):            # the slow one won't add a second </s>
+            assert slow(text).input_ids == ids, text
+        assert fast(text, add_special_tokens=False).input_ids == real.encode(text, add_eos=False)
+        for skip in (True, False):
+            # transformers' T5 config asks for the legacy clean-up ("a ." -> "a."); we never do it
+            want = fast.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert real.decode(ids, skip) == want and real_sp.decode(ids, skip) == want
+    assert fast.convert_tokens_to_ids("<extra_id_0>") == real.token_to_id("<extra_id_0>") == 32099
+    assert set(fast.all_special_ids) == set(real.special_ids) == set(real_sp.special_ids)
+
+
+def test_tiny_matches_transformers(tiny):
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.T5TokenizerFast.from_pretrained(str(TINY))
+    slow = transformers.T5Tokenizer.from_pretrained(str(TINY), legacy=True)
+    for text in ["March 5, 2021 is a Friday.", "one hundred <extra_id_0> three", "Café 日本 😀"]:
+        ids = tiny.encode(text)
+        assert fast(text).input_ids == slow(text).input_ids == ids
+        assert fast.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) \
+            == tiny.decode(ids)
+    assert set(fast.all_special_ids) == set(tiny.special_ids)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def test_missing_folder_and_files(tmp_path):
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path / "nope")
+    one_line_naming(err, tmp_path / "nope")
+    with pytest.raises(TokenizerError, match="no tokenizer file") as err:
+        load_tokenizer(tmp_path)
+    one_line_naming(err, tmp_path)
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "no 'model' object"),
+    ('{"model": {"type": "NoSuchModel"}}', "not a usable tokenizer.json"),
+    ('{"version": "1.0", "model": {"type": "Unigram", "vocab": 7}}', "not a usable tokenizer.json"),
+    (b"\xff\xfe\x00junk", "not valid JSON"),
+])
+def test_corrupt_tokenizer_json(tmp_path, content, why):
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    shutil.copy(TINY / "spiece.model", tmp_path)   # present, but a broken preferred file is an error
+    with pytest.raises(TokenizerError, match=why) as err:
+        load_tokenizer(tmp_path)
+    one_line_naming(err, path)
+
+
+def test_truncated_tokenizer_json(tmp_path):
+    text = (TINY / "tokenizer.json").read_text(encoding="utf-8")
+    (tmp_path / "tokenizer.json").write_text(text[: len(text) // 2], encoding="utf-8")
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path)
+    one_line_naming(err, tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 10, b"not a protobuf at all \xff\xff\xff",
+                                     b"\x0a\x05hello"])
+def test_corrupt_spiece_model(tmp_path, content):
+    path = tmp_path / "spiece.model"
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError, match="SentencePiece") as err:
+        load_tokenizer(tmp_path)
+    one_line_naming(err, path)
+
+
+def test_truncated_spiece_model(tmp_path):
+    data = (TINY / "spiece.model").read_bytes()
+    (tmp_path / "spiece.model").write_bytes(data[: len(data) // 2])
+    with pytest.raises(TokenizerError) as err:
+        load_tokenizer(tmp_path)
+    one_line_naming(err, tmp_path / "spiece.model")
+
+
+def test_bad_config_files(tmp_path):
+    folder = sp_only(TINY, tmp_path / "t")
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text('{"extra_ids": -3}')
+    with pytest.raises(TokenizerError, match="extra_ids") as err:
+        load_tokenizer(folder)
+    one_line_naming(err, folder / "tokenizer_config.json")
+    (folder / "special_tokens_map.json").unlink()
+    (folder / "special_tokens_map.json").write_text("eos_token: </s>")
+    with pytest.raises(TokenizerError, match="not valid JSON") as err:
+        load_tokenizer(folder)
+    one_line_naming(err, folder / "special_tokens_map.json")
+
+
+def test_spiece_defaults_without_configs(tmp_path):
+    """No tokenizer_config.json: T5's 100 sentinels, specials from the SentencePiece model."""
+    folder = tmp_path / "t"
+    folder.mkdir()
+    shutil.copy(TINY / "spiece.model", folder)
+    tok = load_tokenizer(folder)
+    assert tok.vocab_size == 590 + 100
+    assert tok.token_to_id("<extra_id_0>") == 689 and tok.token_to_id("<extra_id_99>") == 590
+    assert (tok.pad_id, tok.eos_id, tok.unk_id) == (0, 1, 2)
+
+
+def test_missing_library_falls_back_or_says_which(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)       # import tokenizers -> ImportError
+    tok = load_tokenizer(TINY)
+    assert isinstance(tok, SentencePieceTokenizer) and tok.encode("March") == [
+        load_tokenizer(sp_only(TINY, tmp_path / "sp")).token_to_id("▁March"), 1]
+    only_json = tmp_path / "json"
+    only_json.mkdir()
+    shutil.copy(TINY / "tokenizer.json", only_json)
+    with pytest.raises(TokenizerError, match="'tokenizers' package") as err:
+        load_tokenizer(only_json)
+    one_line_naming(err, only_json / "tokenizer.json")
+
+
+def test_bad_inputs(tiny):
+    with pytest.raises(InputError):
+        tiny.encode(b"bytes")
+    with pytest.raises(InputError):
+        tiny.encode_batch(["ok", None])
+    with pytest.raises(InputError, match="negative"):
+        tiny.decode([5, -1])
+    with pytest.raises(InputError):
+        tiny.decode([1.5])
