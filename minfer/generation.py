@@ -517,7 +517,7 @@ def _normalise_inputs(inputs: Any) -> tuple[str, list]:
 
 def _need_tokenizer(model: Any, why: str) -> Any:
     if getattr(model, "tokenizer", None) is None:
-        raise InputError(f"{why} needs a tokenizer, and {model.folder} has none "
+        raise InputError(f"{why} requires a tokenizer, and {model.folder} has none "
                          "(tokenizer.json or spiece.model): pass token ids instead")
     return model.tokenizer
 

@@ -91,6 +91,8 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
 
     try:  # imported lazily: loading a local folder should not pay for (or need) the hub client
         import huggingface_hub as hf
+        import huggingface_hub.constants  # noqa: F401  (submodules are lazy attributes of the
+        import huggingface_hub.utils      # noqa: F401   package: import them explicitly)
         from huggingface_hub import errors as hf_errors
     except ImportError:
         raise ModelNotFoundError(f"cannot fetch '{name}' from the hub: huggingface_hub is not "

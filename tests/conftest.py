@@ -39,3 +39,34 @@ def t5_models():
             cache[case] = minfer.load(T5_FIXTURES / case)
         return cache[case]
     return get
+
+
+TINY_TOKENIZER = ROOT / "weights" / "tokenizers" / "tiny-t5"
+REAL_T5_TOKENIZER = ROOT.parent / "shared" / "t5-tokenizer"
+
+
+def make_text_model_folder(folder, seed=5, **overrides):
+    """A random T5 over the committed tiny vocabulary (600 ids) with its tokenizer files, plus
+    task_specific_params like t5-small's."""
+    import shutil
+    from t5_factory import write_t5
+    params = {"translation_en_to_de": {"prefix": "translate English to German: ", "num_beams": 2,
+                                       "max_length": 9, "early_stopping": True},
+              "summarization": {"prefix": "summarize: ", "min_length": 4, "max_length": 7,
+                                "no_repeat_ngram_size": 3}}
+    write_t5(folder, seed=seed, vocab_size=600, d_model=32, d_kv=8, num_heads=4, d_ff=64,
+             task_specific_params=params, **overrides)
+    for name in ("tokenizer.json", "spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TINY_TOKENIZER / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def text_model_folder(tmp_path_factory):
+    return make_text_model_folder(tmp_path_factory.mktemp("text") / "m")
+
+
+@pytest.fixture(scope="session")
+def text_model(text_model_folder):
+    import minfer
+    return minfer.load(text_model_folder)

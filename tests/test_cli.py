@@ -1,0 +1,122 @@
+"""The `minfer` command line, run as a user would: in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import T5_FIXTURES
+
+
+def run(*args, stdin=None, tmp_path=None, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+    if tmp_path is not None:
+        env["HF_HOME"] = str(tmp_path / "hf-home")
+    return subprocess.run([sys.executable, "-m", "minfer", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def assert_one_line_error(proc, code, needle):
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minfer: error: "), proc.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_streams_the_api_text(text_model_folder, text_model):
+    prompt = "date: March 5, 2021"
+    proc = run("generate", "--model", str(text_model_folder), prompt, "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == text_model.generate(prompt, max_new_tokens=12) + "\n"
+
+
+def test_generate_reads_stdin_lines_and_prints_one_result_per_line(text_model_folder, text_model):
+    prompts = ["a b c", "date: 1999", "one two three"]
+    proc = run("generate", "-m", str(text_model_folder), "--no-stream", "--max-new-tokens", "6",
+               stdin="\n".join(prompts) + "\n\n")
+    assert proc.returncode == 0, proc.stderr
+    expected = text_model.generate(prompts, max_new_tokens=6)
+    assert proc.stdout.split("\n")[:-1] == expected
+
+
+def test_generate_json(text_model_folder, text_model):
+    proc = run("generate", "-m", str(text_model_folder), "--json", "--max-new-tokens", "5",
+               "--num-beams", "2", "a b c", "x y")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["a b c", "x y"]
+    for r in rows:
+        assert r["token_ids"][0] == 0 and r["new_tokens"] == len(r["token_ids"]) - 1
+        assert r["text"] == text_model.tokenizer.decode(r["token_ids"])
+        assert r["finish_reason"] in ("eos", "length") and r["seconds"] >= 0 and "score" in r
+
+
+def test_sampling_options_are_reproducible(text_model_folder):
+    args = ["generate", "-m", str(text_model_folder), "a b c", "--max-new-tokens", "10",
+            "--temperature", "1.3", "--top-p", "0.9", "--seed", "4"]
+    first, second = run(*args), run(*args)
+    assert first.returncode == 0 and first.stdout == second.stdout
+
+
+def test_info(text_model_folder):
+    proc = run("info", "-m", str(text_model_folder), "--batch", "2", "--src-len", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "parameters" in proc.stdout and "60,608" in proc.stdout
+    assert "batch 2 x 64" in proc.stdout and "tokenizer.json" in proc.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["info"]])
+def test_help_documents_defaults(command):
+    proc = run(*command, "--help")
+    assert proc.returncode == 0 and "Usage:" in proc.stdout
+    if command == ["generate"]:
+        for option in ("--max-new-tokens", "--temperature", "--top-k", "--top-p", "--num-beams",
+                       "--seed", "--task", "--device", "--dtype", "--revision", "--no-stream",
+                       "--json", "default: cpu"):
+            assert option in proc.stdout
+
+
+def test_bad_option_value(text_model_folder):
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--top-p", "2"), 2,
+                          "--top-p")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--device", "tpu"), 1,
+                          "device 'tpu'")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--task", "poetry"), 1,
+                          "task 'poetry'")
+    assert_one_line_error(run("generate", "x"), 2, "--model")
+
+
+def test_unknown_model_offline(tmp_path):
+    assert_one_line_error(run("generate", "-m", "t5-small", "hello", tmp_path=tmp_path), 1,
+                          "not in the local cache")
+    assert_one_line_error(run("generate", "-m", "./no/such/folder", "hello"), 1, "no such folder")
+
+
+def test_bad_checkpoint(tmp_path):
+    import shutil
+    folder = tmp_path / "broken"
+    shutil.copytree(T5_FIXTURES / "v1_0_relu_tied", folder)
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(run("info", "-m", str(folder)), 1, "model.safetensors")
+
+
+def test_empty_input(text_model_folder):
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), stdin="\n\n"), 2, "no prompt")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "  "), 1, "empty prompt")
+
+
+def test_model_without_tokenizer(tmp_path):
+    assert_one_line_error(run("generate", "-m", str(T5_FIXTURES / "v1_0_relu_tied"), "hi"), 1,
+                          "no tokenizer")
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "minfer"
+    if not script.exists():
+        pytest.skip("console script not next to this interpreter (not a venv install)")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "generate" in proc.stdout
