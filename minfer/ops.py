@@ -16,10 +16,21 @@ from .errors import ConfigError
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def rms_norm(xp: Any, x: Any, weight: Any, eps: float) -> Any:
+def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
+    """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight,
+    which the models fold into the next matrix. `out` may be a caller's buffer."""
+    inv = xp.einsum("...c,...c->...", x, x)[..., None]  # (..., 1) sum of squares
+    inv *= 1.0 / x.shape[-1]
+    inv += eps
+    xp.sqrt(inv, out=inv)
+    return xp.divide(x, inv, out=out)
+
+
+def rms_norm(xp: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
     """T5's LayerNorm: w * x / sqrt(mean(x^2) + eps); no mean subtraction, no bias. (..., C)."""
-    variance = xp.mean(xp.square(x), axis=-1, keepdims=True)  # (..., 1)
-    return x * (1.0 / xp.sqrt(variance + eps)) * weight
+    out = rms_normalize(xp, x, eps, out)
+    out *= weight
+    return out
 
 
 def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, eps: float) -> Any:

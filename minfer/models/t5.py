@@ -190,17 +190,21 @@ def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend) -> dict:
     def read(name: str) -> np.ndarray:  # (out, in) as stored
         return ckpt.read(name, be.dtype)
 
-    def linear(*names: str) -> Any:  # HF (out, in) weights fused along `out` -> (in, sum(out))
-        return be.asarray(np.ascontiguousarray(np.concatenate([read(n) for n in names], axis=0).T))
+    def linear(*names: str, norm: str | None = None) -> Any:
+        """HF (out, in) weights fused along `out` -> (in, sum(out)). With `norm`, the weight of
+        the RMS norm feeding this matrix is folded in: (x/rms * g) @ W == (x/rms) @ (g[:, None] W),
+        which saves a multiply per sublayer (a rounding-level change)."""
+        w = np.ascontiguousarray(np.concatenate([read(n) for n in names], axis=0).T)
+        if norm is not None:
+            w *= read(norm)[:, None]
+        return be.asarray(w)
 
     def ff(prefix: str) -> dict:
         *wi, wo = _ff_names(prefix, cfg.gated)
-        return {"ff_ln": be.asarray(read(f"{prefix}.layer_norm.weight")),
-                "w_in": linear(*wi), "w_out": linear(wo)}
+        return {"w_in": linear(*wi, norm=f"{prefix}.layer_norm.weight"), "w_out": linear(wo)}
 
     def self_attention(prefix: str, ln: str) -> dict:
-        return {"attn_ln": be.asarray(read(ln)),
-                "w_qkv": linear(*(f"{prefix}.{w}.weight" for w in "qkv")),
+        return {"w_qkv": linear(*(f"{prefix}.{w}.weight" for w in "qkv"), norm=ln),
                 "w_o": linear(f"{prefix}.o.weight")}
 
     shared_name = "shared.weight" if "shared.weight" in expected else next(
@@ -220,8 +224,8 @@ def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend) -> dict:
     for i in range(cfg.num_decoder_layers):
         p = f"decoder.block.{i}.layer"
         block = self_attention(f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight")
-        block.update(cross_ln=be.asarray(read(f"{p}.1.layer_norm.weight")),
-                     w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight"),
+        block.update(w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight",
+                                      norm=f"{p}.1.layer_norm.weight"),
                      w_cross_o=linear(f"{p}.1.EncDecAttention.o.weight"), **ff(f"{p}.2"))
         decoder_blocks.append(block)
         cross_kv += [f"{p}.1.EncDecAttention.k.weight", f"{p}.1.EncDecAttention.v.weight"]
@@ -353,12 +357,12 @@ def encode(be: Backend, cfg: T5Config, params: dict, input_ids: np.ndarray,
         bias[...] = be.asarray(position_bias(cfg, p["rel_bias"], T, T, bidirectional=True))
         bias += mask_bias(be, attention_mask)
         for blk in p["blocks"]:
-            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps)
             qkv = xp.matmul(h, blk["w_qkv"], out=ws["encoder.qkv"]).reshape(B, T, 3, H, D)
             q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, H, T, D)
             _attend(xp, q, k, v, bias, ws["encoder.scores"], ws["encoder.ctx"].reshape(B, T, H, D))
             x += xp.matmul(ws["encoder.ctx"], blk["w_o"], out=ws["encoder.proj"])
-            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps)
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["encoder.ff"],
                                ws["encoder.proj"])
         out[...] = ops.rms_norm(xp, x, p["final_ln"], cfg.eps)
@@ -411,9 +415,9 @@ def _cross_attention(be: Backend, cfg: T5Config, blk: dict, h: Any, k: Any, v: A
     return xp.matmul(ctx, blk["w_cross_o"], out=out)
 
 
-def _lm_head(be: Backend, cfg: T5Config, params: dict, x: Any, out: Any) -> Any:
-    """Final-normed decoder states (..., C) -> logits (..., V)."""
-    h = ops.rms_norm(be.xp, x, params["decoder"]["final_ln"], cfg.eps)
+def _lm_head(be: Backend, cfg: T5Config, params: dict, x: Any, out: Any, h: Any = None) -> Any:
+    """Decoder states (..., C) -> final norm -> logits (..., V) in `out` (h: optional scratch)."""
+    h = ops.rms_norm(be.xp, x, params["decoder"]["final_ln"], cfg.eps, out=h)
     if cfg.tie_word_embeddings:
         h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
     return be.xp.matmul(h, params["lm_head"], out=out)
@@ -437,17 +441,17 @@ def decode_full(be: Backend, cfg: T5Config, params: dict, decoder_input_ids: np.
         self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
         cross_bias = mask_bias(be, attention_mask)
         for i, blk in enumerate(p["blocks"]):
-            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps)
             qkv = xp.matmul(h, blk["w_qkv"], out=ws["decoder.qkv"]).reshape(B, T, 3, H, D)
             q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, H, T, D)
             _attend(xp, q, k, v, self_bias, ws["decoder.self_scores"],
                     ws["decoder.ctx"].reshape(B, T, H, D))
             x += xp.matmul(ws["decoder.ctx"], blk["w_o"], out=ws["decoder.proj"])
-            h = ops.rms_norm(xp, x, blk["cross_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps)
             x += _cross_attention(be, cfg, blk, h, ws["decoder.cross_k"][i],
                                   ws["decoder.cross_v"][i], cross_bias, ws["decoder.q"],
                                   ws["decoder.cross_scores"], ws["decoder.ctx"], ws["decoder.proj"])
-            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps)
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["decoder.ff"],
                                ws["decoder.proj"])
         logits = _lm_head(be, cfg, params, x, ws["decoder.logits"])
@@ -467,6 +471,7 @@ def generation_specs(cfg: T5Config, B: int, S: int, max_len: int, dtype: Any) ->
         "state.cross_bias": ((B, 1, 1, S), dtype),
         "state.self_bias": ((H, max_len), dtype),
         "step.x": ((B, 1, C), dtype),
+        "step.h": ((B, 1, C), dtype),
         "step.proj": ((B, 1, C), dtype),
         "step.qkv": ((B, 1, 3 * I), dtype),
         "step.q": ((B, 1, I), dtype),
@@ -510,7 +515,7 @@ class DecodeState:
         cross_bias = self.buf["state.cross_bias"][:b]
         ctx = buf["step.ctx"]
         for i, blk in enumerate(params["decoder"]["blocks"]):
-            h = ops.rms_norm(xp, x, blk["attn_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps, out=buf["step.h"])
             qkv = xp.matmul(h, blk["w_qkv"], out=buf["step.qkv"]).reshape(b, 3, H, 1, D)
             k_cache = self.buf["state.self_k"][i, :b]  # (b, H, max_len, D)
             v_cache = self.buf["state.self_v"][i, :b]
@@ -519,15 +524,15 @@ class DecodeState:
             _attend(xp, qkv[:, 0], k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], self_bias,
                     self_scores, ctx.reshape(b, 1, H, D))
             x += xp.matmul(ctx, blk["w_o"], out=buf["step.proj"])
-            h = ops.rms_norm(xp, x, blk["cross_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps, out=buf["step.h"])
             x += _cross_attention(be, cfg, blk, h, self.buf["state.cross_k"][i, :b],
                                   self.buf["state.cross_v"][i, :b], cross_bias, buf["step.q"],
                                   cross_scores, ctx, buf["step.proj"])
-            h = ops.rms_norm(xp, x, blk["ff_ln"], cfg.eps)
+            h = ops.rms_normalize(xp, x, cfg.eps, out=buf["step.h"])
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], buf["step.ff"],
                                buf["step.proj"])
         self.length = t + 1
-        return _lm_head(be, cfg, params, x, buf["step.logits"])[:, 0]  # (b, V)
+        return _lm_head(be, cfg, params, x, buf["step.logits"], buf["step.h"])[:, 0]  # (b, V)
 
     def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
         """Make the live batch `rows` of the current one (drop finished rows, or let beams follow
