@@ -2,10 +2,13 @@
 and the text layer (prompts in, streamed text out).
 
 A model provides `start_decoding(ids, mask, max_len)`: a context manager yielding a state with
-`step(tokens (b,)) -> logits (b, V)` (one token per live row) and `reorder(rows, cross=True)`
-(keep / duplicate rows: finished rows leave the batch, beams follow their parents); a `config` with
-`decoder_start_token_id`, `eos_token_ids`, `pad_token_id`; a `generation_config` dict; a
-`tokenizer` (or None) and a `backend`.
+`step(tokens (b,)) -> logits (b, V)` (one token per live row), `reorder(rows, cross=True)`
+(keep / duplicate rows: finished rows leave the batch, beams follow their parents) and optionally
+`first_tokens` (what step 0 is fed: T5's decoder start token by default, a decoder-only model's
+last prompt token); `generation_ids` (or `config`) with `eos_token_ids`, `pad_token_id` and
+`decoder_start_token_id`; a `generation_config` dict; a `tokenizer` (or None); a `backend`.
+Hypotheses start with the first token; encoder-decoder results keep it (HF's convention),
+decoder-only results drop it (they are the new tokens only).
 
 Semantics follow Hugging Face transformers' generate() (see docs/architecture.md):
 - greedy/sampling: float32 logits -> repetition penalty -> no-repeat-ngram -> min-new-tokens eos
@@ -252,6 +255,18 @@ def sample(scores: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 # =====================================================================================================
 # Token loops
 # =====================================================================================================
+def ids_of(model: Any) -> Any:
+    """The token-id facts generation needs (eos, pad, start) of a model."""
+    return getattr(model, "generation_ids", None) or model.config
+
+
+def first_tokens(state: Any, cfg: Any, n: int) -> np.ndarray:
+    first = getattr(state, "first_tokens", None)
+    if first is None:
+        return np.full(n, cfg.decoder_start_token_id, np.int64)
+    return np.asarray(first, np.int64)
+
+
 @dataclass
 class Hypothesis:
     tokens: list[int]                  # decoder ids, starting with the start token
@@ -261,20 +276,26 @@ class Hypothesis:
 
 def token_loop(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray,
                opts: GenerationOptions, rng: np.random.Generator | None = None,
-               stopped: set[int] | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+               stopped: set[int] | None = None, start_decoding: Any = None,
+               info: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Greedy or sampled decoding of a padded batch. Yields (rows, tokens) each step: the batch row
     indices still running and the token each chose. Rows that emit eos, or that the consumer adds to
     `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
+    `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
     Closing the generator releases the decode state."""
-    cfg = model.config
+    cfg = ids_of(model)
     eos = np.asarray(cfg.eos_token_ids, np.int64)
     B = input_ids.shape[0]
     rows = np.arange(B)
-    seqs = np.full((B, opts.max_new_tokens + 1), cfg.decoder_start_token_id, np.int64)  # (B, 1+N)
     stopped = stopped if stopped is not None else set()
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
-    with model.start_decoding(input_ids, attention_mask, opts.max_new_tokens) as state:
+    start = start_decoding or model.start_decoding
+    with start(input_ids, attention_mask, opts.max_new_tokens) as state:
+        seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)                # (B, 1+N)
+        seqs[:, 0] = first_tokens(state, cfg, B)
+        if info is not None:
+            info["first"] = seqs[:, 0].copy()  # what each row started from
         for t in range(opts.max_new_tokens):
             logits = np.asarray(model.backend.to_host(state.step(seqs[:, t])), np.float32)  # (b, V)
             scores = process(logits, seqs[:, :t + 1], opts, t, cfg.eos_token_ids)
@@ -298,7 +319,7 @@ def beam_search(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray,
     """Beam search as HF transformers (4.x, vectorised form) runs it; returns per batch row the
     `num_return_sequences` best hypotheses, best first. With do_sample the 2*num_beams candidates
     are drawn without replacement (Gumbel top-k) instead of taken greedily."""
-    cfg = model.config
+    cfg = ids_of(model)
     B, K, N = input_ids.shape[0], opts.num_beams, opts.max_new_tokens
     V = None
     L = N + 1                                      # decoder length limit incl. the start token
@@ -309,19 +330,19 @@ def beam_search(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray,
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
 
-    running = np.full((B, K, L), cfg.eos_token_ids[0], np.int64)
-    running[:, :, 0] = cfg.decoder_start_token_id
-    run_scores = np.zeros((B, K), np.float32)
-    run_scores[:, 1:] = NEG
-    fin_seqs, fin_scores = running.copy(), np.full((B, K), NEG, np.float32)
-    fin_len = np.ones((B, K), np.int64)
-    fin_done = np.zeros((B, K), bool)
-    improvable = np.ones(B, bool)                  # HF's "early stop heuristic unsatisfied"
-    live = np.arange(B)                            # batch rows still computed
-
     ids = np.repeat(input_ids, K, axis=0)
     mask = np.repeat(attention_mask, K, axis=0)
     with model.start_decoding(ids, mask, N) as state:
+        fill = cfg.eos_token_ids[0] if len(eos) else cfg.pad_token_id   # HF pads with eos
+        running = np.full((B, K, L), fill, np.int64)
+        running[:, :, 0] = first_tokens(state, cfg, B * K).reshape(B, K)
+        run_scores = np.zeros((B, K), np.float32)
+        run_scores[:, 1:] = NEG
+        fin_seqs, fin_scores = running.copy(), np.full((B, K), NEG, np.float32)
+        fin_len = np.ones((B, K), np.int64)
+        fin_done = np.zeros((B, K), bool)
+        improvable = np.ones(B, bool)              # HF's "early stop heuristic unsatisfied"
+        live = np.arange(B)                        # batch rows still computed
         for cur in range(1, L):                    # cur: decoder tokens so far
             b = len(live)
             logits = np.asarray(model.backend.to_host(
@@ -410,10 +431,13 @@ def decode_ids(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray,
         return beam_search(model, input_ids, attention_mask, opts)
     n = opts.num_return_sequences
     ids, mask = np.repeat(input_ids, n, axis=0), np.repeat(attention_mask, n, axis=0)
-    start = model.config.decoder_start_token_id
-    hyps = [Hypothesis([int(start)]) for _ in range(ids.shape[0])]
-    eos = set(model.config.eos_token_ids)
-    for rows, tokens in token_loop(model, ids, mask, opts):
+    hyps = [Hypothesis([]) for _ in range(ids.shape[0])]
+    eos = set(ids_of(model).eos_token_ids)
+    info: dict = {}
+    for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, info=info)):
+        if step == 0:
+            for r, first in enumerate(info["first"]):
+                hyps[r].tokens.append(int(first))
         for r, tok in zip(rows, tokens):
             hyps[r].tokens.append(int(tok))
             if tok in eos:
@@ -457,15 +481,13 @@ class StopMatcher:
 class Result:
     """One generated sequence with what the CLI's --json and callers may want to know."""
     text: str | None             # None for token-id requests without a tokenizer
-    token_ids: list[int]         # decoder ids, starting with the decoder start token
+    token_ids: list[int]         # encoder-decoder: starts with the decoder start token (HF's
+                                 # convention); decoder-only: the new tokens only
     finish_reason: str           # "eos", "length" or "stop"
     prompt_tokens: int
+    new_tokens: int
     seconds: float = 0.0
     score: float | None = None   # beam score (length-penalised log-probability)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.token_ids) - 1
 
 
 class _RowText:
@@ -522,6 +544,82 @@ def _need_tokenizer(model: Any, why: str) -> Any:
     return model.tokenizer
 
 
+def _prompt_ids(model: Any, kind: str, prompts: list, prefix: str, tok: Any) -> list[list[int]]:
+    if kind == "ids":
+        pre = tok.encode(prefix, add_eos=False) if prefix and tok is not None else []
+        return [pre + list(p) for p in prompts]
+    if any(not p.strip() for p in prompts):
+        raise InputError("inputs: empty prompt")
+    add_eos = getattr(model, "add_eos_to_prompt", True)
+    return [tok.encode(prefix + p, add_eos=add_eos) for p in prompts]
+
+
+def _batches(model: Any, rows: list, attention_mask: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One padded batch, or (decoder-only models, which cannot pad) one batch per length."""
+    if attention_mask is not None:
+        return [model.batch(np.asarray(rows), attention_mask)]
+    if getattr(model, "is_encoder_decoder", True) or len({len(r) for r in rows}) <= 1:
+        return [model.batch(rows)]
+    return [model.batch([r]) for r in rows]
+
+
+def _finish(model: Any, h: Hypothesis, text: str | None, reason: str, prompt_len: int,
+            score: float | None = None) -> Result:
+    ids = h.tokens if getattr(model, "is_encoder_decoder", True) else h.tokens[1:]
+    return Result(text, ids, reason, prompt_len, len(h.tokens) - 1, score=score)
+
+
+def _run_batch(model: Any, ids: np.ndarray, mask: np.ndarray, opts: GenerationOptions,
+               tok: Any) -> list[list[Result]]:
+    eos = set(ids_of(model).eos_token_ids)
+    n = opts.num_return_sequences
+    prompt_lens = mask.sum(axis=1)
+    enc_dec = getattr(model, "is_encoder_decoder", True)
+    if opts.num_beams > 1:
+        results = []
+        for i, hyps in enumerate(beam_search(model, ids, mask, opts)):
+            row = []
+            for h in hyps:
+                text, reason = None, h.finish_reason
+                if tok is not None:
+                    text, hit = StopMatcher(opts.stop).feed(
+                        tok.decode(h.tokens if enc_dec else h.tokens[1:]))
+                    reason = "stop" if hit else reason
+                row.append(_finish(model, h, text, reason, int(prompt_lens[i]), h.score))
+            results.append(row)
+        return results
+    rep_ids, rep_mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
+    hyps = [Hypothesis([]) for _ in range(rep_ids.shape[0])]
+    texts = [_RowText(tok, opts.stop, eos) for _ in hyps] if tok is not None else None
+    stopped: set[int] = set()
+    info: dict = {}
+    for step, (rows, tokens) in enumerate(token_loop(model, rep_ids, rep_mask, opts,
+                                                     stopped=stopped, info=info)):
+        if step == 0:
+            for h, first in zip(hyps, info["first"]):
+                h.tokens.append(int(first))
+        for r, t in zip(rows, tokens):
+            hyps[r].tokens.append(int(t))
+            if t in eos:
+                hyps[r].finish_reason = "eos"
+            elif texts is not None:
+                texts[r].push(t)
+                if texts[r].stopped:
+                    stopped.add(int(r))
+                    hyps[r].finish_reason = "stop"
+    results = []
+    for i in range(ids.shape[0]):
+        row = []
+        for j in range(i * n, (i + 1) * n):
+            text = None
+            if texts is not None:
+                texts[j].finish()
+                text = "".join(texts[j].text)
+            row.append(_finish(model, hyps[j], text, hyps[j].finish_reason, int(prompt_lens[i])))
+        results.append(row)
+    return results
+
+
 def run(model: Any, inputs: Any, *, task: str | None = None, attention_mask: Any = None,
         **options: Any) -> tuple[str, list[list[Result]]]:
     """Decode every prompt; returns the input kind and per prompt its list of results."""
@@ -530,115 +628,112 @@ def run(model: Any, inputs: Any, *, task: str | None = None, attention_mask: Any
     tok = getattr(model, "tokenizer", None)
     if kind != "ids" or opts.stop:
         tok = _need_tokenizer(model, "text input" if kind != "ids" else "stop strings")
-    if kind == "ids":
-        if prefix and tok is not None:
-            pre = tok.encode(prefix, add_eos=False)
-            prompts = [pre + list(p) for p in prompts]
-        ids, mask = model.batch(prompts if attention_mask is None else np.asarray(prompts),
-                                attention_mask)
-    else:
-        if any(not p.strip() for p in prompts):
-            raise InputError("inputs: empty prompt")
-        ids, mask = model.batch(tok.encode_batch([prefix + p for p in prompts]))
-    t0 = time.perf_counter()
-    eos = set(model.config.eos_token_ids)
-    n = opts.num_return_sequences
-    prompt_lens = mask.sum(axis=1)
-    if opts.num_beams > 1:
-        per_prompt = beam_search(model, ids, mask, opts)
-        results = []
-        for i, hyps in enumerate(per_prompt):
-            row = []
-            for h in hyps:
-                text, reason = None, h.finish_reason
-                if tok is not None:
-                    text, hit = StopMatcher(opts.stop).feed(tok.decode(h.tokens))
-                    reason = "stop" if hit else reason
-                row.append(Result(text, h.tokens, reason, int(prompt_lens[i]), score=h.score))
-            results.append(row)
-    else:
-        rep_ids, rep_mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
-        start = int(model.config.decoder_start_token_id)
-        hyps = [Hypothesis([start]) for _ in range(rep_ids.shape[0])]
-        texts = [_RowText(tok, opts.stop, eos) for _ in hyps] if tok is not None else None
-        stopped: set[int] = set()
-        for rows, tokens in token_loop(model, rep_ids, rep_mask, opts, stopped=stopped):
-            for r, t in zip(rows, tokens):
-                hyps[r].tokens.append(int(t))
-                if t in eos:
-                    hyps[r].finish_reason = "eos"
-                elif texts is not None:
-                    texts[r].push(t)
-                    if texts[r].stopped:
-                        stopped.add(int(r))
-                        hyps[r].finish_reason = "stop"
-        results = []
-        for i in range(ids.shape[0]):
-            row = []
-            for j in range(i * n, (i + 1) * n):
-                text = None
-                if texts is not None:
-                    texts[j].finish()
-                    text = "".join(texts[j].text)
-                row.append(Result(text, hyps[j].tokens, hyps[j].finish_reason, int(prompt_lens[i])))
-            results.append(row)
-    seconds = time.perf_counter() - t0
-    for row in results:
-        for r in row:
-            r.seconds = seconds
+    rows = _prompt_ids(model, kind, prompts, prefix, tok)
+    results: list[list[Result]] = []
+    for ids, mask in _batches(model, rows, attention_mask):
+        t0 = time.perf_counter()
+        batch_results = _run_batch(model, ids, mask, opts, tok)
+        seconds = time.perf_counter() - t0
+        for row in batch_results:
+            for r in row:
+                r.seconds = seconds
+        results += batch_results
     return kind, results
 
 
-def stream(model: Any, inputs: Any, *, task: str | None = None, **options: Any) -> Iterator[Any]:
-    """Yield text pieces (or token ids, for token-id input) as they are decided, for one prompt.
+def stream(model: Any, inputs: Any, *, task: str | None = None, start_decoding: Any = None,
+           on_done: Any = None, **options: Any) -> Iterator[Any]:
+    """Text pieces (or token ids, for token-id input) as they are decided, for one prompt.
     Beam search cannot know its result before the end: it yields the final text once.
-    Closing the iterator stops decoding and releases its arena memory."""
+    Closing the iterator stops decoding and releases its arena memory. Inputs are checked now,
+    not at the first `next()`. `on_done(tokens)` receives the generated ids when the stream ends."""
     opts, prefix = resolve_options(model, task, **options)
     kind, prompts = _normalise_inputs(inputs)
     if len(prompts) != 1:
         raise InputError(f"stream=True takes one prompt, got {len(prompts)}")
     if opts.num_return_sequences != 1:
         raise InputError("stream=True returns one sequence: num_return_sequences must be 1")
-    if opts.num_beams > 1:
-        _, results = run(model, inputs, task=task, **options)
-        r = results[0][0]
-        yield from ([r.text] if kind != "ids" else r.token_ids[1:])
-        return
     tok = getattr(model, "tokenizer", None)
     if kind != "ids" or opts.stop:
         tok = _need_tokenizer(model, "text input" if kind != "ids" else "stop strings")
-    if kind == "ids":
-        ids, mask = model.batch([(tok.encode(prefix, add_eos=False) if prefix and tok else [])
-                                 + list(prompts[0])])
+    rows = _prompt_ids(model, kind, prompts, prefix, tok)
+    if opts.num_beams > 1:
+        if start_decoding is not None:
+            raise InputError("beam search cannot continue a session: use num_beams=1")
+        return _stream_beam(model, rows, kind, opts, tok)
+    ids, mask = model.batch(rows)
+    return _stream_tokens(model, ids, mask, kind, opts, tok, start_decoding, on_done)
+
+
+def _stream_beam(model: Any, rows: list, kind: str, opts: GenerationOptions, tok: Any) -> Iterator[Any]:
+    ids, mask = model.batch(rows)
+    r = _run_batch(model, ids, mask, opts, tok)[0][0]
+    if kind != "ids":
+        yield r.text
     else:
-        if not prompts[0].strip():
-            raise InputError("inputs: empty prompt")
-        ids, mask = model.batch([tok.encode(prefix + prompts[0])])
-    eos = set(model.config.eos_token_ids)
+        yield from r.token_ids[len(r.token_ids) - r.new_tokens:]
+
+
+def _stream_tokens(model: Any, ids: np.ndarray, mask: np.ndarray, kind: str,
+                   opts: GenerationOptions, tok: Any, start_decoding: Any,
+                   on_done: Any) -> Iterator[Any]:
+    eos = set(ids_of(model).eos_token_ids)
     text = _RowText(tok, opts.stop, eos) if kind != "ids" or opts.stop else None
-    stopped: set[int] = set()
-    loop = token_loop(model, ids, mask, opts, stopped=stopped)
+    generated: list[int] = []
+    loop = token_loop(model, ids, mask, opts, start_decoding=start_decoding)
     try:
         for _, tokens in loop:
             t = int(tokens[0])
-            if kind == "ids":
-                if text is not None:
-                    text.push(t)
-                    if text.stopped:
-                        return
-                yield t
-            else:
+            generated.append(t)
+            if text is not None:
                 piece = text.push(t)
-                if piece:
+                if kind != "ids" and piece:
                     yield piece
                 if text.stopped:
                     return
+            if kind == "ids":
+                yield t
         if kind != "ids":
             tail = text.finish()
             if tail:
                 yield tail
     finally:
         loop.close()
+        if on_done is not None:
+            on_done(generated)
+
+
+def session_generate(session: Any, prompt: Any, *, stream: bool = False, **options: Any) -> Any:
+    """Generate inside a decoder-only model's session: the prompt continues what the session has
+    seen (memory), and what is generated is remembered for the next call."""
+    import functools
+    model = session.model
+    opts, _ = resolve_options(model, **options)
+    if opts.num_beams != 1 or opts.num_return_sequences != 1:
+        raise InputError("a session continues one sequence: num_beams and num_return_sequences "
+                         "must be 1")
+    kind = "ids" if not isinstance(prompt, str) else "text"
+    if kind == "text":
+        new = (_need_tokenizer(model, "text input").encode(prompt, add_eos=False)
+               if prompt.strip() else [])
+    else:
+        new = [int(t) for t in prompt]
+    ids = ([session.last_token] if session.last_token is not None else []) + new
+    if not ids:
+        raise InputError("session: nothing to continue from: give a prompt")
+    session.last_token = None
+
+    def remember(tokens: list[int]) -> None:
+        session.last_token = tokens[-1] if tokens else ids[-1]
+
+    start = functools.partial(model.start_decoding, memory=session.memory)
+    tok = _need_tokenizer(model, "stop strings") if (kind == "text" or opts.stop) else None
+    batch, mask = model.batch([ids])
+    pieces = _stream_tokens(model, batch, mask, kind, opts, tok, start, remember)
+    if stream:
+        return pieces
+    out = list(pieces)
+    return "".join(out) if kind == "text" else out
 
 
 def generate(model: Any, inputs: Any, *, stream_output: bool = False, task: str | None = None,

@@ -102,6 +102,7 @@ class Arena:
         self._buf = self._raw[skip: skip + self.capacity]
         self._top = 0
         self._peak = 0
+        self._holds: list[Hold] = []
 
     # -- allocation -------------------------------------------------------------------------------
     def alloc(self, shape: tuple[int, ...] | int, dtype: Any, what: str = "") -> Any:
@@ -155,6 +156,23 @@ class Arena:
 
     def reset(self) -> None:
         self._top = 0
+        self._holds.clear()
+
+    # -- long-lived blocks ------------------------------------------------------------------------
+    def hold(self, specs: BufferSpec) -> "Hold":
+        """Allocate `specs` as a block that outlives scopes opened later (e.g. Transformer-XL's
+        segment memory carried between calls). `Hold.release()` gives it back; the space returns
+        to the arena once every block allocated above it is released too (stack order), so
+        releasing in any order is safe. Do not open a hold inside a `scope()` you then leave."""
+        start = self._top
+        buffers = self.alloc_many(specs)
+        held = Hold(self, start, self._top, buffers)
+        self._holds.append(held)
+        return held
+
+    def _pop_released(self) -> None:
+        while self._holds and self._holds[-1].released and self._holds[-1].end == self._top:
+            self._top = self._holds.pop().start
 
     # -- accounting -------------------------------------------------------------------------------
     @property
@@ -174,3 +192,21 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena({self.name!r}, used={format_bytes(self._top)}, "
                 f"peak={format_bytes(self._peak)}, capacity={format_bytes(self.capacity)})")
+
+
+class Hold:
+    """A long-lived arena block (see `Arena.hold`): named buffers plus its span."""
+
+    def __init__(self, arena: Arena, start: int, end: int, buffers: dict[str, Any]):
+        self.arena, self.start, self.end, self.buffers = arena, start, end, buffers
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.buffers = {}
+            self.arena._pop_released()
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start

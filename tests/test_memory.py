@@ -101,3 +101,21 @@ def test_parse_bytes_rejects_nonsense(bad):
 
 def test_align_up():
     assert [align_up(n) for n in (0, 1, 256, 257)] == [0, 256, 256, 512]
+
+
+def test_holds_outlive_scopes_and_release_in_any_order():
+    arena = Arena(1 << 16)
+    a = arena.hold({"m": ((100,), np.float32)})
+    with arena.scope():
+        arena.alloc((10,), np.float32)
+    b = arena.hold({"m": ((50,), np.float32)})
+    a.buffers["m"][...] = 1
+    assert arena.used == b.end
+    a.release()                      # not on top: space stays until b goes
+    assert arena.used == b.end
+    b.release()                      # now both come back
+    assert arena.used == 0
+    c = arena.hold({"m": ((10,), np.float32)})
+    c.release()
+    c.release()                      # idempotent
+    assert arena.used == 0

@@ -1,0 +1,695 @@
+"""Transformer-XL (transfo-xl-wt103) as pure functions over `be.xp`, with explicit segment memory.
+
+Follows Dai et al. 2019, "Transformer-XL: Attentive Language Models Beyond a Fixed-Length
+Context", and the numerics of Hugging Face transformers' TransfoXL (see docs/architecture.md):
+an adaptive input embedding scaled by sqrt(d_model); per layer, attention over [memory; segment]
+with sinusoidal *relative* positions, score = (q+u).k + rel_shift((q+v).r) scaled by 1/sqrt(d);
+post-norm (or pre-norm) residual blocks; a projected adaptive log-softmax head.
+
+The reference implementation is time-major (T, B, C); this file is batch-first throughout and
+converts nothing at run time. Shapes: B batch, T segment length, M memory length, K = M + T keys,
+H heads, D head dim, C d_model, F d_inner, V vocab, L layers.
+
+Segment memory (`XLMemory`): each layer's INPUT of the last `mem_len` positions, (L, B, mem_len, C)
+held in the arena across calls and updated in place. A fresh memory is EMPTY (the paper's
+semantics; HF would start from mem_len zero vectors instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .. import ops
+from ..backend import Backend
+from ..checkpoint import Checkpoint, check_names
+from ..errors import CheckpointError, ConfigError, InputError
+from ..memory import BufferSpec, bytes_needed
+
+NEG_INF = float(np.finfo(np.float32).min)
+
+
+# =====================================================================================================
+# Config
+# =====================================================================================================
+@dataclass(frozen=True)
+class XLConfig:
+    vocab_size: int
+    cutoffs: tuple[int, ...]       # cluster boundaries inside the vocabulary (may be empty)
+    d_model: int
+    d_embed: int
+    n_head: int
+    d_head: int
+    d_inner: int
+    div_val: int
+    n_layer: int
+    mem_len: int
+    clamp_len: int                 # <= 0: positions are not clamped
+    same_length: bool
+    pre_lnorm: bool
+    untie_r: bool
+    tie_word_embeddings: bool
+    tie_projs: tuple[bool, ...]
+    eps: float
+    tgt_len: int                   # the segment length the checkpoint was evaluated with
+    eos_token_id: int
+
+    @property
+    def cluster_ends(self) -> list[int]:
+        """[0, c1, ..., V]: cluster i holds ids [ends[i], ends[i+1])."""
+        return [0, *self.cutoffs, self.vocab_size]
+
+    def emb_dim(self, i: int) -> int:
+        return self.d_embed // (self.div_val ** i) if self.div_val > 1 else self.d_embed
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "XLConfig":
+        def get_int(key: str, default: int | None = None, minimum: int = 1) -> int:
+            value = cfg.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{source}: '{key}' must be an integer >= {minimum}, got {value!r}")
+            return value
+
+        if cfg.get("model_type", "transfo-xl") != "transfo-xl":
+            raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not transfo-xl")
+        if cfg.get("attn_type", 0) != 0:
+            raise ConfigError(f"{source}: attn_type {cfg.get('attn_type')!r} is not supported "
+                              "(only 0, relative attention, as in every released checkpoint)")
+        vocab = get_int("vocab_size", 267735)
+        cutoffs = cfg.get("cutoffs", [20000, 40000, 200000])
+        if (not isinstance(cutoffs, list) or not all(isinstance(c, int) for c in cutoffs)
+                or list(cutoffs) != sorted(set(cutoffs)) or any(not 0 < c < vocab for c in cutoffs)):
+            raise ConfigError(f"{source}: 'cutoffs' must be increasing ids inside the vocabulary "
+                              f"(vocab_size {vocab}), got {cutoffs!r}")
+        n_clusters = len(cutoffs) + 1
+        share = cfg.get("proj_share_all_but_first", True)
+        tie_projs = cfg.get("tie_projs", [False] + [bool(share)] * len(cutoffs))
+        if not isinstance(tie_projs, list) or len(tie_projs) != n_clusters:
+            raise ConfigError(f"{source}: 'tie_projs' must list {n_clusters} booleans, got {tie_projs!r}")
+        eps = cfg.get("layer_norm_epsilon", 1e-5)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
+            raise ConfigError(f"{source}: 'layer_norm_epsilon' must be a small number, got {eps!r}")
+        eos = cfg.get("eos_token_id", 0)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else 0
+        if not isinstance(eos, int) or not 0 <= eos < vocab:
+            raise ConfigError(f"{source}: 'eos_token_id' must be a token id, got {eos!r}")
+        d_model = get_int("d_model", 1024)
+        if d_model % 2:
+            raise ConfigError(f"{source}: 'd_model' must be even (sinusoid halves), got {d_model}")
+        div_val = get_int("div_val", 4)
+        d_embed = get_int("d_embed", d_model)
+        if div_val > 1 and d_embed // div_val ** len(cutoffs) < 1:
+            raise ConfigError(f"{source}: d_embed {d_embed} / div_val {div_val}^{len(cutoffs)} leaves "
+                              "an empty embedding for the last cluster")
+        clamp = cfg.get("clamp_len", 1000)
+        if isinstance(clamp, bool) or not isinstance(clamp, int):
+            raise ConfigError(f"{source}: 'clamp_len' must be an integer, got {clamp!r}")
+        return cls(
+            vocab_size=vocab, cutoffs=tuple(cutoffs), d_model=d_model, d_embed=d_embed,
+            n_head=get_int("n_head", 16), d_head=get_int("d_head", 64),
+            d_inner=get_int("d_inner", 4096), div_val=div_val, n_layer=get_int("n_layer", 18),
+            mem_len=get_int("mem_len", 1600, minimum=0), clamp_len=clamp,
+            same_length=bool(cfg.get("same_length", True)), pre_lnorm=bool(cfg.get("pre_lnorm", False)),
+            untie_r=bool(cfg.get("untie_r", True)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            tie_projs=tuple(bool(t) for t in tie_projs), eps=float(eps),
+            tgt_len=get_int("tgt_len", 128), eos_token_id=eos,
+        )
+
+
+# =====================================================================================================
+# Checkpoint names -> parameter tree
+# =====================================================================================================
+def _shapes(cfg: XLConfig) -> tuple[dict[str, tuple], dict[str, str]]:
+    """(required tensors with HF shapes, tied copies a file may omit -> the tensor they copy)."""
+    C, H, D, F, V = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner, cfg.vocab_size
+    ends = cfg.cluster_ends
+    n = len(ends) - 1
+    req: dict[str, tuple] = {"transformer.pos_emb.inv_freq": (C // 2,)}
+    tied: dict[str, str] = {}
+    emb = "transformer.word_emb"
+    if cfg.div_val == 1:
+        req[f"{emb}.emb_layers.0.weight"] = (V, cfg.d_embed)
+        if C != cfg.d_embed:
+            req[f"{emb}.emb_projs.0"] = (C, cfg.d_embed)
+    else:
+        for i in range(n):
+            req[f"{emb}.emb_layers.{i}.weight"] = (ends[i + 1] - ends[i], cfg.emb_dim(i))
+            req[f"{emb}.emb_projs.{i}"] = (C, cfg.emb_dim(i))
+    for l in range(cfg.n_layer):
+        p = f"transformer.layers.{l}"
+        req.update({
+            f"{p}.dec_attn.qkv_net.weight": (3 * H * D, C), f"{p}.dec_attn.o_net.weight": (C, H * D),
+            f"{p}.dec_attn.r_net.weight": (H * D, C),
+            f"{p}.dec_attn.layer_norm.weight": (C,), f"{p}.dec_attn.layer_norm.bias": (C,),
+            f"{p}.pos_ff.CoreNet.0.weight": (F, C), f"{p}.pos_ff.CoreNet.0.bias": (F,),
+            f"{p}.pos_ff.CoreNet.3.weight": (C, F), f"{p}.pos_ff.CoreNet.3.bias": (C,),
+            f"{p}.pos_ff.layer_norm.weight": (C,), f"{p}.pos_ff.layer_norm.bias": (C,),
+        })
+        if cfg.untie_r:
+            req[f"{p}.dec_attn.r_w_bias"] = (H, D)
+            req[f"{p}.dec_attn.r_r_bias"] = (H, D)
+    if not cfg.untie_r:
+        req["transformer.r_w_bias"] = (H, D)
+        req["transformer.r_r_bias"] = (H, D)
+    if n > 1:
+        req["crit.cluster_weight"] = (n - 1, cfg.d_embed)
+        req["crit.cluster_bias"] = (n - 1,)
+    out_layers = 1 if cfg.div_val == 1 else n
+    for i in range(out_layers):
+        rows = V if cfg.div_val == 1 else ends[i + 1] - ends[i]
+        name = f"crit.out_layers.{i}.weight"
+        shape = (rows, cfg.emb_dim(i))
+        if cfg.tie_word_embeddings:
+            tied[name] = f"{emb}.emb_layers.{i}.weight"
+            req.setdefault("__tied_shapes__", {})  # type: ignore[arg-type]
+        else:
+            req[name] = shape
+        req[f"crit.out_layers.{i}.bias"] = (rows,)
+    for i in range(n):
+        if cfg.div_val == 1 and C == cfg.d_embed:
+            continue  # no projections at all
+        name = f"crit.out_projs.{i}"
+        if cfg.tie_projs[i]:
+            tied[name] = f"{emb}.emb_projs.{0 if cfg.div_val == 1 else i}"
+        else:
+            req[name] = (C, cfg.emb_dim(i))
+    req.pop("__tied_shapes__", None)
+    return req, tied
+
+
+def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend) -> dict:
+    """Check names and shapes, resolve tied tensors (a safetensors save omits them), and build the
+    parameter tree with (in, out) matrices. A tied copy present in the file (old .bin saves) is
+    ignored in favour of its source, as HF re-ties on load."""
+    required, tied = _shapes(cfg)
+    check_names(ckpt, required, ignorable=tied)
+    shapes = dict(required)
+    for name, source in tied.items():
+        shapes[name] = required[source]
+    for name, shape in shapes.items():
+        if name in ckpt and ckpt.info(name).shape != shape:
+            raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}' has shape "
+                                  f"{list(ckpt.info(name).shape)}, config implies {list(shape)}")
+
+    def read(name: str) -> np.ndarray:
+        return ckpt.read(tied.get(name, name), be.dtype)
+
+    def t(name: str) -> Any:  # HF (out, in) -> (in, out)
+        return be.asarray(np.ascontiguousarray(read(name).T))
+
+    C = cfg.d_model
+    ends = cfg.cluster_ends
+    n = len(ends) - 1
+    emb = "transformer.word_emb"
+    # adaptive input: per cluster a table (n_i, d_i) and a projection to C stored (d_i, C)
+    if cfg.div_val == 1:
+        tables = [be.asarray(read(f"{emb}.emb_layers.0.weight"))]
+        projs = [t(f"{emb}.emb_projs.0") if C != cfg.d_embed else None]
+    else:
+        tables = [be.asarray(read(f"{emb}.emb_layers.{i}.weight")) for i in range(n)]
+        projs = [t(f"{emb}.emb_projs.{i}") for i in range(n)]
+
+    layers = []
+    for l in range(cfg.n_layer):
+        p = f"transformer.layers.{l}"
+        r_src = f"{p}.dec_attn" if cfg.untie_r else "transformer"
+        layers.append({
+            "w_qkv": t(f"{p}.dec_attn.qkv_net.weight"),           # (C, 3HD)
+            "w_o": t(f"{p}.dec_attn.o_net.weight"),               # (HD, C)
+            "w_r": t(f"{p}.dec_attn.r_net.weight"),               # (C, HD)
+            "r_w_bias": be.asarray(read(f"{r_src}.r_w_bias")),   # (H, D): "u"
+            "r_r_bias": be.asarray(read(f"{r_src}.r_r_bias")),   # (H, D): "v"
+            "ln_attn": (be.asarray(read(f"{p}.dec_attn.layer_norm.weight")),
+                        be.asarray(read(f"{p}.dec_attn.layer_norm.bias"))),
+            "w1": t(f"{p}.pos_ff.CoreNet.0.weight"), "b1": be.asarray(read(f"{p}.pos_ff.CoreNet.0.bias")),
+            "w2": t(f"{p}.pos_ff.CoreNet.3.weight"), "b2": be.asarray(read(f"{p}.pos_ff.CoreNet.3.bias")),
+            "ln_ff": (be.asarray(read(f"{p}.pos_ff.layer_norm.weight")),
+                      be.asarray(read(f"{p}.pos_ff.layer_norm.bias"))),
+        })
+
+    # output clusters: logits_i = (h @ proj_i) @ W_i + b_i; the head also scores the tail clusters
+    clusters = []
+    for i in range(n):
+        if cfg.div_val == 1:
+            w_all = read("crit.out_layers.0.weight")  # (V, d)
+            w = w_all[ends[i]:ends[i + 1]]
+            b = read("crit.out_layers.0.bias")[ends[i]:ends[i + 1]]
+            proj = None if C == cfg.d_embed else be.asarray(read(f"crit.out_projs.{i}"))
+        else:
+            w = read(f"crit.out_layers.{i}.weight")
+            b = read(f"crit.out_layers.{i}.bias")
+            proj = be.asarray(read(f"crit.out_projs.{i}"))  # (C, d_i): used as h @ proj
+        if i == 0 and n > 1:
+            w = np.concatenate([w, read("crit.cluster_weight")], axis=0)
+            b = np.concatenate([b, read("crit.cluster_bias")], axis=0)
+        clusters.append({"proj": proj, "w": be.asarray(np.ascontiguousarray(w.T)), "b": be.asarray(b)})
+    return {"emb_tables": tables, "emb_projs": projs, "inv_freq": read("transformer.pos_emb.inv_freq"),
+            "layers": layers, "clusters": clusters}
+
+
+# =====================================================================================================
+# Pieces of the forward pass
+# =====================================================================================================
+def embed(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray) -> Any:
+    """Adaptive input embedding: (B, T) ids -> (B, T, C), scaled by sqrt(d_model)."""
+    xp = be.xp
+    B, T = ids.shape
+    if cfg.div_val == 1:
+        out = xp.take(params["emb_tables"][0], be.asarray(ids), axis=0)       # (B, T, d)
+        if params["emb_projs"][0] is not None:
+            out = out @ params["emb_projs"][0]                                 # (B, T, C)
+    else:
+        flat = ids.reshape(-1)
+        out = xp.zeros((flat.size, cfg.d_model), dtype=be.dtype)
+        ends = cfg.cluster_ends
+        for i in range(len(ends) - 1):
+            rows = np.flatnonzero((flat >= ends[i]) & (flat < ends[i + 1]))
+            if rows.size == 0:
+                continue
+            vec = xp.take(params["emb_tables"][i], be.asarray(flat[rows] - ends[i]), axis=0)
+            out[be.asarray(rows)] = vec @ params["emb_projs"][i]               # (n, C)
+        out = out.reshape(B, T, cfg.d_model)
+    out *= math.sqrt(cfg.d_model)
+    return out
+
+
+def positional_embedding(be: Backend, cfg: XLConfig, inv_freq: np.ndarray, klen: int) -> Any:
+    """(K, C) sinusoids of the distances K-1 ... 0 (clamped at clamp_len), [sin | cos] halves,
+    in float32 from the checkpoint's inv_freq (the reference's own precision)."""
+    pos = np.arange(klen - 1, -1, -1.0, dtype=np.float32)
+    if cfg.clamp_len > 0:
+        np.minimum(pos, np.float32(cfg.clamp_len), out=pos)
+    angles = np.outer(pos, inv_freq.astype(np.float32))                       # (K, C/2)
+    return be.asarray(np.concatenate([np.sin(angles), np.cos(angles)], axis=-1), be.dtype)
+
+
+def rel_shift(xp: Any, x: Any) -> Any:
+    """Turn scores indexed by position-embedding row into scores indexed by key.
+
+    x (..., T, K): x[..., i, m] pairs query i with embedding row m (distance K-1-m). Pad one zero
+    column, view (..., K+1, T), drop the first row, view back (..., T, K): then
+    out[..., i, j] = x[..., i, j + T - 1 - i] wherever that index is in range, i.e. for every key
+    j <= i + M the query may see (the rest is masked)."""
+    *lead, T, K = x.shape
+    padded = xp.concatenate([xp.zeros((*lead, T, 1), dtype=x.dtype), x], axis=-1)  # (..., T, K+1)
+    return padded.reshape(*lead, K + 1, T)[..., 1:, :].reshape(*lead, T, K)
+
+
+def attention_mask(cfg: XLConfig, qlen: int, mlen: int) -> np.ndarray:
+    """(T, K) True where query i may NOT see key j: keys after it; with same_length also keys
+    more than `mem_len` back, so every query sees the same number of keys."""
+    klen = mlen + qlen
+    i = np.arange(qlen)[:, None]
+    j = np.arange(klen)[None, :]
+    blocked = j > i + mlen
+    if cfg.same_length:
+        mask_len = klen - cfg.mem_len
+        shift = qlen - mask_len if mask_len > 0 else qlen
+        blocked |= j <= i - shift
+    return blocked
+
+
+def log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any) -> Any:
+    """Projected adaptive log-softmax: hidden (N, C) -> log-probabilities (N, V) float32."""
+    xp = be.xp
+    clusters = params["clusters"]
+    ends = cfg.cluster_ends
+
+    def logits(c: dict, h: Any) -> Any:
+        if c["proj"] is not None:
+            h = h @ c["proj"]                                                  # (N, d_i)
+        return h @ c["w"] + c["b"]                                             # (N, n_i)
+
+    head = ops.log_softmax(xp, logits(clusters[0], hidden).astype(np.float32))  # (N, c0 + n-1)
+    if len(clusters) == 1:
+        return head
+    out = xp.empty((hidden.shape[0], cfg.vocab_size), dtype=np.float32)
+    out[:, :ends[1]] = head[:, :ends[1]]
+    for i in range(1, len(clusters)):
+        tail = ops.log_softmax(xp, logits(clusters[i], hidden).astype(np.float32))
+        out[:, ends[i]:ends[i + 1]] = tail + head[:, ends[1] + i - 1:ends[1] + i]
+    return out
+
+
+# =====================================================================================================
+# Segment memory
+# =====================================================================================================
+class XLMemory:
+    """Each layer's input over the last `mem_len` positions: (L, B, mem_len, C) in the arena.
+
+    `length` positions are filled (0 = empty memory). Forward calls read it and update it in place;
+    `release()` (or garbage collection) hands the arena block back."""
+
+    def __init__(self, be: Backend, cfg: XLConfig, batch: int):
+        self.cfg, self.batch = cfg, batch
+        spec = {"memory": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), be.dtype)}
+        self._hold = be.arena.hold(spec)
+        self.states = self._hold.buffers["memory"]
+        self.length = 0
+        self._finalizer = weakref.finalize(self, self._hold.release)
+
+    def layer(self, l: int) -> Any:
+        """(B, M, C) view of layer l's filled memory."""
+        return self.states[l, :, :self.length]
+
+    def update(self, l: int, hidden: Any, old_length: int) -> None:
+        """Append layer l's input `hidden` (B, T, C) to its memory, keeping the last mem_len."""
+        cap, T = self.cfg.mem_len, hidden.shape[1]
+        if cap == 0:
+            return
+        buf = self.states[l]
+        if T >= cap:
+            buf[:, :cap] = hidden[:, T - cap:]
+            return
+        keep = min(old_length, cap - T)
+        if keep:
+            buf[:, :keep] = buf[:, old_length - keep:old_length].copy()
+        buf[:, keep:keep + T] = hidden
+
+    def advance(self, T: int) -> None:
+        self.length = min(self.length + T, self.cfg.mem_len)
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Keep / duplicate batch rows (finished rows leave; beams follow their parents)."""
+        n = len(rows)
+        for l in range(self.cfg.n_layer):
+            filled = self.states[l, :, :self.length]
+            filled[:n] = filled[rows]
+        self.batch = n
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def release(self) -> None:
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def to_host(self) -> np.ndarray:
+        """(L, B, M, C) float32 copy of the filled memory."""
+        return np.array(self.states[:, :self.batch, :self.length], dtype=np.float32)
+
+
+def layer_specs(cfg: XLConfig, B: int, T: int, K: int, dtype: Any) -> BufferSpec:
+    """Scratch of one forward call (reused by every layer)."""
+    H, D = cfg.n_head, cfg.d_head
+    return {
+        "cat": ((B, K, cfg.d_model), dtype),
+        "qkv": ((B, K, 3 * H * D), dtype),
+        "scores": ((B, H, T, K), dtype),
+        "bd": ((B, H, T, K), dtype),
+        "ctx": ((B, T, H * D), dtype),
+        "ff": ((B, T, cfg.d_inner), dtype),
+    }
+
+
+def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
+                   memory: XLMemory) -> Any:
+    """(B, T) ids with `memory` (read, then updated in place) -> last layer output (B, T, C)."""
+    xp = be.xp
+    B, T = ids.shape
+    M = memory.length
+    K = M + T
+    H, D = cfg.n_head, cfg.d_head
+    x = embed(be, cfg, params, ids)                                            # (B, T, C)
+    pos = positional_embedding(be, cfg, params["inv_freq"], K)                 # (K, C)
+    blocked = attention_mask(cfg, T, M)                                        # (T, K)
+    mask = be.asarray(blocked) if blocked.any() else None
+    scale = 1.0 / math.sqrt(D)
+    with be.arena.scope():
+        ws = be.arena.alloc_many(layer_specs(cfg, B, T, K, be.dtype))
+        for l, p in enumerate(params["layers"]):
+            cat = ws["cat"]
+            cat[:, :M] = memory.layer(l)
+            cat[:, M:] = x                                                     # (B, K, C)
+            inp = ops.layer_norm(xp, cat, *p["ln_attn"], cfg.eps) if cfg.pre_lnorm else cat
+            qkv = xp.matmul(inp, p["w_qkv"], out=ws["qkv"]).reshape(B, K, 3, H, D)
+            q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                            # (B, H, T, D)
+            k = qkv[:, :, 1].transpose(0, 2, 1, 3)                             # (B, H, K, D)
+            v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+            r = (pos @ p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)           # (H, D, K)
+            scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
+                               out=ws["scores"])                               # AC (B, H, T, K)
+            bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])     # (B, H, T, K)
+            scores += rel_shift(xp, bd)
+            scores *= scale
+            if mask is not None:
+                scores[:, :, blocked] = NEG_INF
+            ops.softmax_(xp, scores)
+            ctx = ws["ctx"]
+            xp.matmul(scores, v, out=ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+            attn = ctx @ p["w_o"]                                              # (B, T, C)
+            memory.update(l, x, M)          # this layer's input joins its memory
+            if cfg.pre_lnorm:
+                a = x + attn
+                h = xp.matmul(ops.layer_norm(xp, a, *p["ln_ff"], cfg.eps), p["w1"], out=ws["ff"])
+                h += p["b1"]
+                x = a + (ops.relu_(xp, h) @ p["w2"] + p["b2"])
+            else:
+                a = ops.layer_norm(xp, x + attn, *p["ln_attn"], cfg.eps)
+                h = xp.matmul(a, p["w1"], out=ws["ff"])
+                h += p["b1"]
+                x = ops.layer_norm(xp, a + (ops.relu_(xp, h) @ p["w2"] + p["b2"]), *p["ln_ff"],
+                                   cfg.eps)
+    memory.advance(T)
+    return x
+
+
+# =====================================================================================================
+# Incremental decoding state (the generation loops' protocol)
+# =====================================================================================================
+PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
+
+
+class XLDecodeState:
+    """Generation state: the prompt's memory plus the log-probs of its last position.
+
+    The loops feed `first_tokens` (the prompt's last token) at step 0: that step returns the log-
+    probs the prompt already produced instead of running the model again; later steps run one token
+    through the model with the carried memory."""
+
+    def __init__(self, model: "XLModel", memory: XLMemory, first_log_probs: Any,
+                 first_tokens: np.ndarray):
+        self.model, self.memory = model, memory
+        self.first_tokens = first_tokens
+        self._pending = first_log_probs
+        self.batch = len(first_tokens)
+
+    def step(self, tokens: np.ndarray) -> Any:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        m = self.model
+        h = forward_hidden(m.backend, m.config, m.params,
+                           np.asarray(tokens, np.int64).reshape(self.batch, 1), self.memory)
+        return log_probs(m.backend, m.config, m.params, h[:, 0])              # (b, V)
+
+    def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
+        rows = np.asarray(rows, np.int64)
+        if self._pending is not None:
+            self._pending = self._pending[rows]
+        self.memory.reorder(rows)
+        self.batch = len(rows)
+
+
+# =====================================================================================================
+# The model object the public API hands out
+# =====================================================================================================
+@dataclass(frozen=True)
+class _GenerationIds:
+    """What the model-agnostic generation code needs to know about token ids."""
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    decoder_start_token_id: int | None = None
+
+
+class XLModel:
+    """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
+
+    family = "transfo-xl"
+    is_encoder_decoder = False
+    add_eos_to_prompt = False
+
+    def __init__(self, config: XLConfig, params: dict, backend: Backend, folder: str,
+                 hf_config: dict | None = None, generation_config: dict | None = None,
+                 tokenizer: Any = None):
+        self.config = config
+        self.params = params
+        self.backend = backend
+        self.folder = folder
+        self.hf_config = hf_config or {}
+        self.generation_config = generation_config or {}
+        self.tokenizer = tokenizer
+        # <eos> ends a WT103 line, not a document: generation continues past it (it prints as a
+        # newline); use stop=["\n"] to end at a line break.
+        self.generation_ids = _GenerationIds(eos_token_ids=(), pad_token_id=config.eos_token_id)
+
+    # -- batches, memory, plan ------------------------------------------------------------------------
+    def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        from .t5 import as_batch
+        ids, mask = as_batch(input_ids, self.config.eos_token_id, self.config.vocab_size,
+                             "input_ids", attention_mask)
+        if not mask.all():
+            raise InputError("input_ids: Transformer-XL batches need rows of equal length "
+                             "(no padding); run different lengths one at a time")
+        return ids, mask
+
+    def new_memory(self, batch: int = 1) -> XLMemory:
+        """An empty segment memory for `batch` rows (arena-backed; `release()` when done)."""
+        return XLMemory(self.backend, self.config, batch)
+
+    def plan(self, batch: int, seg_len: int | None = None) -> dict[str, int]:
+        cfg, dt = self.config, self.backend.dtype
+        T = seg_len or cfg.tgt_len
+        memory = bytes_needed({"m": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), dt)})
+        scratch = bytes_needed(layer_specs(cfg, batch, T, cfg.mem_len + T, dt))
+        return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
+
+    def parameter_count(self) -> int:
+        required, _ = _shapes(self.config)
+        return sum(int(np.prod(s)) for n, s in required.items() if n != "transformer.pos_emb.inv_freq")
+
+    # -- the public surface ---------------------------------------------------------------------------
+    def forward(self, input_ids: Any, memory: XLMemory | None = None) -> tuple[np.ndarray, XLMemory]:
+        """(B, T) ids -> (log-probs (B, T, V) float32 numpy, memory). `memory=None` starts from an
+        empty memory; a given memory is read and updated in place (and returned)."""
+        ids, _ = self.batch(input_ids)
+        if memory is None:
+            memory = self.new_memory(ids.shape[0])
+        elif memory.released or memory.batch != ids.shape[0]:
+            raise InputError(f"memory: holds {memory.batch} rows"
+                             + (" and was released" if memory.released else "")
+                             + f", input_ids has {ids.shape[0]}")
+        B, T = ids.shape
+        h = forward_hidden(self.backend, self.config, self.params, ids, memory)
+        lp = log_probs(self.backend, self.config, self.params, h.reshape(B * T, -1))
+        return np.asarray(self.backend.to_host(lp), np.float32).reshape(B, T, -1), memory
+
+    def score(self, inputs: Any, segment_len: int | None = None, memory: XLMemory | None = None,
+              progress: Callable[[int, int], None] | None = None) -> dict:
+        """Log-likelihood of a text (str; one WT103 line per line, <eos> after each) or id list,
+        processed in segments of `segment_len` (default tgt_len) with memory carried.
+        Returns {"log_likelihood", "tokens" (predicted tokens = ids - 1), "perplexity", "seconds"}."""
+        import time
+        if isinstance(inputs, str):
+            if self.tokenizer is None:
+                raise InputError(f"text input requires a tokenizer, and {self.folder} has none")
+            lines = inputs.split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            ids = [t for line in lines for t in self.tokenizer.encode(line, add_eos=True)]
+        else:
+            ids = [int(t) for t in inputs]
+        if len(ids) < 2:
+            raise InputError("score: need at least 2 tokens (the first one is only context)")
+        arr, _ = self.batch([ids])
+        T = segment_len or self.config.tgt_len
+        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+            raise InputError(f"segment_len must be a positive integer, got {segment_len!r}")
+        own = memory is None
+        memory = self.new_memory(1) if own else memory
+        total, n = 0.0, arr.shape[1] - 1
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, T):
+                seg = arr[:, start:min(start + T, n)]
+                targets = arr[0, start + 1:start + 1 + seg.shape[1]]
+                lp, _ = self.forward(seg, memory)
+                total += float(lp[0, np.arange(len(targets)), targets].astype(np.float64).sum())
+                if progress is not None:
+                    progress(start + seg.shape[1], n)
+        finally:
+            if own:
+                memory.release()
+        return {"log_likelihood": total, "tokens": n, "perplexity": math.exp(-total / n),
+                "seconds": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                       max_len: int, memory: XLMemory | None = None) -> Iterator[XLDecodeState]:
+        """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments) and yield
+        the state the generation loops step. A memory passed in (a session's) is continued."""
+        ids, _ = self.batch(input_ids, attention_mask)
+        own = memory is None
+        memory = self.new_memory(ids.shape[0]) if own else memory
+        try:
+            P = ids.shape[1]
+            chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
+            for start in range(0, P, chunk):
+                h = forward_hidden(self.backend, self.config, self.params,
+                                   ids[:, start:start + chunk], memory)
+            first = log_probs(self.backend, self.config, self.params, h[:, -1])  # (B, V)
+            yield XLDecodeState(self, memory, first, ids[:, -1].copy())
+        finally:
+            if own:
+                memory.release()
+
+    def generate(self, inputs: Any, *, stream: bool = False, return_details: bool = False,
+                 **options: Any) -> Any:
+        """Continue a prompt (str, list of str, or token ids) one token per step with cached
+        memory; the shared generation options and streaming apply (see T5Model.generate).
+        Token-id results are the new ids only. <eos> does not stop generation (it is a line end
+        in WT103); pass stop=["\\n"] to end at a line."""
+        from .. import generation
+        return generation.generate(self, inputs, stream_output=stream, return_details=return_details,
+                                   **options)
+
+    def session(self) -> "XLSession":
+        """Keep memory between successive generate / score calls (a chat, a long document)."""
+        return XLSession(self)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"XLModel({self.folder!r}, layers={c.n_layer}, d_model={c.d_model}, "
+                f"vocab={c.vocab_size}, mem_len={c.mem_len}, device={self.backend.device!r})")
+
+
+class XLSession:
+    """A memory carried across calls: `score` and `generate` continue where the last call ended
+    (one row). Use as a context manager, or call `close()`, to give the memory back."""
+
+    def __init__(self, model: XLModel):
+        self.model = model
+        self.memory = model.new_memory(1)
+        self.last_token: int | None = None  # the last token seen, not yet run through the model
+
+    def _feed_pending(self) -> None:
+        if self.last_token is not None:
+            forward_hidden(self.model.backend, self.model.config, self.model.params,
+                           np.array([[self.last_token]]), self.memory)
+            self.last_token = None
+
+    def score(self, inputs: Any, segment_len: int | None = None) -> dict:
+        self._feed_pending()
+        return self.model.score(inputs, segment_len, memory=self.memory)
+
+    def generate(self, prompt: Any, **options: Any) -> Any:
+        """Continue the session: the prompt (may be empty "" to just continue) goes after what the
+        session has seen; the generated tokens are remembered too."""
+        from .. import generation
+        return generation.session_generate(self, prompt, **options)
+
+    def close(self) -> None:
+        self.memory.release()
+
+    def __enter__(self) -> "XLSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
+         tokenizer: Any = None) -> XLModel:
+    cfg = XLConfig.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+    return XLModel(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), ckpt.config,
+                   generation_config, tokenizer)
