@@ -136,39 +136,90 @@ def generate(model, revision, device, dtype, workspace, offline, prompts, max_ne
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Batch size for the memory estimate.")
 @click.option("--src-len", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Input tokens for the memory estimate.")
+              help="Input tokens for the memory estimate (T5) / segment length (XL).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="New tokens for the memory estimate.")
+              help="New tokens for the memory estimate (T5).")
 def info(model, revision, device, dtype, workspace, offline, batch, src_len, max_new_tokens) -> None:
     """Architecture, parameters, files and memory needed by a model."""
     from minfer.memory import format_bytes
     m = _load(model, device, dtype, revision, workspace, offline)
-    c = m.config
     params = m.parameter_count()
-    itemsize = m.backend.dtype.itemsize
-    plan = m.plan(batch, src_len, max_new_tokens)
+    if m.family == "t5":
+        plan = m.plan(batch, src_len, max_new_tokens)
+        need = (f"workspace for batch {batch} x {src_len} -> {max_new_tokens} new",
+                f"{format_bytes(plan['peak'])} (decode state {format_bytes(plan['decode_state'])}, "
+                f"encoder scratch {format_bytes(plan['encoder_scratch'])})")
+    else:
+        plan = m.plan(batch, src_len)
+        need = (f"workspace for batch {batch}, segment {src_len}",
+                f"{format_bytes(plan['peak'])} (memory {format_bytes(plan['memory'])}, "
+                f"segment scratch {format_bytes(plan['segment_scratch'])})")
     files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
-    lines = [
-        ("model", m.folder),
-        ("family", f"{c.model_type} ({'gated-' if c.gated else ''}{c.act} FF, "
-                   f"{'tied' if c.tie_word_embeddings else 'untied'} head)"),
-        ("layers", f"{c.num_layers} encoder / {c.num_decoder_layers} decoder"),
-        ("width", f"d_model {c.d_model}, {c.num_heads} heads x d_kv {c.d_kv}, d_ff {c.d_ff}"),
-        ("vocab", f"{c.vocab_size}"),
-        ("position buckets", f"{c.num_buckets}, max distance {c.max_distance}"),
-        ("parameters", f"{params:,}"),
-        ("device / dtype", f"{m.backend.device} / {m.backend.dtype}"),
-        ("weights in memory", format_bytes(params * itemsize)),
-        (f"workspace for batch {batch} x {src_len} -> {max_new_tokens} new",
-         f"{format_bytes(plan['peak'])} (decode state {format_bytes(plan['decode_state'])}, "
-         f"encoder scratch {format_bytes(plan['encoder_scratch'])})"),
-        ("arena capacity", format_bytes(m.backend.arena.capacity)),
-        ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
-        ("files", ", ".join(files)),
-    ]
+    lines = [("model", m.folder), *m.describe(),
+             ("parameters", f"{params:,}"),
+             ("device / dtype", f"{m.backend.device} / {m.backend.dtype}"),
+             ("weights in memory", format_bytes(params * m.backend.dtype.itemsize)),
+             need,
+             ("arena capacity", format_bytes(m.backend.arena.capacity)),
+             ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
+             ("files", ", ".join(files))]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         click.echo(f"{key:<{width}}  {value}")
+
+
+@cli.command()
+@with_model_options
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.option("--segment-len", type=click.IntRange(min=1), default=None,
+              help="Tokens per segment, memory carried between them  [default: the model's tgt_len].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def score(model, revision, device, dtype, workspace, offline, file, segment_len, as_json) -> None:
+    """Perplexity of a Transformer-XL model on FILE ('-' for stdin), one WT103 line per line."""
+    m = _load(model, device, dtype, revision, workspace, offline)
+    if m.family != "transfo-xl":
+        _fail(f"score needs a Transformer-XL model; {m.folder} is {m.family}")
+    text = file.read()
+    if not text.strip():
+        _fail(f"{file.name}: no text to score", EXIT_USAGE)
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=0, unit="tok", desc="scoring", file=sys.stderr, leave=False)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+    try:
+        result = m.score(text, segment_len=segment_len, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    tps = result["tokens"] / result["seconds"] if result["seconds"] else float("inf")
+    if as_json:
+        click.echo(json.dumps({**result, "tokens_per_second": tps}))
+    else:
+        click.echo(f"perplexity      {result['perplexity']:.4f}")
+        click.echo(f"tokens          {result['tokens']}")
+        click.echo(f"log-likelihood  {result['log_likelihood']:.4f}")
+        click.echo(f"tokens/s        {tps:.1f}")
+
+
+@cli.command()
+@click.option("--model", "-m", required=True, metavar="PATH", help="Local model folder to convert.")
+@click.option("--output", "-o", required=True, metavar="DIR", help="New folder to write.")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
+              show_default=True, help="Float dtype of the written tensors.")
+def convert(model, output, dtype) -> None:
+    """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""
+    from minfer.convert import convert as run_convert
+    from minfer.memory import format_bytes
+    summary = run_convert(model, output, dtype)
+    click.echo(f"wrote {summary['tensors']} tensors ({format_bytes(summary['bytes'])}) to "
+               f"{summary['output']}/model.safetensors; copied {', '.join(summary['copied']) or 'nothing'}")
 
 
 def main(argv: list[str] | None = None) -> None:

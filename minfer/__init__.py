@@ -15,19 +15,25 @@ from . import errors
 from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
                      ModelNotFoundError, TokenizerError)
 from .models.t5 import T5Config, T5Model
+from .models.transfo_xl import XLConfig, XLModel, XLSession
 
-__all__ = ["load", "T5Model", "T5Config", "MinferError", "ConfigError", "CheckpointError",
+__all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError", "ConfigError", "CheckpointError",
            "InputError", "ArenaExhausted", "ModelNotFoundError", "TokenizerError", "errors"]
 __version__ = "0.1.0"
+
+# Files whose presence means a model folder carries its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "vocab.json",
+                   "vocab.txt")
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
          *, revision: str | None = None, offline: bool | None = None, token: str | None = None,
-         cache_dir: str | None = None, **options: Any) -> T5Model:
+         cache_dir: str | None = None, **options: Any) -> T5Model | XLModel:
     """Load a model by hub name or from a local folder in the Hugging Face layout.
 
-    model: "t5-small", "google/flan-t5-base", ... (fetched into the huggingface_hub cache) or a
-        folder with config.json and model.safetensors (or an index and shards).
+    model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
+        huggingface_hub cache) or a folder with config.json and model.safetensors (or an index and
+        shards, or a pytorch_model.bin read without executing pickle code).
     device: "cpu" (CUDA arrives with the CuPy backend).
     dtype: compute dtype; float32 on the CPU (bf16/fp16 checkpoints are widened).
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
@@ -41,12 +47,12 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
     ckpt = Checkpoint(folder)
     model_type = ckpt.config.get("model_type", "t5")
-    if model_type not in ("t5", "mt5"):
+    families = {"t5": "t5", "mt5": "t5", "transfo-xl": "transfo_xl"}
+    if model_type not in families:
         raise ConfigError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported "
-                          "(supported: t5, mt5)")
-    from .models import t5
+                          f"(supported: {', '.join(families)})")
+    import importlib
+    family = importlib.import_module(f".models.{families[model_type]}", __name__)
     be = make_backend(device, dtype, workspace)
-    tokenizer = None
-    if any((folder / f).is_file() for f in ("tokenizer.json", "spiece.model")):
-        tokenizer = load_tokenizer(folder)
-    return t5.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer)
+    tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
+    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer)

@@ -642,6 +642,18 @@ class T5Model:
     def parameter_count(self) -> int:
         return sum(int(np.prod(s)) for s in expected_shapes(self.config).values())
 
+    def describe(self) -> list[tuple[str, str]]:
+        """Architecture facts for `minfer info`."""
+        c = self.config
+        return [
+            ("family", f"{c.model_type} ({'gated-' if c.gated else ''}{c.act} FF, "
+                       f"{'tied' if c.tie_word_embeddings else 'untied'} head)"),
+            ("layers", f"{c.num_layers} encoder / {c.num_decoder_layers} decoder"),
+            ("width", f"d_model {c.d_model}, {c.num_heads} heads x d_kv {c.d_kv}, d_ff {c.d_ff}"),
+            ("vocab", f"{c.vocab_size}"),
+            ("position buckets", f"{c.num_buckets}, max distance {c.max_distance}"),
+        ]
+
     # -- the public surface ---------------------------------------------------------------------------
     def encode(self, input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""

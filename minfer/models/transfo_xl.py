@@ -558,6 +558,20 @@ class XLModel:
         required, _ = _shapes(self.config)
         return sum(int(np.prod(s)) for n, s in required.items() if n != "transformer.pos_emb.inv_freq")
 
+    def describe(self) -> list[tuple[str, str]]:
+        """Architecture facts for `minfer info`."""
+        c = self.config
+        return [
+            ("family", f"transfo-xl ({'pre' if c.pre_lnorm else 'post'}-norm, "
+                       f"{'untied' if c.untie_r else 'shared'} u/v biases)"),
+            ("layers", f"{c.n_layer}"),
+            ("width", f"d_model {c.d_model}, {c.n_head} heads x d_head {c.d_head}, "
+                      f"d_inner {c.d_inner}, d_embed {c.d_embed}"),
+            ("vocab", f"{c.vocab_size}, clusters at {list(c.cutoffs) or 'none'}, div_val {c.div_val}"),
+            ("memory", f"mem_len {c.mem_len}, segment {c.tgt_len}, clamp_len {c.clamp_len}, "
+                       f"same_length {c.same_length}"),
+        ]
+
     # -- the public surface ---------------------------------------------------------------------------
     def forward(self, input_ids: Any, memory: XLMemory | None = None) -> tuple[np.ndarray, XLMemory]:
         """(B, T) ids -> (log-probs (B, T, V) float32 numpy, memory). `memory=None` starts from an
