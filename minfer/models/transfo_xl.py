@@ -104,9 +104,8 @@ class XLConfig:
             raise ConfigError(f"{source}: 'd_model' must be even (sinusoid halves), got {d_model}")
         div_val = get_int("div_val", 4)
         d_embed = get_int("d_embed", d_model)
-        if div_val > 1 and d_embed // div_val ** len(cutoffs) < 1:
-            raise ConfigError(f"{source}: d_embed {d_embed} / div_val {div_val}^{len(cutoffs)} leaves "
-                              "an empty embedding for the last cluster")
+        # d_embed // div_val**i may reach 0 for the last clusters: HF builds zero-width tables
+        # (their tokens embed to zero, their logits are the biases); the math here does the same.
         clamp = cfg.get("clamp_len", 1000)
         if isinstance(clamp, bool) or not isinstance(clamp, int):
             raise ConfigError(f"{source}: 'clamp_len' must be an integer, got {clamp!r}")
@@ -152,9 +151,11 @@ def _shapes(cfg: XLConfig) -> tuple[dict[str, tuple], dict[str, str]]:
             f"{p}.pos_ff.CoreNet.3.weight": (C, F), f"{p}.pos_ff.CoreNet.3.bias": (C,),
             f"{p}.pos_ff.layer_norm.weight": (C,), f"{p}.pos_ff.layer_norm.bias": (C,),
         })
-        if cfg.untie_r:
-            req[f"{p}.dec_attn.r_w_bias"] = (H, D)
-            req[f"{p}.dec_attn.r_r_bias"] = (H, D)
+        for bias in ("r_w_bias", "r_r_bias"):
+            if cfg.untie_r:
+                req[f"{p}.dec_attn.{bias}"] = (H, D)
+            else:  # per-layer names of the one shared bias (a .bin save keeps them)
+                tied[f"{p}.dec_attn.{bias}"] = f"transformer.{bias}"
     if not cfg.untie_r:
         req["transformer.r_w_bias"] = (H, D)
         req["transformer.r_r_bias"] = (H, D)
