@@ -1,5 +1,6 @@
 """minfer's T5 against Hugging Face transformers' outputs committed in weights/t5/*/reference.npz."""
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -86,16 +87,8 @@ def test_live_oracle_agrees_with_committed_references(case, t5_models):
     assert rel_err(got, live["logits"]) < TOL
 
 
-# -- beam search and processors (settings mirror weights/make_t5_fixtures.py SEARCH_SETTINGS) --------
-SEARCH = {
-    "beam4_lp1": dict(num_beams=4, length_penalty=1.0, early_stopping=False),
-    "beam4_lp2_early": dict(num_beams=4, length_penalty=2.0, early_stopping=True),
-    "beam3_never_ngram2": dict(num_beams=3, length_penalty=0.5, early_stopping="never",
-                               no_repeat_ngram_size=2),
-    "beam4_min_ret2": dict(num_beams=4, length_penalty=-0.5, early_stopping=False,
-                           num_return_sequences=2, use_min=True),
-    "greedy_ngram2_rep": dict(num_beams=1, no_repeat_ngram_size=2, repetition_penalty=1.3),
-}
+# -- beam search and processors: the settings the weights script used, as it recorded them ------------
+SEARCH = json.loads((T5_FIXTURES / "search_settings.json").read_text()) if T5_CASES else {}
 
 
 @pytest.mark.parametrize("setting", sorted(SEARCH))

@@ -697,6 +697,10 @@ def main(argv=None) -> int:
         return 0
 
     os.makedirs(args.out, exist_ok=True)
+    # The decoding settings behind the search_* references, for the tests to read (no torch there).
+    with open(os.path.join(args.out, "search_settings.json"), "w") as f:
+        json.dump(SEARCH_SETTINGS, f, indent=1, sort_keys=True)
+        f.write("\n")
     names = args.only or list(CASES)
     summary = {}
     for name in names:
