@@ -8,6 +8,9 @@ NumPy reader refuses BF16 files, and (2) we want every inconsistency of a lying 
 `CheckpointError` naming file and tensor before anything is allocated. Tensors are memory-mapped
 (never read whole into a Python bytes object) and converted one at a time.
 
+A folder without safetensors may instead hold a torch.save'd `pytorch_model.bin`; legacy.py reads
+it (restricted unpickling, no torch) behind the same per-file interface.
+
 This module does no math beyond dtype widening; the model files map names and shapes.
 """
 
@@ -37,6 +40,7 @@ FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+LEGACY_WEIGHTS_NAME = "pytorch_model.bin"   # used only when there are no safetensors
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a folder")
         self.config = read_json(self.folder / "config.json", required=True)
-        self.files: list[SafetensorsFile] = [SafetensorsFile(p) for p in self._weight_files()]
+        self.files: list[SafetensorsFile] = [_open_weights(p) for p in self._weight_files()]
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for name in f.tensors:
@@ -183,8 +187,11 @@ class Checkpoint:
         self.index = None
         if single.is_file():
             return [single]
+        if (self.folder / LEGACY_WEIGHTS_NAME).is_file():   # torch.save'd, read by legacy.py
+            return [self.folder / LEGACY_WEIGHTS_NAME]
         legacy = [p.name for p in self.folder.glob("*.bin")] + [p.name for p in self.folder.glob("*.pt")]
-        hint = f" (found {legacy[0]}: only safetensors weights are read)" if legacy else ""
+        hint = (f" (found {legacy[0]}: only safetensors and {LEGACY_WEIGHTS_NAME} are read)"
+                if legacy else "")
         raise CheckpointError(f"{self.folder}: no {WEIGHTS_NAME} or {INDEX_NAME}{hint}")
 
     def _check_index(self) -> None:
@@ -228,6 +235,14 @@ class Checkpoint:
 
     def total_bytes(self) -> int:
         return sum(i.end - i.start for f in self.files for i in f.tensors.values())
+
+
+def _open_weights(path: Path) -> SafetensorsFile:
+    """A weights file: safetensors, or a legacy torch pickle (legacy.TorchFile, same interface)."""
+    if path.name != LEGACY_WEIGHTS_NAME:
+        return SafetensorsFile(path)
+    from .legacy import TorchFile   # not at the top: legacy.py imports this module
+    return TorchFile(path)
 
 
 def read_json(path: Path, required: bool = False) -> dict | None:
