@@ -120,3 +120,56 @@ def test_console_script_is_installed():
         pytest.skip("console script not next to this interpreter (not a venv install)")
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout
+
+
+# -- Transformer-XL through the CLI (the .bin fixture carries a real HF vocab.pkl) -------------------
+XL_BIN = T5_FIXTURES.parent / "transfo_xl" / "adaptive_div4_bin"
+XL_TEXT = "the game began in the city .\nit was played by the team .\n"
+
+
+@pytest.mark.skipif(not (XL_BIN / "pytorch_model.bin").is_file(), reason="no XL .bin fixture")
+def test_score_prints_perplexity_matching_the_api(tmp_path):
+    import minfer
+    (tmp_path / "text.txt").write_text(XL_TEXT)
+    proc = run("score", "-m", str(XL_BIN), str(tmp_path / "text.txt"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    want = minfer.load(XL_BIN).score(XL_TEXT)
+    assert got["tokens"] == want["tokens"] > 10
+    assert abs(got["perplexity"] - want["perplexity"]) < 1e-6 * want["perplexity"]
+    plain = run("score", "-m", str(XL_BIN), "-", stdin=XL_TEXT)
+    assert plain.returncode == 0 and "perplexity" in plain.stdout and "tokens/s" in plain.stdout
+
+
+@pytest.mark.skipif(not (XL_BIN / "pytorch_model.bin").is_file(), reason="no XL .bin fixture")
+def test_generate_and_convert_transfo_xl(tmp_path):
+    proc = run("generate", "-m", str(XL_BIN), "the game", "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    out = tmp_path / "converted"
+    proc = run("convert", "-m", str(XL_BIN), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors").is_file() and (out / "vocab.txt").is_file()
+    same = run("generate", "-m", str(out), "the game", "--max-new-tokens", "6")
+    assert same.stdout == run("generate", "-m", str(XL_BIN), "the game", "--max-new-tokens", "6").stdout
+    assert_one_line_error(run("score", "-m", str(T5_FIXTURES / "v1_0_relu_tied"), "-", stdin="x"), 1,
+                          "Transformer-XL")
+
+
+def test_malicious_checkpoint_is_refused(tmp_path):
+    import pickle
+    import zipfile
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "transfo-xl"}))
+    with zipfile.ZipFile(folder / "pytorch_model.bin", "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"w": Evil()}, protocol=2))
+        z.writestr("archive/version", "3\n")
+    assert_one_line_error(run("info", "-m", str(folder)), 1, "refuses to unpickle global")
+    assert not marker.exists()
