@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -275,3 +275,23 @@ def check_names(checkpoint: Checkpoint, expected: Iterable[str], ignorable: Iter
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         where = checkpoint.info(unexpected[0]).file.name
         raise CheckpointError(f"{checkpoint.folder / where}: unexpected tensor '{unexpected[0]}'{more}")
+
+
+class ConfigReader:
+    """Typed reads of config.json values with one-line errors naming the file and key (shared by
+    the model families' config parsers)."""
+
+    def __init__(self, cfg: dict, source: str):
+        self.cfg, self.source = cfg, source
+
+    def get_int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ConfigError(f"{self.source}: '{key}' must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def get_eps(self, key: str, default: float) -> float:
+        value = self.cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ConfigError(f"{self.source}: '{key}' must be a small number, got {value!r}")
+        return float(value)

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import ops
 from ..backend import Backend
-from ..checkpoint import Checkpoint, check_names
+from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
 from ..memory import BufferSpec, bytes_needed
 
@@ -63,11 +63,7 @@ class T5Config:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "T5Config":
-        def get_int(key: str, default: int | None = None, minimum: int = 1) -> int:
-            value = cfg.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{source}: '{key}' must be an integer >= {minimum}, got {value!r}")
-            return value
+        get_int = ConfigReader(cfg, source).get_int
 
         model_type = cfg.get("model_type", "t5")
         if model_type not in ("t5", "mt5"):
@@ -83,9 +79,7 @@ class T5Config:
         gated = bool(cfg.get("is_gated_act", gated))
         ops.activation(act)  # unsupported activations fail here, naming themselves
 
-        eps = cfg.get("layer_norm_epsilon", 1e-6)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise ConfigError(f"{source}: 'layer_norm_epsilon' must be a small number, got {eps!r}")
+        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-6)
         eos = cfg.get("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
         pad = get_int("pad_token_id", 0, minimum=0)

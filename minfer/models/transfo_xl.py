@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import ops
 from ..backend import Backend
-from ..checkpoint import Checkpoint, check_names
+from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
 from ..memory import BufferSpec, bytes_needed
 
@@ -69,11 +69,7 @@ class XLConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "XLConfig":
-        def get_int(key: str, default: int | None = None, minimum: int = 1) -> int:
-            value = cfg.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ConfigError(f"{source}: '{key}' must be an integer >= {minimum}, got {value!r}")
-            return value
+        get_int = ConfigReader(cfg, source).get_int
 
         if cfg.get("model_type", "transfo-xl") != "transfo-xl":
             raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not transfo-xl")
@@ -91,9 +87,7 @@ class XLConfig:
         tie_projs = cfg.get("tie_projs", [False] + [bool(share)] * len(cutoffs))
         if not isinstance(tie_projs, list) or len(tie_projs) != n_clusters:
             raise ConfigError(f"{source}: 'tie_projs' must list {n_clusters} booleans, got {tie_projs!r}")
-        eps = cfg.get("layer_norm_epsilon", 1e-5)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1:
-            raise ConfigError(f"{source}: 'layer_norm_epsilon' must be a small number, got {eps!r}")
+        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-5)
         eos = cfg.get("eos_token_id", 0)
         if isinstance(eos, list):
             eos = eos[0] if eos else 0
