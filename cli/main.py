@@ -24,10 +24,10 @@ def _fail(message: str, code: int = EXIT_ERROR) -> None:
 
 
 def _load(model: str, device: str, dtype: str | None, revision: str | None, workspace: str | None,
-          offline: bool) -> Any:
+          memory_limit: str | None, offline: bool) -> Any:
     import minfer
     return minfer.load(model, device=device, dtype=dtype, revision=revision, workspace=workspace,
-                       offline=True if offline else None)
+                       memory_limit=memory_limit, offline=True if offline else None)
 
 
 model_options = [
@@ -35,9 +35,15 @@ model_options = [
                  help="Hub name (t5-small, google/flan-t5-base, ...) or a local folder in the HF layout."),
     click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
-    click.option("--dtype", default=None, help="Compute dtype (default: float32 on the CPU)."),
+    click.option("--dtype", default=None, metavar="DTYPE",
+                 help="float32 (CPU default), float16 (CUDA default) or int8 (weight-only int8 "
+                      "linear layers)."),
     click.option("--workspace", default=None, metavar="SIZE",
-                 help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]."),
+                 help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
+                      "--memory-limit, the part of the limit kept for them."),
+    click.option("--memory-limit", default=None, metavar="SIZE",
+                 help="Whole memory budget incl. weights, e.g. 2GiB: layers that do not fit are "
+                      "streamed in as needed."),
     click.option("--offline", is_flag=True, help="Use only the local cache; never contact the hub."),
 ]
 
@@ -87,7 +93,7 @@ def cli() -> None:
 @click.option("--no-stream", is_flag=True, help="Print each result whole when it is done.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per result: text, token ids, finish reason, timing.")
-def generate(model, revision, device, dtype, workspace, offline, prompts, max_new_tokens,
+def generate(model, revision, device, dtype, workspace, memory_limit, offline, prompts, max_new_tokens,
              min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
              no_repeat_ngram_size, num_beams, length_penalty, num_return_sequences, stop, seed,
              task, no_stream, as_json) -> None:
@@ -105,7 +111,7 @@ def generate(model, revision, device, dtype, workspace, offline, prompts, max_ne
                    repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
                    num_beams=num_beams, length_penalty=length_penalty,
                    num_return_sequences=num_return_sequences, stop=list(stop) or None, seed=seed)
-    m = _load(model, device, dtype, revision, workspace, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     if m.tokenizer is None:
         _fail(f"{m.folder} has no tokenizer (tokenizer.json or spiece.model): text prompts need one")
     stream = not no_stream and not as_json and (num_return_sequences or 1) == 1
@@ -139,10 +145,10 @@ def generate(model, revision, device, dtype, workspace, offline, prompts, max_ne
               help="Input tokens for the memory estimate (T5) / segment length (XL).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="New tokens for the memory estimate (T5).")
-def info(model, revision, device, dtype, workspace, offline, batch, src_len, max_new_tokens) -> None:
+def info(model, revision, device, dtype, workspace, memory_limit, offline, batch, src_len, max_new_tokens) -> None:
     """Architecture, parameters, files and memory needed by a model."""
     from minfer.memory import format_bytes
-    m = _load(model, device, dtype, revision, workspace, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     params = m.parameter_count()
     if m.family == "t5":
         plan = m.plan(batch, src_len, max_new_tokens)
@@ -157,8 +163,9 @@ def info(model, revision, device, dtype, workspace, offline, batch, src_len, max
     files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
     lines = [("model", m.folder), *m.describe(),
              ("parameters", f"{params:,}"),
-             ("device / dtype", f"{m.backend.device} / {m.backend.dtype}"),
-             ("weights in memory", format_bytes(params * m.backend.dtype.itemsize)),
+             ("device / dtype", f"{m.backend.device} / {m.backend.weight_dtype_name}"),
+             *(m.weight_plan.summary() if getattr(m, "weight_plan", None) is not None else
+               [("weights in memory", format_bytes(params * m.backend.dtype.itemsize))]),
              need,
              ("arena capacity", format_bytes(m.backend.arena.capacity)),
              ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
@@ -174,9 +181,9 @@ def info(model, revision, device, dtype, workspace, offline, batch, src_len, max
 @click.option("--segment-len", type=click.IntRange(min=1), default=None,
               help="Tokens per segment, memory carried between them  [default: the model's tgt_len].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def score(model, revision, device, dtype, workspace, offline, file, segment_len, as_json) -> None:
+def score(model, revision, device, dtype, workspace, memory_limit, offline, file, segment_len, as_json) -> None:
     """Perplexity of a Transformer-XL model on FILE ('-' for stdin), one WT103 line per line."""
-    m = _load(model, device, dtype, revision, workspace, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     if m.family != "transfo-xl":
         _fail(f"score needs a Transformer-XL model; {m.folder} is {m.family}")
     text = file.read()
@@ -211,8 +218,9 @@ def score(model, revision, device, dtype, workspace, offline, file, segment_len,
 @cli.command()
 @click.option("--model", "-m", required=True, metavar="PATH", help="Local model folder to convert.")
 @click.option("--output", "-o", required=True, metavar="DIR", help="New folder to write.")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
-              show_default=True, help="Float dtype of the written tensors.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "int8"]), default="float32",
+              show_default=True, help="dtype of the written tensors (int8: layer matrices as int8 "
+                                      "with per-row scales, the rest float32).")
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""
     from minfer.convert import convert as run_convert

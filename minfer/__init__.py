@@ -27,19 +27,26 @@ TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
-         *, revision: str | None = None, offline: bool | None = None, token: str | None = None,
+         *, memory_limit: int | str | None = None, revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, **options: Any) -> T5Model | XLModel:
     """Load a model by hub name or from a local folder in the Hugging Face layout.
 
     model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
         huggingface_hub cache) or a folder with config.json and model.safetensors (or an index and
         shards, or a pytorch_model.bin read without executing pickle code).
-    device: "cpu" (CUDA arrives with the CuPy backend).
-    dtype: compute dtype; float32 on the CPU (bf16/fp16 checkpoints are widened).
+    device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when CuPy finds a device).
+    dtype: "float32" (CPU default; bf16/fp16 checkpoints are widened), "float16" (CUDA default),
+        or "int8": weight-only int8 linear layers with per-column scales (the default for a
+        checkpoint that `minfer convert --dtype int8` wrote).
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
-        lazily, so only what a run touches costs memory).
+        lazily, so only what a run touches costs memory). With memory_limit: the part of the
+        limit reserved for runs.
+    memory_limit: the whole budget, weights included, e.g. "2GiB". Layers that do not fit stay
+        out of memory and are streamed in as they are needed (see streaming.py); a limit too
+        small even for streaming is refused up front with the minimum that would work.
     revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
     """
+    recorder = options.pop("_recorder", None)  # scheduling events, for tests
     if options:
         raise ConfigError(f"load(): unknown option {sorted(options)[0]!r}")
     from .hub import resolve_model
@@ -53,6 +60,10 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
                           f"(supported: {', '.join(families)})")
     import importlib
     family = importlib.import_module(f".models.{families[model_type]}", __name__)
-    be = make_backend(device, dtype, workspace)
+    if dtype is None and ckpt.quantized_names():
+        dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
+    be = make_backend(device, dtype, workspace, memory_limit)
+    ckpt.use_mmap = memory_limit is None  # under a limit, read with file I/O, layer by layer
     tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
-    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer)
+    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer,
+                       **({"recorder": recorder} if recorder is not None else {}))

@@ -37,6 +37,7 @@ _STORAGE = {
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+SCALE_NAME_SUFFIX = "_scale"  # int8 weight W travels with W_scale (F32, one scale per row)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -134,12 +135,26 @@ class SafetensorsFile:
                              f"{code} (expected {expected})")
         return TensorInfo(name, code, tuple(shape), self.path, data_start + begin, data_start + end)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored (BF16 as uint16), a read-only view of the memory-mapped file."""
+    def raw(self, name: str, mmap: bool = True) -> np.ndarray:
+        """The tensor as stored (BF16 as uint16): a read-only view of the memory-mapped file, or
+        with `mmap=False` a fresh array read with plain file I/O (mapped pages would count as the
+        process's memory, which a memory-limited load must not touch wholesale)."""
         info = self.tensors[name]
         storage = _STORAGE[info.dtype]
         if info.end == info.start:
             return np.empty(info.shape, dtype=storage)
+        if not mmap:
+            out = np.empty(info.end - info.start, np.uint8)
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(info.start)
+                    got = f.readinto(memoryview(out))
+            except OSError as e:
+                raise self._fail(f"cannot read tensor '{name}': {e.strerror or e}") from None
+            if got != out.nbytes:
+                raise self._fail(f"tensor '{name}': file shrank while reading (got {got} of "
+                                 f"{out.nbytes} bytes)")
+            return out.view(storage).reshape(info.shape)
         if self._map is None:
             try:
                 self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -165,6 +180,36 @@ class Checkpoint:
                                           f"{self._where[name].path.name}")
                 self._where[name] = f
         self._check_index()
+        self.use_mmap = True  # False: read tensors with file I/O (memory-limited loads)
+        self._scales = self._find_int8_scales()
+
+    def _find_int8_scales(self) -> dict[str, str]:
+        """int8 weights written by `minfer convert --dtype int8`: `W` (I8, (out, in)) with
+        `W_scale` (F32, (out,)). The scales are hidden from `names()`; `read(W)` dequantises."""
+        scales = {}
+        for name, f in self._where.items():
+            info = f.tensors[name]
+            if info.dtype != "I8":
+                continue
+            scale = name + SCALE_NAME_SUFFIX
+            sf = self._where.get(scale)
+            if sf is None:
+                continue  # an integer tensor with no scale: read() refuses it by name
+            sinfo = sf.tensors[scale]
+            if len(info.shape) != 2 or sinfo.dtype != "F32" or sinfo.shape != info.shape[:1]:
+                raise CheckpointError(f"{sinfo.file}: tensor '{scale}' must be F32 of shape "
+                                      f"[{info.shape[0] if info.shape else '?'}] to scale the "
+                                      f"int8 weight '{name}', got {sinfo.dtype} {list(sinfo.shape)}")
+            scales[name] = scale
+        for scale in scales.values():
+            del self._where[scale]
+        self._scale_where = {scale: f for f in self.files for scale in scales.values()
+                             if scale in f.tensors}
+        return scales
+
+    def quantized_names(self) -> list[str]:
+        """Tensors stored as int8 with per-row scales."""
+        return list(self._scales)
 
     def _weight_files(self) -> list[Path]:
         single, index = self.folder / WEIGHTS_NAME, self.folder / INDEX_NAME
@@ -219,13 +264,19 @@ class Checkpoint:
         if f is None:
             raise CheckpointError(f"{self.folder}: tensor '{name}' is missing")
         info = f.tensors[name]
-        raw = f.raw(name)
+        raw = f.raw(name, self.use_mmap)
+        if name in self._scales:
+            scale_name = self._scales[name]
+            scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
+            return np.multiply(raw, scale[:, None], dtype=np.float32).astype(dtype, copy=False)
         if info.dtype == "BF16":
             raw = bf16_to_float32(raw)
         elif info.dtype not in FLOAT_CODES:
             raise CheckpointError(f"{info.file}: tensor '{name}' has integer dtype {info.dtype}, "
                                   "expected a floating-point weight")
         try:
+            if not self.use_mmap and isinstance(f, SafetensorsFile):  # raw is a private copy
+                return np.ascontiguousarray(raw, dtype=dtype)
             return np.array(raw, dtype=dtype, order="C")
         except OSError as e:  # a file shrunk under the memory map
             raise CheckpointError(f"{info.file}: cannot read tensor '{name}': {e}") from None

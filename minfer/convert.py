@@ -1,5 +1,7 @@
-"""`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, or to another
-float dtype), copying config, generation config and tokenizer files alongside.
+"""`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, to another
+float dtype, or with int8 layer matrices), copying config, generation config and tokenizer files
+alongside. An int8 file stores each quantised matrix `W` as I8 (out, in) beside `W_scale` (F32,
+one scale per output row); `Checkpoint.read` dequantises it, so every loader reads it.
 
 Reading goes through `checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
 code); writing uses the `safetensors` package. Tensors are converted one at a time, but the
@@ -14,12 +16,27 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import SCALE_NAME_SUFFIX, Checkpoint
 from .errors import ConfigError
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "spiece.model", "vocab.json", "vocab.txt")
-_DTYPES = {"float32": np.float32, "float16": np.float16}
+_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.float32}
+
+
+def is_layer_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """The weights `--dtype int8` quantises: 2-D matrices inside the layer stacks (T5's
+    `*.block.N.*`, Transformer-XL's `*.layers.N.*`). Embeddings, output heads and position
+    biases stay float: they are looked up or shared, and small next to the layers."""
+    return len(shape) == 2 and name.endswith(".weight") and (".block." in name or ".layers." in name)
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """HF (out, in) float -> int8 (out, in) and float32 per-row scales (out,): one scale per
+    output channel, symmetric absmax / 127, round to nearest."""
+    from .streaming import quantize_int8
+    q, scale = quantize_int8(np.ascontiguousarray(w.T))
+    return np.ascontiguousarray(q.T), scale
 
 
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
@@ -34,8 +51,16 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"convert: output folder {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: ckpt.read(name, _DTYPES[dtype]) for name in ckpt.names()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {}
+    for name in ckpt.names():
+        w = ckpt.read(name, _DTYPES[dtype])
+        if dtype == "int8" and is_layer_matrix(name, w.shape):
+            tensors[name], tensors[name + SCALE_NAME_SUFFIX] = quantize_rows(w)
+        else:
+            tensors[name] = w
+    save_file(tensors, str(out / "model.safetensors"),
+              metadata={"format": "pt", **({"minfer.quantization": "int8 per output channel"}
+                                           if dtype == "int8" else {})})
     copied = []
     for name in COPY_FILES:
         if (ckpt.folder / name).is_file():

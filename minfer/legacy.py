@@ -512,8 +512,9 @@ class TorchFile:
         itemsize = _STORAGE[st.code].itemsize
         return buf[st.start * itemsize:(st.start + st.numel) * itemsize]
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored (BF16 as uint16), a read-only strided view of the file's bytes."""
+    def raw(self, name: str, mmap: bool = True) -> np.ndarray:
+        """The tensor as stored (BF16 as uint16), a read-only strided view of the file's bytes
+        (always mapped: `mmap` is accepted for the SafetensorsFile interface)."""
         t = self._refs[name]
         dtype = _STORAGE[t.storage.code].newbyteorder(self._order)
         if math.prod(t.shape) == 0:

@@ -28,7 +28,9 @@ from .. import ops
 from ..backend import Backend
 from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
-from ..memory import BufferSpec, bytes_needed
+from ..memory import BufferSpec, align_up, bytes_needed
+from ..streaming import (SCALE_SUFFIX, Layout, LayerStack, WeightPlan, WeightRuntime, plan_weights,
+                         quantize_int8)
 
 NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
 
@@ -164,8 +166,8 @@ def ignorable_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
     return extra
 
 
-def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend) -> dict:
-    """Check names and shapes, then build the parameter tree (fused, transposed to (in, out))."""
+def check_checkpoint(cfg: T5Config, ckpt: Checkpoint) -> str:
+    """Check names and shapes against `cfg`; returns the name holding the shared embedding."""
     expected = expected_shapes(cfg)
     ignorable = ignorable_shapes(cfg)
     if "shared.weight" not in ckpt:
@@ -180,57 +182,123 @@ def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend) -> dict:
         if got != shape:
             raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}' has shape {list(got)}, "
                                   f"config implies {list(shape)}")
+    return "shared.weight" if "shared.weight" in expected else next(
+        n for n in expected if n.endswith("embed_tokens.weight"))
+
+
+# Each layer is a unit of placement (resident or streamed, see streaming.py). A decoder layer's
+# cross-attention K/V projection is a unit of its own ("cross"): it runs once per encode, not at
+# every step, so streaming it with the step's layers would waste transfers.
+STACKS = ("encoder", "cross", "decoder")
+
+
+def block_shapes(cfg: T5Config, stack: str) -> dict[str, tuple[int, int]]:
+    """(in, out) shapes of one layer's matrices in minfer's layout (fused, transposed)."""
+    C, I, F = cfg.d_model, cfg.inner, cfg.d_ff
+    if stack == "cross":
+        return {"w_cross_kv": (C, 2 * I)}
+    shapes = {"w_qkv": (C, 3 * I), "w_o": (I, C)}
+    if stack == "decoder":
+        shapes.update(w_cross_q=(C, I), w_cross_o=(I, C))
+    shapes.update(w_in=(C, 2 * F if cfg.gated else F), w_out=(F, C))
+    return shapes
+
+
+def stack_depth(cfg: T5Config, stack: str) -> int:
+    return cfg.num_layers if stack == "encoder" else cfg.num_decoder_layers
+
+
+def read_block(cfg: T5Config, ckpt: Checkpoint, stack: str, i: int) -> dict[str, np.ndarray]:
+    """Layer `i` of `stack` as float32 host matrices (in, out), fused, with norm weights folded."""
 
     def read(name: str) -> np.ndarray:  # (out, in) as stored
-        return ckpt.read(name, be.dtype)
+        return ckpt.read(name, np.float32)
 
-    def linear(*names: str, norm: str | None = None) -> Any:
+    def linear(*names: str, norm: str | None = None) -> np.ndarray:
         """HF (out, in) weights fused along `out` -> (in, sum(out)). With `norm`, the weight of
         the RMS norm feeding this matrix is folded in: (x/rms * g) @ W == (x/rms) @ (g[:, None] W),
         which saves a multiply per sublayer (a rounding-level change)."""
         w = np.ascontiguousarray(np.concatenate([read(n) for n in names], axis=0).T)
         if norm is not None:
             w *= read(norm)[:, None]
-        return be.asarray(w)
+        return w
 
-    def ff(prefix: str) -> dict:
-        *wi, wo = _ff_names(prefix, cfg.gated)
-        return {"w_in": linear(*wi, norm=f"{prefix}.layer_norm.weight"), "w_out": linear(wo)}
+    p = f"{'encoder' if stack == 'encoder' else 'decoder'}.block.{i}.layer"
+    if stack == "cross":
+        return {"w_cross_kv": linear(f"{p}.1.EncDecAttention.k.weight",
+                                     f"{p}.1.EncDecAttention.v.weight")}
+    attn = f"{p}.0.SelfAttention"
+    out = {"w_qkv": linear(*(f"{attn}.{w}.weight" for w in "qkv"), norm=f"{p}.0.layer_norm.weight"),
+           "w_o": linear(f"{attn}.o.weight")}
+    if stack == "decoder":
+        out.update(w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight",
+                                    norm=f"{p}.1.layer_norm.weight"),
+                   w_cross_o=linear(f"{p}.1.EncDecAttention.o.weight"))
+    ff = f"{p}.{2 if stack == 'decoder' else 1}"
+    *wi, wo = _ff_names(ff, cfg.gated)
+    out.update(w_in=linear(*wi, norm=f"{ff}.layer_norm.weight"), w_out=linear(wo))
+    return out
 
-    def self_attention(prefix: str, ln: str) -> dict:
-        return {"w_qkv": linear(*(f"{prefix}.{w}.weight" for w in "qkv"), norm=ln),
-                "w_o": linear(f"{prefix}.o.weight")}
 
-    shared_name = "shared.weight" if "shared.weight" in expected else next(
-        n for n in expected if n.endswith("embed_tokens.weight"))
-    shared = be.asarray(read(shared_name))  # (V, C)
+def unit_layout(cfg: T5Config, stack: str, dtype: Any, quantize: bool) -> Layout:
+    """The packed layout of one layer: float `dtype` matrices, or int8 + per-column scales."""
+    spec: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for name, shape in block_shapes(cfg, stack).items():
+        if quantize:
+            spec[name] = (shape, np.int8)
+            spec[name + SCALE_SUFFIX] = ((shape[1],), np.float32)
+        else:
+            spec[name] = (shape, dtype)
+    return Layout(spec)
+
+
+def fixed_bytes(cfg: T5Config, dtype: Any) -> int:
+    """Bytes of the always-resident weights: embedding, untied head, position biases, final norms."""
+    item = np.dtype(dtype).itemsize
+    n = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_word_embeddings else 2)
+    return align_up(n * item) + 2 * align_up(cfg.d_model * item)
+
+
+def plan_placement(cfg: T5Config, dtype: Any, quantize: bool, limit: int | None,
+                   workspace: int) -> WeightPlan:
+    """Which layers of `cfg` stay resident under `limit` (pure: nothing is read or allocated)."""
+    units, scratch = {}, 0
+    for stack in STACKS:
+        layout = unit_layout(cfg, stack, dtype, quantize)
+        scratch = max(scratch, layout.float_bytes(dtype))
+        for i in range(stack_depth(cfg, stack)):
+            units[f"{stack}.{i}"] = layout.nbytes
+    # decoder layers run at every generated token, encoder and cross layers once per input
+    return plan_weights(units, fixed_bytes(cfg, dtype), workspace, limit, scratch,
+                        priority=lambda name: 1 if name.startswith("decoder") else 0)
+
+
+def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend, plan: WeightPlan,
+                runtime: WeightRuntime) -> dict:
+    """Check the checkpoint, then place every weight per `plan`: fixed ones resident, each layer
+    resident or streamed (read one layer at a time, so host memory stays bounded)."""
+    shared_name = check_checkpoint(cfg, ckpt)
+    shared = runtime.place_fixed(ckpt.read(shared_name, be.dtype), "shared")  # (V, C)
     params: dict[str, Any] = {"shared": shared}
     # The tied head reuses the embedding through a transposed view (no copy): BLAS takes it as is.
-    params["lm_head"] = shared.T if cfg.tie_word_embeddings else linear("lm_head.weight")
-
-    encoder_blocks = []
-    for i in range(cfg.num_layers):
-        p = f"encoder.block.{i}.layer"
-        encoder_blocks.append({**self_attention(f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight"),
-                               **ff(f"{p}.1")})
-    decoder_blocks = []
-    cross_kv = []
-    for i in range(cfg.num_decoder_layers):
-        p = f"decoder.block.{i}.layer"
-        block = self_attention(f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight")
-        block.update(w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight",
-                                      norm=f"{p}.1.layer_norm.weight"),
-                     w_cross_o=linear(f"{p}.1.EncDecAttention.o.weight"), **ff(f"{p}.2"))
-        decoder_blocks.append(block)
-        cross_kv += [f"{p}.1.EncDecAttention.k.weight", f"{p}.1.EncDecAttention.v.weight"]
-    for stack, blocks in (("encoder", encoder_blocks), ("decoder", decoder_blocks)):
-        params[stack] = {
-            "blocks": blocks,
-            "rel_bias": read(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-            "final_ln": be.asarray(read(f"{stack}.final_layer_norm.weight")),
-        }
-    # All decoder layers' cross K and V as one matmul per encode: (C, L*2*H*D), order (L, k|v, H, D)
-    params["decoder"]["w_cross_kv"] = linear(*cross_kv)
+    params["lm_head"] = shared.T if cfg.tie_word_embeddings else runtime.place_fixed(
+        np.ascontiguousarray(ckpt.read("lm_head.weight", be.dtype).T), "lm_head")
+    for stack in STACKS:
+        units = []
+        for i in range(stack_depth(cfg, stack)):
+            arrays = read_block(cfg, ckpt, stack, i)
+            if be.quantize:
+                arrays = {k: v for name, w in arrays.items()
+                          for k, v in zip((name, name + SCALE_SUFFIX), quantize_int8(w))}
+            else:
+                arrays = {k: v.astype(be.dtype, copy=False) for k, v in arrays.items()}
+            units.append(runtime.place_unit(f"{stack}.{i}", arrays))
+        params[stack] = {"blocks": LayerStack(runtime, units)}
+    for stack in ("encoder", "decoder"):
+        params[stack].update(
+            rel_bias=ckpt.read(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+            final_ln=runtime.place_fixed(ckpt.read(f"{stack}.final_layer_norm.weight", be.dtype),
+                                         f"{stack}.final_ln"))
     return params
 
 
@@ -365,18 +433,18 @@ def encode(be: Backend, cfg: T5Config, params: dict, input_ids: np.ndarray,
 
 def cross_kv(be: Backend, cfg: T5Config, params: dict, encoder_states: Any, cache_k: Any,
              cache_v: Any) -> None:
-    """Every decoder layer's cross-attention K and V from the encoder output, in one matmul.
+    """Every decoder layer's cross-attention K and V from the encoder output, computed once.
 
     encoder_states (B, S, C) -> cache_k / cache_v (L, B, H, S, D)."""
     xp = be.xp
     B, S, _ = encoder_states.shape
-    L, H, D = cfg.num_decoder_layers, cfg.num_heads, cfg.d_kv
+    H, D = cfg.num_heads, cfg.d_kv
     with be.arena.scope():
-        raw = be.arena.alloc((B, S, L * 2 * H * D), be.dtype, "cross K/V projection")
-        xp.matmul(encoder_states, params["decoder"]["w_cross_kv"], out=raw)
-        kv = raw.reshape(B, S, L, 2, H, D)
-        cache_k[...] = kv[:, :, :, 0].transpose(2, 0, 3, 1, 4)  # (L, B, H, S, D)
-        cache_v[...] = kv[:, :, :, 1].transpose(2, 0, 3, 1, 4)
+        raw = be.arena.alloc((B, S, 2 * H * D), be.dtype, "cross K/V projection")
+        for i, unit in enumerate(params["cross"]["blocks"]):
+            kv = xp.matmul(encoder_states, unit["w_cross_kv"], out=raw).reshape(B, S, 2, H, D)
+            cache_k[i] = kv[:, :, 0].transpose(0, 2, 1, 3)  # (B, H, S, D)
+            cache_v[i] = kv[:, :, 1].transpose(0, 2, 1, 3)
 
 
 def decoder_specs(cfg: T5Config, B: int, T: int, S: int, dtype: Any) -> BufferSpec:
@@ -474,6 +542,21 @@ def generation_specs(cfg: T5Config, B: int, S: int, max_len: int, dtype: Any) ->
         "step.ff": ((B, 1, cfg.d_ff * (2 if cfg.gated else 1)), dtype),
         "step.logits": ((B, 1, cfg.vocab_size), dtype),
     }
+
+
+def run_bytes(cfg: T5Config, dt: Any, batch: int, src_len: int, max_new_tokens: int) -> dict[str, int]:
+    """Arena bytes of one generation: its decode state plus the larger of encoder / cross scratch."""
+    state = bytes_needed(generation_specs(cfg, batch, src_len, max_new_tokens, dt))
+    encoder = (bytes_needed(encoder_specs(cfg, batch, src_len, dt))
+               + bytes_needed({"out": ((batch, src_len, cfg.d_model), dt)}))
+    cross = bytes_needed({"raw": ((batch, src_len, 2 * cfg.inner), dt)})
+    return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
+            "peak": state + max(encoder, cross)}
+
+
+# What a memory limit reserves for runs unless `workspace=` says otherwise: one prompt of up to
+# this many tokens generating up to this many.
+DEFAULT_RUN_SHAPE = {"batch": 1, "src_len": 256, "max_new_tokens": 128}
 
 
 class DecodeState:
@@ -625,13 +708,7 @@ class T5Model:
 
     def plan(self, batch: int, src_len: int, max_new_tokens: int) -> dict[str, int]:
         """Bytes of arena workspace a generation of this shape needs (pure: nothing allocated)."""
-        cfg, dt = self.config, self.backend.dtype
-        state = bytes_needed(generation_specs(cfg, batch, src_len, max_new_tokens, dt))
-        encoder = (bytes_needed(encoder_specs(cfg, batch, src_len, dt))
-                   + bytes_needed({"out": ((batch, src_len, cfg.d_model), dt)}))
-        cross = bytes_needed({"raw": ((batch, src_len, 2 * cfg.num_decoder_layers * cfg.inner), dt)})
-        return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
-                "peak": state + max(encoder, cross)}
+        return run_bytes(self.config, self.backend.dtype, batch, src_len, max_new_tokens)
 
     def parameter_count(self) -> int:
         return sum(int(np.prod(s)) for s in expected_shapes(self.config).values())
@@ -718,7 +795,15 @@ class T5Model:
 
 
 def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
-         tokenizer: Any = None) -> T5Model:
+         tokenizer: Any = None, recorder: Any = None) -> T5Model:
+    """Build a T5Model: plan where the weights go (all resident without a memory limit), then
+    read them layer by layer into place."""
     cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-    return T5Model(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), ckpt.config,
-                   generation_config, tokenizer)
+    plan = plan_placement(cfg, be.dtype, be.quantize, be.memory_limit,
+                          be.workspace_reserve(run_bytes(cfg, be.dtype, **DEFAULT_RUN_SHAPE)["peak"]))
+    runtime = WeightRuntime(be, plan, be.dtype, be.make_transfers() if plan.streamed else None,
+                            recorder)
+    model = T5Model(cfg, load_params(cfg, ckpt, be, plan, runtime), be, str(ckpt.folder),
+                    ckpt.config, generation_config, tokenizer)
+    model.weight_plan, model.runtime = plan, runtime
+    return model
