@@ -3,7 +3,9 @@
 Functions take the namespace explicitly so one code path serves both backends. Where a function
 has an `out=` argument it may write into a caller-owned (arena) buffer, which is how the models
 keep their large activations inside the allocator; `out` may be the input itself (in place).
-All math here runs in the dtype of its input; callers pass float32 where precision matters.
+Math runs in the dtype of its input, except that norms and softmax of half-precision input
+(CUDA float16) are computed in float32 and written back: float16 sums of squares overflow and
+float16 exponent sums lose the small probabilities.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight,
     which the models fold into the next matrix. `out` may be a caller's buffer."""
-    inv = xp.einsum("...c,...c->...", x, x)[..., None]  # (..., 1) sum of squares
+    xf = x if x.dtype.itemsize >= 4 else x.astype("float32")
+    inv = xp.einsum("...c,...c->...", xf, xf)[..., None]  # (..., 1) sum of squares
     inv *= 1.0 / x.shape[-1]
     inv += eps
     xp.sqrt(inv, out=inv)
@@ -44,6 +47,9 @@ def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, eps: float) -> Any:
 def softmax_(xp: Any, x: Any) -> Any:
     """Softmax over the last axis, in place (x is scratch). Max-subtracted, so a row of equal
     (even all-masked, finfo.min) values gives a uniform row, never NaN."""
+    if x.dtype.itemsize < 4:
+        x[...] = softmax_(xp, x.astype("float32"))
+        return x
     x -= xp.max(x, axis=-1, keepdims=True)
     xp.exp(x, out=x)
     x /= xp.sum(x, axis=-1, keepdims=True)

@@ -52,7 +52,7 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_int8(xp: Any, q: Any, scale: Any, out: Any) -> Any:
     """int8 (in, out) * scale (out,) into the float buffer `out` (in, out)."""
-    xp.multiply(q, scale, out=out, casting="unsafe")
+    xp.multiply(q, scale, out=out)  # int8 * float32 -> float32, cast into out (float16 on CUDA)
     return out
 
 
@@ -240,7 +240,7 @@ class Transfers:
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minfer-prefetch")
 
-    def issue(self, source: HostSource, slot: Any, unit: str) -> Any:
+    def issue(self, source: HostSource, slot: Any, unit: str, slot_index: int = 0) -> Any:
         return self._pool.submit(source.copy_into, slot)
 
     def wait(self, ticket: Any) -> None:
@@ -377,7 +377,8 @@ class WeightRuntime:
         def issue_next() -> None:
             i = queue.pop(0)
             record("issue", units[i].name)
-            tickets[i] = self.transfers.issue(units[i].source, self.slots[slot_of[i]], units[i].name)
+            tickets[i] = self.transfers.issue(units[i].source, self.slots[slot_of[i]], units[i].name,
+                                              slot_of[i])
             self._pending.append(tickets[i])
 
         try:

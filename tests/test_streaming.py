@@ -110,7 +110,7 @@ class CountingTransfers(Transfers):
         self.issued, self.done = [], set()
         self.lock = threading.Lock()
 
-    def issue(self, source, slot, unit):
+    def issue(self, source, slot, unit, slot_index=0):
         self.issued.append(unit)
         self.bytes += source.nbytes
 

@@ -359,6 +359,16 @@ def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -
 # =====================================================================================================
 # Forward functions
 # =====================================================================================================
+FP16_CLAMP = float(np.finfo(np.float16).max) - 1000  # HF T5's guard value
+
+
+def _clamp_half(xp: Any, x: Any) -> None:
+    """float16 only (CUDA): keep the residual stream finite after each sublayer, as HF's T5 does
+    by clamping to +-(max - 1000); T5's activations outgrow float16 in deep checkpoints."""
+    if x.dtype == np.float16:
+        xp.clip(x, -FP16_CLAMP, FP16_CLAMP, out=x)
+
+
 def _attend(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
     """softmax(q k^T + bias) v into ctx. q (B,H,T,D), k/v (B,H,S,D), bias broadcast to
     (B,H,T,S), scores a (B,H,T,S) scratch buffer, ctx a (B,T,H,D) output buffer. No 1/sqrt(D):
@@ -424,9 +434,11 @@ def encode(be: Backend, cfg: T5Config, params: dict, input_ids: np.ndarray,
             q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))  # (B, H, T, D)
             _attend(xp, q, k, v, bias, ws["encoder.scores"], ws["encoder.ctx"].reshape(B, T, H, D))
             x += xp.matmul(ws["encoder.ctx"], blk["w_o"], out=ws["encoder.proj"])
+            _clamp_half(xp, x)
             h = ops.rms_normalize(xp, x, cfg.eps)
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["encoder.ff"],
                                ws["encoder.proj"])
+            _clamp_half(xp, x)
         out[...] = ops.rms_norm(xp, x, p["final_ln"], cfg.eps)
     return out
 
@@ -509,13 +521,16 @@ def decode_full(be: Backend, cfg: T5Config, params: dict, decoder_input_ids: np.
             _attend(xp, q, k, v, self_bias, ws["decoder.self_scores"],
                     ws["decoder.ctx"].reshape(B, T, H, D))
             x += xp.matmul(ws["decoder.ctx"], blk["w_o"], out=ws["decoder.proj"])
+            _clamp_half(xp, x)
             h = ops.rms_normalize(xp, x, cfg.eps)
             x += _cross_attention(be, cfg, blk, h, ws["decoder.cross_k"][i],
                                   ws["decoder.cross_v"][i], cross_bias, ws["decoder.q"],
                                   ws["decoder.cross_scores"], ws["decoder.ctx"], ws["decoder.proj"])
+            _clamp_half(xp, x)
             h = ops.rms_normalize(xp, x, cfg.eps)
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], ws["decoder.ff"],
                                ws["decoder.proj"])
+            _clamp_half(xp, x)
         logits = _lm_head(be, cfg, params, x, ws["decoder.logits"])
         return np.array(be.to_host(logits), dtype=np.float32)
 
@@ -576,6 +591,10 @@ class DecodeState:
     def step(self, token_ids: np.ndarray) -> Any:
         """Feed one token per live row (b,), get that position's logits (b, V) (an arena view,
         valid until the next step)."""
+        with self.be.arena.scope():  # on CUDA, CuPy's temporaries of this step come from here
+            return self._step(token_ids)
+
+    def _step(self, token_ids: np.ndarray) -> Any:
         be, cfg, params = self.be, self.cfg, self.params
         xp = be.xp
         t, b = self.length, self.batch
@@ -601,13 +620,16 @@ class DecodeState:
             _attend(xp, qkv[:, 0], k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], self_bias,
                     self_scores, ctx.reshape(b, 1, H, D))
             x += xp.matmul(ctx, blk["w_o"], out=buf["step.proj"])
+            _clamp_half(xp, x)
             h = ops.rms_normalize(xp, x, cfg.eps, out=buf["step.h"])
             x += _cross_attention(be, cfg, blk, h, self.buf["state.cross_k"][i, :b],
                                   self.buf["state.cross_v"][i, :b], cross_bias, buf["step.q"],
                                   cross_scores, ctx, buf["step.proj"])
+            _clamp_half(xp, x)
             h = ops.rms_normalize(xp, x, cfg.eps, out=buf["step.h"])
             x += _feed_forward(be, cfg, h, blk["w_in"], blk["w_out"], buf["step.ff"],
                                buf["step.proj"])
+            _clamp_half(xp, x)
         self.length = t + 1
         return _lm_head(be, cfg, params, x, buf["step.logits"], buf["step.h"])[:, 0]  # (b, V)
 
@@ -621,6 +643,11 @@ class DecodeState:
             raise InputError(f"reorder: rows must be 1..{self.batch} indices below {self.batch}")
         n, t = len(rows), self.length
         if not (n == self.batch and (rows == np.arange(n)).all()):
+            self._move_rows(rows, n, t, cross)
+        self.batch = n
+
+    def _move_rows(self, rows: np.ndarray, n: int, t: int, cross: bool) -> None:
+        with self.be.arena.scope():
             idx = self.be.asarray(rows)
             names = ["state.self_k", "state.self_v"] + (["state.cross_k", "state.cross_v"] if cross
                                                         else [])
@@ -631,7 +658,6 @@ class DecodeState:
                     filled[:n] = filled[idx]
             if cross:
                 self.buf["state.cross_bias"][:n] = self.buf["state.cross_bias"][idx]
-        self.batch = n
 
 
 # =====================================================================================================

@@ -1,0 +1,115 @@
+"""The CUDA backend: half-precision model code (checked on NumPy everywhere), device selection,
+and real-GPU comparisons with the NumPy backend that run only where CuPy finds a device."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import minfer
+from minfer.backend import Backend, cuda_available, make_backend
+from minfer.checkpoint import Checkpoint
+from minfer.errors import ConfigError
+from minfer.memory import Arena
+from minfer.models import t5
+
+sys.path.insert(0, str(Path(__file__).parent))
+from t5_factory import write_t5  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DATES = ROOT / "weights" / "tiny-t5-dates"
+gpu = pytest.mark.skipif(not cuda_available(), reason="no CUDA device found by CuPy")
+
+
+def half_model(folder):
+    """The T5 model code over NumPy with float16 weights and activations: the GPU's default
+    precision, minus the GPU."""
+    be = Backend(xp=np, device="cpu", arena=Arena("64MiB", np), dtype=np.dtype(np.float16))
+    return t5.load(Checkpoint(folder), be, tokenizer=minfer.load(folder).tokenizer)
+
+
+@pytest.mark.skipif(not DATES.is_dir(), reason="shipped tiny-t5-dates missing")
+def test_half_precision_model_code_keeps_greedy_outputs_and_close_logits():
+    rows = [json.loads(line) for line in (DATES / "heldout.jsonl").read_text().splitlines()][::40]
+    prompts = [r["prompt"] for r in rows]
+    full, half = minfer.load(DATES), half_model(DATES)
+    assert half.generate(prompts) == [r["target"] for r in rows] == full.generate(prompts)
+    ids = full.batch([full.tokenizer.encode(p) for p in prompts])[0]
+    dec = [[0] + full.tokenizer.encode(r["target"])[:-1] for r in rows]
+    dec = full.batch(dec)[0]
+    lf, lh = full.forward(ids, dec), half.forward(ids, dec)
+    assert lh.dtype == np.float32  # returned to the host as float32
+    assert np.abs(lh - lf).max() / np.abs(lf).max() < 2e-2
+
+
+def test_half_precision_guard_keeps_the_residual_stream_finite():
+    x = np.array([[1.0, 70000.0, -np.inf]], np.float32).astype(np.float16)
+    t5._clamp_half(np, x)
+    assert np.isfinite(x).all() and x[0, 1] == np.float16(t5.FP16_CLAMP)
+    y = np.array([1e30], np.float32)
+    t5._clamp_half(np, y)  # float32 is left alone
+    assert y[0] == np.float32(1e30)
+
+
+def test_half_precision_norm_does_not_overflow():
+    from minfer import ops
+    x = np.full((1, 64), 300.0, np.float16)  # sum of squares 5.76e6 > float16 max
+    out = ops.rms_normalize(np, x, 1e-6, out=np.empty_like(x))
+    np.testing.assert_allclose(out.astype(np.float32), 1.0, rtol=1e-3)
+
+
+def test_device_selection_errors_are_clear():
+    with pytest.raises(ConfigError, match="expected 'cpu', 'cuda', 'cuda:N' or 'auto'"):
+        make_backend("tpu")
+    with pytest.raises(ConfigError, match="cuda:N"):
+        make_backend("cuda:x")
+    with pytest.raises(ConfigError, match="not supported on device 'cpu'"):
+        make_backend("cpu", "float16")
+    if not cuda_available():
+        with pytest.raises(ConfigError, match="CuPy is not installed|no CUDA device"):
+            make_backend("cuda")
+        assert make_backend("auto").device == "cpu"
+
+
+# -- real GPU ---------------------------------------------------------------------------------------
+IDS = [[5, 6, 7, 8, 1], [9, 10, 1]]
+DEC = [[0, 3, 4, 9], [0, 5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_t5(tmp_path_factory.mktemp("gpu") / "m", seed=4, d_model=64, d_kv=16, num_heads=4,
+                    d_ff=256, num_layers=3, num_decoder_layers=3, vocab_size=200)
+
+
+@gpu
+def test_cuda_float32_matches_numpy(folder):
+    cpu, dev = minfer.load(folder), minfer.load(folder, device="cuda", dtype="float32")
+    want, got = cpu.forward(IDS, DEC), dev.forward(IDS, DEC)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    assert dev.generate(IDS, max_new_tokens=8) == cpu.generate(IDS, max_new_tokens=8)
+
+
+@gpu
+def test_cuda_float16_and_int8_are_close_to_numpy(folder):
+    cpu = minfer.load(folder)
+    want = cpu.forward(IDS, DEC)
+    for dtype in ("float16", "int8"):
+        got = minfer.load(folder, device="cuda", dtype=dtype).forward(IDS, DEC)
+        assert np.abs(got - want).max() / np.abs(want).max() < 5e-2, dtype
+
+
+@gpu
+def test_cuda_streaming_under_a_limit_equals_the_resident_run(folder):
+    resident = minfer.load(folder, device="cuda", dtype="float32")
+    limited = minfer.load(folder, device="cuda", dtype="float32", memory_limit=1_000_000,
+                          workspace=300_000)
+    assert limited.weight_plan.streamed
+    np.testing.assert_array_equal(limited.forward(IDS, DEC), resident.forward(IDS, DEC))
+    arena = limited.backend.arena
+    before = arena.used
+    limited.generate(IDS, max_new_tokens=8)
+    assert arena.used == before  # CuPy's temporaries went to the arena and came back
+    assert arena.stats().peak <= 1_000_000
