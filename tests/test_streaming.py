@@ -346,3 +346,24 @@ def test_peak_rss_stays_within_the_limit_for_a_model_four_times_larger(tmp_path)
     assert report["peak"] - report["base"] < size  # far below the weights' own size
     want = minfer.load(big).forward([[5, 6, 7, 8, 9, 1]], [[0, 3, 4]])
     np.testing.assert_array_equal(np.load(tmp_path / "limited.npy"), want)
+
+
+# -- Transformer-XL ------------------------------------------------------------------------------------
+XL_CASE = ROOT / "weights" / "transfo_xl" / "adaptive_div4"
+
+
+@pytest.mark.skipif(not XL_CASE.is_dir(), reason="XL fixture missing")
+def test_xl_layers_stream_with_identical_log_probs_and_memory():
+    full = minfer.load(XL_CASE)
+    limited = minfer.load(XL_CASE, memory_limit=300_000, workspace=60_000)
+    assert limited.weight_plan.streamed == ["layers.0", "layers.1", "layers.2"]
+    ids = np.arange(3, 27).reshape(2, 12) % full.config.vocab_size
+    mem_a, mem_b = full.new_memory(2), limited.new_memory(2)
+    for segment in (ids[:, :6], ids[:, 6:]):
+        want, mem_a = full.forward(segment, mem_a)
+        got, mem_b = limited.forward(segment, mem_b)
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(mem_b.to_host(), mem_a.to_host())
+    assert limited.score(list(range(3, 60)))["log_likelihood"] == \
+        full.score(list(range(3, 60)))["log_likelihood"]
+    assert limited.backend.arena.stats().peak <= 300_000

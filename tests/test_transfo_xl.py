@@ -251,3 +251,24 @@ def test_live_oracle_agrees_with_committed_references(case):
     for key in ("log_probs_0", "log_probs_1", "log_probs_2"):
         assert rel_err(live[key], ref[key]) < TOL, key
     assert np.array_equal(live["greedy_ids"], ref["greedy_ids"])
+
+
+# -- scoring without the full vocabulary matrix ---------------------------------------------------------
+@pytest.mark.parametrize("case", XL_CASES)
+def test_target_log_probs_equal_the_full_matrix_at_the_targets(xl_models, case):
+    model = xl_models(case)
+    cfg, be = model.config, model.backend
+    rng = np.random.default_rng(len(case))
+    ends = cfg.cluster_ends
+    # one target in every cluster, the rest random
+    targets = np.concatenate([[ends[i] + (ends[i + 1] - ends[i]) // 2 for i in range(len(ends) - 1)],
+                              rng.integers(0, cfg.vocab_size, 9)])
+    ids = rng.integers(0, cfg.vocab_size, (1, len(targets)))
+    memory = model.new_memory(1)
+    h = xl.forward_hidden(be, cfg, model.params, ids, memory).reshape(len(targets), -1)
+    full = np.asarray(xl.log_probs(be, cfg, model.params, h))
+    got = xl.target_log_probs(be, cfg, model.params, h, targets)
+    want = full[np.arange(len(targets)), targets]
+    assert len(ends) - 1 == len(model.params["clusters"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    memory.release()

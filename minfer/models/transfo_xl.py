@@ -29,7 +29,9 @@ from .. import ops
 from ..backend import Backend
 from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
-from ..memory import BufferSpec, bytes_needed
+from ..memory import BufferSpec, align_up, bytes_needed
+from ..streaming import (SCALE_SUFFIX, Layout, LayerStack, WeightPlan, WeightRuntime, plan_weights,
+                         quantize_int8)
 
 NEG_INF = float(np.finfo(np.float32).min)
 
@@ -179,7 +181,76 @@ def _shapes(cfg: XLConfig) -> tuple[dict[str, tuple], dict[str, str]]:
     return req, tied
 
 
-def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend) -> dict:
+LAYER_MATRICES = ("w_qkv", "w_o", "w_r", "w1", "w2")  # what dtype="int8" quantises
+
+
+def layer_shapes(cfg: XLConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's tensors in minfer's layout: matrices (in, out), then vectors."""
+    C, HD = cfg.d_model, cfg.n_head * cfg.d_head
+    return {"w_qkv": (C, 3 * HD), "w_o": (HD, C), "w_r": (C, HD), "w1": (C, cfg.d_inner),
+            "w2": (cfg.d_inner, C), "r_w_bias": (cfg.n_head, cfg.d_head),
+            "r_r_bias": (cfg.n_head, cfg.d_head), "b1": (cfg.d_inner,), "b2": (C,),
+            "ln_attn_w": (C,), "ln_attn_b": (C,), "ln_ff_w": (C,), "ln_ff_b": (C,)}
+
+
+def layer_layout(cfg: XLConfig, dtype: Any, quantize: bool) -> Layout:
+    spec: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for name, shape in layer_shapes(cfg).items():
+        if quantize and name in LAYER_MATRICES:
+            spec[name] = (shape, np.int8)
+            spec[name + SCALE_SUFFIX] = ((shape[1],), np.float32)
+        else:
+            spec[name] = (shape, dtype)
+    return Layout(spec)
+
+
+def _layer_arrays(cfg: XLConfig, read: Callable[[str], np.ndarray], l: int,
+                  be: Backend) -> dict[str, np.ndarray]:
+    """Layer l as host arrays in `layer_shapes` order (int8 + scales when quantising)."""
+    p = f"transformer.layers.{l}"
+    r_src = f"{p}.dec_attn" if cfg.untie_r else "transformer"
+    t = lambda name: np.ascontiguousarray(read(name).T)  # HF (out, in) -> (in, out)
+    arrays = {
+        "w_qkv": t(f"{p}.dec_attn.qkv_net.weight"),          # (C, 3HD)
+        "w_o": t(f"{p}.dec_attn.o_net.weight"),              # (HD, C)
+        "w_r": t(f"{p}.dec_attn.r_net.weight"),              # (C, HD)
+        "w1": t(f"{p}.pos_ff.CoreNet.0.weight"),             # (C, F)
+        "w2": t(f"{p}.pos_ff.CoreNet.3.weight"),             # (F, C)
+        "r_w_bias": read(f"{r_src}.r_w_bias"),               # (H, D): "u"
+        "r_r_bias": read(f"{r_src}.r_r_bias"),               # (H, D): "v"
+        "b1": read(f"{p}.pos_ff.CoreNet.0.bias"), "b2": read(f"{p}.pos_ff.CoreNet.3.bias"),
+        "ln_attn_w": read(f"{p}.dec_attn.layer_norm.weight"),
+        "ln_attn_b": read(f"{p}.dec_attn.layer_norm.bias"),
+        "ln_ff_w": read(f"{p}.pos_ff.layer_norm.weight"), "ln_ff_b": read(f"{p}.pos_ff.layer_norm.bias"),
+    }
+    out: dict[str, np.ndarray] = {}
+    for name, a in arrays.items():
+        if be.quantize and name in LAYER_MATRICES:
+            out[name], out[name + SCALE_SUFFIX] = quantize_int8(a)
+        else:
+            out[name] = a.astype(be.dtype, copy=False)
+    return out
+
+
+def fixed_bytes(cfg: XLConfig, dtype: Any) -> int:
+    """Bytes of the always-resident weights: adaptive embedding and softmax (all but the layers)."""
+    required, tied = _shapes(cfg)
+    shapes = {**required, **{name: required[src] for name, src in tied.items()}}  # copies too
+    n = sum(int(np.prod(s)) for name, s in shapes.items()
+            if not name.startswith("transformer.layers.") and not name.endswith("r_w_bias")
+            and not name.endswith("r_r_bias"))
+    return align_up(n * np.dtype(dtype).itemsize) + 64 * 256  # + alignment of each hold
+
+
+def plan_placement(cfg: XLConfig, dtype: Any, quantize: bool, limit: int | None,
+                   workspace: int) -> WeightPlan:
+    layout = layer_layout(cfg, dtype, quantize)
+    units = {f"layers.{l}": layout.nbytes for l in range(cfg.n_layer)}
+    return plan_weights(units, fixed_bytes(cfg, dtype), workspace, limit,
+                        layout.float_bytes(dtype))
+
+
+def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend, runtime: WeightRuntime) -> dict:
     """Check names and shapes, resolve tied tensors (a safetensors save omits them), and build the
     parameter tree with (in, out) matrices. A tied copy present in the file (old .bin saves) is
     ignored in favour of its source, as HF re-ties on load."""
@@ -196,8 +267,11 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend) -> dict:
     def read(name: str) -> np.ndarray:
         return ckpt.read(tied.get(name, name), be.dtype)
 
-    def t(name: str) -> Any:  # HF (out, in) -> (in, out)
-        return be.asarray(np.ascontiguousarray(read(name).T))
+    def t(name: str) -> Any:  # HF (out, in) -> (in, out), resident
+        return runtime.place_fixed(np.ascontiguousarray(read(name).T), name)
+
+    def fixed(name: str, array: np.ndarray | None = None) -> Any:
+        return runtime.place_fixed(read(name) if array is None else array, name)
 
     C = cfg.d_model
     ends = cfg.cluster_ends
@@ -205,29 +279,14 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend) -> dict:
     emb = "transformer.word_emb"
     # adaptive input: per cluster a table (n_i, d_i) and a projection to C stored (d_i, C)
     if cfg.div_val == 1:
-        tables = [be.asarray(read(f"{emb}.emb_layers.0.weight"))]
+        tables = [fixed(f"{emb}.emb_layers.0.weight")]
         projs = [t(f"{emb}.emb_projs.0") if C != cfg.d_embed else None]
     else:
-        tables = [be.asarray(read(f"{emb}.emb_layers.{i}.weight")) for i in range(n)]
+        tables = [fixed(f"{emb}.emb_layers.{i}.weight") for i in range(n)]
         projs = [t(f"{emb}.emb_projs.{i}") for i in range(n)]
 
-    layers = []
-    for l in range(cfg.n_layer):
-        p = f"transformer.layers.{l}"
-        r_src = f"{p}.dec_attn" if cfg.untie_r else "transformer"
-        layers.append({
-            "w_qkv": t(f"{p}.dec_attn.qkv_net.weight"),           # (C, 3HD)
-            "w_o": t(f"{p}.dec_attn.o_net.weight"),               # (HD, C)
-            "w_r": t(f"{p}.dec_attn.r_net.weight"),               # (C, HD)
-            "r_w_bias": be.asarray(read(f"{r_src}.r_w_bias")),   # (H, D): "u"
-            "r_r_bias": be.asarray(read(f"{r_src}.r_r_bias")),   # (H, D): "v"
-            "ln_attn": (be.asarray(read(f"{p}.dec_attn.layer_norm.weight")),
-                        be.asarray(read(f"{p}.dec_attn.layer_norm.bias"))),
-            "w1": t(f"{p}.pos_ff.CoreNet.0.weight"), "b1": be.asarray(read(f"{p}.pos_ff.CoreNet.0.bias")),
-            "w2": t(f"{p}.pos_ff.CoreNet.3.weight"), "b2": be.asarray(read(f"{p}.pos_ff.CoreNet.3.bias")),
-            "ln_ff": (be.asarray(read(f"{p}.pos_ff.layer_norm.weight")),
-                      be.asarray(read(f"{p}.pos_ff.layer_norm.bias"))),
-        })
+    layers = LayerStack(runtime, [runtime.place_unit(f"layers.{l}", _layer_arrays(cfg, read, l, be))
+                                  for l in range(cfg.n_layer)])
 
     # output clusters: logits_i = (h @ proj_i) @ W_i + b_i; the head also scores the tail clusters
     clusters = []
@@ -236,15 +295,16 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend) -> dict:
             w_all = read("crit.out_layers.0.weight")  # (V, d)
             w = w_all[ends[i]:ends[i + 1]]
             b = read("crit.out_layers.0.bias")[ends[i]:ends[i + 1]]
-            proj = None if C == cfg.d_embed else be.asarray(read(f"crit.out_projs.{i}"))
+            proj = None if C == cfg.d_embed else fixed(f"crit.out_projs.{i}")
         else:
             w = read(f"crit.out_layers.{i}.weight")
             b = read(f"crit.out_layers.{i}.bias")
-            proj = be.asarray(read(f"crit.out_projs.{i}"))  # (C, d_i): used as h @ proj
+            proj = fixed(f"crit.out_projs.{i}")  # (C, d_i): used as h @ proj
         if i == 0 and n > 1:
             w = np.concatenate([w, read("crit.cluster_weight")], axis=0)
             b = np.concatenate([b, read("crit.cluster_bias")], axis=0)
-        clusters.append({"proj": proj, "w": be.asarray(np.ascontiguousarray(w.T)), "b": be.asarray(b)})
+        clusters.append({"proj": proj, "w": fixed(f"cluster{i}.w", np.ascontiguousarray(w.T)),
+                         "b": fixed(f"cluster{i}.b", np.ascontiguousarray(b))})
     return {"emb_tables": tables, "emb_projs": projs, "inv_freq": read("transformer.pos_emb.inv_freq"),
             "layers": layers, "clusters": clusters}
 
@@ -311,25 +371,64 @@ def attention_mask(cfg: XLConfig, qlen: int, mlen: int) -> np.ndarray:
     return blocked
 
 
+def _cluster_logits(c: dict, h: Any) -> Any:
+    """One output cluster's logits: (h @ proj_i) @ W_i + b_i. h (N, C) -> (N, n_i)."""
+    if c["proj"] is not None:
+        h = h @ c["proj"]                                                      # (N, d_i)
+    out = h @ c["w"]
+    out += c["b"]
+    return out
+
+
+def _log_softmax_(xp: Any, x: Any) -> Any:
+    """Log-softmax over the last axis, in place on a scratch float32 array."""
+    x -= xp.max(x, axis=-1, keepdims=True)
+    x -= xp.log(xp.sum(xp.exp(x), axis=-1, keepdims=True))
+    return x
+
+
 def log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any) -> Any:
     """Projected adaptive log-softmax: hidden (N, C) -> log-probabilities (N, V) float32."""
     xp = be.xp
     clusters = params["clusters"]
     ends = cfg.cluster_ends
-
-    def logits(c: dict, h: Any) -> Any:
-        if c["proj"] is not None:
-            h = h @ c["proj"]                                                  # (N, d_i)
-        return h @ c["w"] + c["b"]                                             # (N, n_i)
-
-    head = ops.log_softmax(xp, logits(clusters[0], hidden).astype(np.float32))  # (N, c0 + n-1)
+    head = _log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
     if len(clusters) == 1:
-        return head
+        return head                                                            # (N, V)
     out = xp.empty((hidden.shape[0], cfg.vocab_size), dtype=np.float32)
     out[:, :ends[1]] = head[:, :ends[1]]
     for i in range(1, len(clusters)):
-        tail = ops.log_softmax(xp, logits(clusters[i], hidden).astype(np.float32))
-        out[:, ends[i]:ends[i + 1]] = tail + head[:, ends[1] + i - 1:ends[1] + i]
+        tail = out[:, ends[i]:ends[i + 1]]
+        tail[...] = _cluster_logits(clusters[i], hidden)
+        _log_softmax_(xp, tail)
+        tail += head[:, ends[1] + i - 1:ends[1] + i]  # + log p(cluster i)
+    return out
+
+
+def target_log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any,
+                     targets: np.ndarray) -> np.ndarray:
+    """log p(targets[n] | hidden[n]) for each row: (N, C), (N,) ids -> (N,) float64 on the host.
+
+    What scoring needs, without the (N, V) matrix: the head's log-softmax for every row, and each
+    tail cluster's logits only for the rows whose target lies in that cluster (the computation
+    HF's adaptive softmax does when given labels). Equal to gathering `log_probs` at the targets."""
+    xp = be.xp
+    clusters = params["clusters"]
+    ends = cfg.cluster_ends
+    targets = np.asarray(targets, np.int64)
+    head = _log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
+    out = np.zeros(len(targets), np.float64)
+    rows = np.nonzero(targets < ends[1])[0]
+    out[rows] = be.to_host(head[be.asarray(rows), be.asarray(targets[rows])])
+    for i in range(1, len(clusters)):
+        rows = np.nonzero((targets >= ends[i]) & (targets < ends[i + 1]))[0]
+        if len(rows) == 0:
+            continue
+        r = be.asarray(rows)
+        tail = _log_softmax_(xp, _cluster_logits(clusters[i], hidden[r]).astype(np.float32,
+                                                                                 copy=False))
+        picked = tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])]
+        out[rows] = be.to_host(picked + head[r, ends[1] + i - 1])
     return out
 
 
@@ -426,7 +525,8 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             cat = ws["cat"]
             cat[:, :M] = memory.layer(l)
             cat[:, M:] = x                                                     # (B, K, C)
-            inp = ops.layer_norm(xp, cat, *p["ln_attn"], cfg.eps) if cfg.pre_lnorm else cat
+            inp = (ops.layer_norm(xp, cat, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
+                   else cat)
             qkv = xp.matmul(inp, p["w_qkv"], out=ws["qkv"]).reshape(B, K, 3, H, D)
             q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                            # (B, H, T, D)
             k = qkv[:, :, 1].transpose(0, 2, 1, 3)                             # (B, H, K, D)
@@ -446,14 +546,14 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             memory.update(l, x, M)          # this layer's input joins its memory
             if cfg.pre_lnorm:
                 a = x + attn
-                h = xp.matmul(ops.layer_norm(xp, a, *p["ln_ff"], cfg.eps), p["w1"], out=ws["ff"])
+                h = xp.matmul(ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"], out=ws["ff"])
                 h += p["b1"]
                 x = a + (ops.relu_(xp, h) @ p["w2"] + p["b2"])
             else:
-                a = ops.layer_norm(xp, x + attn, *p["ln_attn"], cfg.eps)
+                a = ops.layer_norm(xp, x + attn, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
                 h = xp.matmul(a, p["w1"], out=ws["ff"])
                 h += p["b1"]
-                x = ops.layer_norm(xp, a + (ops.relu_(xp, h) @ p["w2"] + p["b2"]), *p["ln_ff"],
+                x = ops.layer_norm(xp, a + (ops.relu_(xp, h) @ p["w2"] + p["b2"]), p["ln_ff_w"], p["ln_ff_b"],
                                    cfg.eps)
     memory.advance(T)
     return x
@@ -507,6 +607,13 @@ class _GenerationIds:
     decoder_start_token_id: int | None = None
 
 
+def run_bytes(cfg: XLConfig, dt: Any, batch: int, seg_len: int) -> dict[str, int]:
+    """Arena bytes of a run: the segment memory plus one segment's scratch."""
+    memory = bytes_needed({"m": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), dt)})
+    scratch = bytes_needed(layer_specs(cfg, batch, seg_len, cfg.mem_len + seg_len, dt))
+    return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
+
+
 class XLModel:
     """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
 
@@ -543,11 +650,7 @@ class XLModel:
         return XLMemory(self.backend, self.config, batch)
 
     def plan(self, batch: int, seg_len: int | None = None) -> dict[str, int]:
-        cfg, dt = self.config, self.backend.dtype
-        T = seg_len or cfg.tgt_len
-        memory = bytes_needed({"m": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), dt)})
-        scratch = bytes_needed(layer_specs(cfg, batch, T, cfg.mem_len + T, dt))
-        return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
+        return run_bytes(self.config, self.backend.dtype, batch, seg_len or self.config.tgt_len)
 
     def parameter_count(self) -> int:
         required, _ = _shapes(self.config)
@@ -606,14 +709,17 @@ class XLModel:
             raise InputError(f"segment_len must be a positive integer, got {segment_len!r}")
         own = memory is None
         memory = self.new_memory(1) if own else memory
+        if memory.released or memory.batch != 1:
+            raise InputError("score: memory must be a live one-row memory")
         total, n = 0.0, arr.shape[1] - 1
         t0 = time.perf_counter()
         try:
             for start in range(0, n, T):
                 seg = arr[:, start:min(start + T, n)]
                 targets = arr[0, start + 1:start + 1 + seg.shape[1]]
-                lp, _ = self.forward(seg, memory)
-                total += float(lp[0, np.arange(len(targets)), targets].astype(np.float64).sum())
+                h = forward_hidden(self.backend, self.config, self.params, seg, memory)
+                total += float(target_log_probs(self.backend, self.config, self.params,
+                                                h.reshape(seg.shape[1], -1), targets).sum())
                 if progress is not None:
                     progress(start + seg.shape[1], n)
         finally:
@@ -698,7 +804,15 @@ class XLSession:
 
 
 def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
-         tokenizer: Any = None) -> XLModel:
+         tokenizer: Any = None, recorder: Any = None) -> XLModel:
+    """Build an XLModel: plan where the layers go (all resident without a memory limit), then
+    read them one at a time into place; embedding and softmax clusters stay resident."""
     cfg = XLConfig.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-    return XLModel(cfg, load_params(cfg, ckpt, be), be, str(ckpt.folder), ckpt.config,
-                   generation_config, tokenizer)
+    workspace = run_bytes(cfg, be.dtype, 1, cfg.tgt_len)["peak"]
+    plan = plan_placement(cfg, be.dtype, be.quantize, be.memory_limit, be.workspace_reserve(workspace))
+    runtime = WeightRuntime(be, plan, be.dtype, be.make_transfers() if plan.streamed else None,
+                            recorder)
+    model = XLModel(cfg, load_params(cfg, ckpt, be, runtime), be, str(ckpt.folder), ckpt.config,
+                    generation_config, tokenizer)
+    model.weight_plan, model.runtime = plan, runtime
+    return model
