@@ -18,6 +18,27 @@ from .errors import ConfigError
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
+def linear(xp: Any, x: Any, w: Any, out: Any) -> Any:
+    """x (..., I) @ w (I, O) into `out` (..., O) as one 2-D matrix product.
+
+    Why: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading all of w,
+    so a batch of 16 decoding rows would stream every weight matrix 16 times per step."""
+    if not out.flags.c_contiguous:
+        return xp.matmul(x, w, out=out)
+    xp.matmul(x.reshape(-1, x.shape[-1]), w, out=out.reshape(-1, out.shape[-1]))
+    return out
+
+
+def embed(xp: Any, table: Any, ids: Any, out: Any) -> Any:
+    """Rows `ids` (...) of `table` (V, C) into `out` (..., C). `take` would first copy a
+    non-contiguous table (T5's tied embedding is a transposed view of its head) whole; fancy
+    indexing gathers just the rows."""
+    if table.flags.c_contiguous:
+        return xp.take(table, ids, axis=0, out=out)
+    out[...] = table[ids]
+    return out
+
+
 def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight,
     which the models fold into the next matrix. `out` may be a caller's buffer."""

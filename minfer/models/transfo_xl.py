@@ -527,7 +527,7 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             cat[:, M:] = x                                                     # (B, K, C)
             inp = (ops.layer_norm(xp, cat, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
                    else cat)
-            qkv = xp.matmul(inp, p["w_qkv"], out=ws["qkv"]).reshape(B, K, 3, H, D)
+            qkv = ops.linear(xp, inp, p["w_qkv"], ws["qkv"]).reshape(B, K, 3, H, D)
             q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                            # (B, H, T, D)
             k = qkv[:, :, 1].transpose(0, 2, 1, 3)                             # (B, H, K, D)
             v = qkv[:, :, 2].transpose(0, 2, 1, 3)
@@ -546,12 +546,13 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             memory.update(l, x, M)          # this layer's input joins its memory
             if cfg.pre_lnorm:
                 a = x + attn
-                h = xp.matmul(ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"], out=ws["ff"])
+                h = ops.linear(xp, ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"],
+                               ws["ff"])
                 h += p["b1"]
                 x = a + (ops.relu_(xp, h) @ p["w2"] + p["b2"])
             else:
                 a = ops.layer_norm(xp, x + attn, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
-                h = xp.matmul(a, p["w1"], out=ws["ff"])
+                h = ops.linear(xp, a, p["w1"], ws["ff"])
                 h += p["b1"]
                 x = ops.layer_norm(xp, a + (ops.relu_(xp, h) @ p["w2"] + p["b2"]), p["ln_ff_w"], p["ln_ff_b"],
                                    cfg.eps)
