@@ -63,7 +63,6 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     if dtype is None and ckpt.quantized_names():
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
-    ckpt.use_mmap = memory_limit is None  # under a limit, read with file I/O, layer by layer
     tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer,
                        **({"recorder": recorder} if recorder is not None else {}))

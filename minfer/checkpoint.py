@@ -135,32 +135,38 @@ class SafetensorsFile:
                              f"{code} (expected {expected})")
         return TensorInfo(name, code, tuple(shape), self.path, data_start + begin, data_start + end)
 
-    def raw(self, name: str, mmap: bool = True) -> np.ndarray:
+    def raw(self, name: str, mmap: bool = True, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor as stored (BF16 as uint16): a read-only view of the memory-mapped file, or
         with `mmap=False` a fresh array read with plain file I/O (mapped pages would count as the
         process's memory, which a memory-limited load must not touch wholesale)."""
         info = self.tensors[name]
         storage = _STORAGE[info.dtype]
-        if info.end == info.start:
-            return np.empty(info.shape, dtype=storage)
+        shape, start, end = info.shape, info.start, info.end
+        if rows is not None:  # a range of the first axis only
+            a, b = rows
+            row_bytes = math.prod(shape[1:]) * storage.itemsize
+            shape = (b - a, *shape[1:])
+            start, end = info.start + a * row_bytes, info.start + b * row_bytes
+        if end == start:
+            return np.empty(shape, dtype=storage)
         if not mmap:
-            out = np.empty(info.end - info.start, np.uint8)
+            out = np.empty(end - start, np.uint8)
             try:
                 with open(self.path, "rb") as f:
-                    f.seek(info.start)
+                    f.seek(start)
                     got = f.readinto(memoryview(out))
             except OSError as e:
                 raise self._fail(f"cannot read tensor '{name}': {e.strerror or e}") from None
             if got != out.nbytes:
                 raise self._fail(f"tensor '{name}': file shrank while reading (got {got} of "
                                  f"{out.nbytes} bytes)")
-            return out.view(storage).reshape(info.shape)
+            return out.view(storage).reshape(shape)
         if self._map is None:
             try:
                 self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
             except (OSError, ValueError) as e:
                 raise self._fail(f"cannot memory-map: {e}") from None
-        return self._map[info.start:info.end].view(storage).reshape(info.shape)
+        return self._map[start:end].view(storage).reshape(shape)
 
 
 class Checkpoint:
@@ -180,7 +186,10 @@ class Checkpoint:
                                           f"{self._where[name].path.name}")
                 self._where[name] = f
         self._check_index()
-        self.use_mmap = True  # False: read tensors with file I/O (memory-limited loads)
+        # Tensors are read with file I/O into fresh arrays by default: a memory map would keep
+        # every page it touched counted as the process's memory next to the converted copies
+        # (twice the weights at the peak). True maps instead (tests of the mapped path).
+        self.use_mmap = False
         self._scales = self._find_int8_scales()
 
     def _find_int8_scales(self) -> dict[str, str]:
@@ -258,16 +267,25 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         return self._where[name].tensors[name]
 
-    def read(self, name: str, dtype: Any = np.float32) -> np.ndarray:
-        """The tensor converted to `dtype` (a fresh host array, C-contiguous)."""
+    def read(self, name: str, dtype: Any = np.float32,
+             rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor (or rows [a, b) of its first axis) converted to `dtype`: a fresh host
+        array, C-contiguous. Reading by rows bounds the memory a large embedding needs."""
         f = self._where.get(name)
         if f is None:
             raise CheckpointError(f"{self.folder}: tensor '{name}' is missing")
         info = f.tensors[name]
-        raw = f.raw(name, self.use_mmap)
+        if rows is not None and not (len(info.shape) >= 1 and 0 <= rows[0] <= rows[1] <= info.shape[0]):
+            raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{name}' {list(info.shape)}")
+        if isinstance(f, SafetensorsFile):
+            raw = f.raw(name, self.use_mmap, rows)
+        else:
+            raw = f.raw(name) if rows is None else f.raw(name)[rows[0]:rows[1]]
         if name in self._scales:
             scale_name = self._scales[name]
             scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
+            if rows is not None:
+                scale = scale[rows[0]:rows[1]]
             return np.multiply(raw, scale[:, None], dtype=np.float32).astype(dtype, copy=False)
         if info.dtype == "BF16":
             raw = bf16_to_float32(raw)

@@ -89,7 +89,10 @@ class CudaBackend(Backend):
         return cupy.asnumpy(array)
 
     def upload(self, dst: Any, host: np.ndarray) -> None:
-        dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
+        if dst.flags.c_contiguous:
+            dst.set(np.ascontiguousarray(host, dtype=dst.dtype))
+        else:  # a strided view (a block of columns): go through a device temporary
+            dst[...] = cupy.asarray(np.ascontiguousarray(host), dtype=dst.dtype)
 
     def host_buffer(self, block: np.ndarray) -> np.ndarray:
         """A pinned (page-locked) copy of `block`, so copies to the device can be asynchronous."""

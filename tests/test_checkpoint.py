@@ -130,3 +130,21 @@ def test_integer_tensor_is_not_a_weight(tmp_path):
     folder_with(tmp_path, {"i": np.arange(3, dtype=np.int64)})
     with pytest.raises(CheckpointError, match="integer dtype I64"):
         Checkpoint(tmp_path).read("i")
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_reads_a_range_of_rows_by_file_io_or_map(tmp_path, mapped):
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((7, 5)).astype(np.float32)
+    h = rng.standard_normal((6, 2)).astype(np.float16)
+    folder_with(tmp_path, {"a": a, "h": h})
+    ckpt = Checkpoint(tmp_path)
+    ckpt.use_mmap = mapped
+    np.testing.assert_array_equal(ckpt.read("a", rows=(2, 5)), a[2:5])
+    np.testing.assert_array_equal(ckpt.read("h", rows=(0, 6)), h.astype(np.float32))
+    assert ckpt.read("a", rows=(3, 3)).shape == (0, 5)
+    out = ckpt.read("a")
+    out[0, 0] = 99.0  # a private, writable copy either way
+    assert ckpt.read("a")[0, 0] == a[0, 0]
+    with pytest.raises(CheckpointError, match=r"rows \(5, 9\) outside tensor 'a'"):
+        ckpt.read("a", rows=(5, 9))

@@ -273,24 +273,35 @@ def plan_placement(cfg: T5Config, dtype: Any, quantize: bool, limit: int | None,
                         priority=lambda name: 1 if name.startswith("decoder") else 0)
 
 
+def _place_vocab_matrix(runtime: WeightRuntime, ckpt: Checkpoint, name: str, dtype: Any,
+                        transpose: bool) -> Any:
+    """A (V, C) checkpoint matrix placed as (V, C), or as (C, V) with `transpose`, read in blocks
+    of rows so loading never holds a second whole copy (mT5's is 1 GB in float32)."""
+    V, C = ckpt.info(name).shape
+    out = runtime.alloc_fixed((C, V) if transpose else (V, C), dtype, name)
+    step = max(1, (16 << 20) // (C * np.dtype(dtype).itemsize))  # 16 MiB of rows at a time
+    for a in range(0, V, step):
+        b = min(V, a + step)
+        rows = ckpt.read(name, dtype, rows=(a, b))
+        runtime.be.upload(out[:, a:b] if transpose else out[a:b], rows.T if transpose else rows)
+    return out
+
+
 def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend, plan: WeightPlan,
                 runtime: WeightRuntime) -> dict:
     """Check the checkpoint, then place every weight per `plan`: fixed ones resident, each layer
     resident or streamed (read one layer at a time, so host memory stays bounded)."""
     shared_name = check_checkpoint(cfg, ckpt)
-    shared = ckpt.read(shared_name, be.dtype)                                  # (V, C)
     params: dict[str, Any] = {}
     if cfg.tie_word_embeddings:
         # One copy serves both uses, stored as the head wants it: (C, V) row-major. BLAS reads a
         # row-major head 25-40% faster than the transposed (V, C) view, and the embedding lookup
         # (a few rows per step) does not mind gathering from the transposed view.
-        params["lm_head"] = runtime.place_fixed(np.ascontiguousarray(shared.T), "lm_head")
+        params["lm_head"] = _place_vocab_matrix(runtime, ckpt, shared_name, be.dtype, True)
         params["shared"] = params["lm_head"].T                                 # (V, C) view
     else:
-        params["shared"] = runtime.place_fixed(shared, "shared")
-        params["lm_head"] = runtime.place_fixed(
-            np.ascontiguousarray(ckpt.read("lm_head.weight", be.dtype).T), "lm_head")  # (C, V)
-    del shared
+        params["shared"] = _place_vocab_matrix(runtime, ckpt, shared_name, be.dtype, False)
+        params["lm_head"] = _place_vocab_matrix(runtime, ckpt, "lm_head.weight", be.dtype, True)
     for stack in STACKS:
         units = []
         for i in range(stack_depth(cfg, stack)):
