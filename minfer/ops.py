@@ -18,14 +18,46 @@ from .errors import ConfigError
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def linear(xp: Any, x: Any, w: Any, out: Any) -> Any:
-    """x (..., I) @ w (I, O) into `out` (..., O) as one 2-D matrix product.
+class Int8Weight:
+    """A weight-only int8 matrix (in, out) with float32 scales per output column, multiplied in
+    column blocks: each block is widened into a small float scratch that stays in cache and fed
+    to BLAS, and the product is scaled by column afterwards. Only int8 bytes come from memory,
+    and no float copy of the whole matrix is ever written."""
+
+    def __init__(self, q: Any, scale: Any, scratch: Any):
+        self.q, self.scale, self.scratch = q, scale, scratch  # scratch: flat float buffer
+        self.shape, self.dtype = q.shape, scratch.dtype
+        K = q.shape[0]
+        self.block = max(1, min(q.shape[1], scratch.size // max(K, 1)))
+
+    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
+        """x (M, K) @ self -> out (M, N)."""
+        K, N = self.shape
+        for j in range(0, N, self.block):
+            e = min(N, j + self.block)
+            w = self.scratch[:K * (e - j)].reshape(K, e - j)
+            w[...] = self.q[:, j:e]                       # widen int8 -> float (cached block)
+            xp.matmul(x, w, out=out[:, j:e])
+        out *= self.scale
+        return out
+
+
+def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
+    """x (..., I) @ w (I, O) into `out` (..., O) (allocated when None) as one 2-D product.
 
     Why: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading all of w,
-    so a batch of 16 decoding rows would stream every weight matrix 16 times per step."""
+    so a batch of 16 decoding rows would stream every weight matrix 16 times per step. `w` may be
+    an `Int8Weight`."""
+    if out is None:
+        out = xp.empty((*x.shape[:-1], w.shape[1]), dtype=x.dtype)
     if not out.flags.c_contiguous:
-        return xp.matmul(x, w, out=out)
-    xp.matmul(x.reshape(-1, x.shape[-1]), w, out=out.reshape(-1, out.shape[-1]))
+        out[...] = linear(xp, x, w)
+        return out
+    x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+    if isinstance(w, Int8Weight):
+        w.matmul(xp, x2, o2)
+    else:
+        xp.matmul(x2, w, out=o2)
     return out
 
 

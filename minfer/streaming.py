@@ -10,7 +10,8 @@ while layer i computes from one slot, layer i+1 is arriving in the other.
 Model code sees none of this: a stack's layers are a `LayerStack`, and iterating it yields each
 layer's parameter dict (`for blk in stack: ...`), resident or just arrived. Weight-only int8
 layers (per output channel scales, as BMInf and CTranslate2 quantise) stay int8 when resident and
-in transfers, and are dequantised into one float scratch in the arena as their turn comes.
+in transfers; a product with one widens it block by block into a 1 MiB float scratch in the
+arena (`ops.Int8Weight`), so no float copy of a layer is ever written.
 
 Transfers go through a `Transfers` object of the backend (a reader thread on the CPU, a copy
 stream and events on CUDA, a counting stand-in in tests), so the scheduling below is the same
@@ -33,6 +34,7 @@ from .errors import ArenaExhausted, ConfigError
 from .memory import ALIGNMENT, Arena, align_up, format_bytes
 
 SCALE_SUFFIX = ".scale"  # an int8 tensor `w` travels with its float32 per-column scales `w.scale`
+INT8_SCRATCH_BYTES = 1 << 20  # float blocks of int8 matrices are widened here: about an L2 cache
 
 
 # =====================================================================================================
@@ -93,6 +95,12 @@ class Layout:
         """Bytes of the dequantised int8 tensors in `dtype` (0 for a float layer)."""
         return sum(align_up(int(np.prod(self.entries[n].shape)) * np.dtype(dtype).itemsize)
                    for n in self.quantized)
+
+    def int8_scratch_bytes(self, dtype: Any) -> int:
+        """Scratch an int8 product needs: INT8_SCRATCH_BYTES, or less for small matrices."""
+        largest = max((int(np.prod(self.entries[n].shape)) * np.dtype(dtype).itemsize
+                       for n in self.quantized), default=0)
+        return align_up(min(INT8_SCRATCH_BYTES, largest))
 
     def pack(self, arrays: Mapping[str, np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
         """The layer as one uint8 block (host)."""
@@ -356,21 +364,15 @@ class WeightRuntime:
 
     # -- running a stack --------------------------------------------------------------------------
     def _dequantized(self, layout: Layout, params: dict[str, Any]) -> dict[str, Any]:
+        """int8 matrices -> `ops.Int8Weight`s that widen column blocks into the scratch as they
+        multiply (the scratch is shared: one product runs at a time)."""
         if not layout.quantized:
             return params
-        xp, out, offset = self.be.xp, {}, 0
-        for name, value in params.items():
-            if name.endswith(SCALE_SUFFIX):
-                continue
-            if name in layout.quantized:
-                e = layout.entries[name]
-                n = int(np.prod(e.shape)) * self.float_dtype.itemsize
-                buf = self.scratch[offset:offset + n].view(self.float_dtype).reshape(e.shape)
-                offset = align_up(offset + n)
-                out[name] = dequantize_int8(xp, value, params[name + SCALE_SUFFIX], buf)
-            else:
-                out[name] = value
-        return out
+        from .ops import Int8Weight
+        scratch = self.scratch.view(self.float_dtype)
+        return {name: (Int8Weight(value, params[name + SCALE_SUFFIX], scratch)
+                       if name in layout.quantized else value)
+                for name, value in params.items() if not name.endswith(SCALE_SUFFIX)}
 
     def run(self, units: list[Unit]) -> Iterator[dict[str, Any]]:
         """Yield each unit's float params in order, streaming the non-resident ones one ahead."""

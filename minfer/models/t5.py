@@ -265,7 +265,7 @@ def plan_placement(cfg: T5Config, dtype: Any, quantize: bool, limit: int | None,
     units, scratch = {}, 0
     for stack in STACKS:
         layout = unit_layout(cfg, stack, dtype, quantize)
-        scratch = max(scratch, layout.float_bytes(dtype))
+        scratch = max(scratch, layout.int8_scratch_bytes(dtype))
         for i in range(stack_depth(cfg, stack)):
             units[f"{stack}.{i}"] = layout.nbytes
     # decoder layers run at every generated token, encoder and cross layers once per input

@@ -247,7 +247,7 @@ def plan_placement(cfg: XLConfig, dtype: Any, quantize: bool, limit: int | None,
     layout = layer_layout(cfg, dtype, quantize)
     units = {f"layers.{l}": layout.nbytes for l in range(cfg.n_layer)}
     return plan_weights(units, fixed_bytes(cfg, dtype), workspace, limit,
-                        layout.float_bytes(dtype))
+                        layout.int8_scratch_bytes(dtype))
 
 
 def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend, runtime: WeightRuntime) -> dict:
@@ -531,7 +531,7 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                            # (B, H, T, D)
             k = qkv[:, :, 1].transpose(0, 2, 1, 3)                             # (B, H, K, D)
             v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-            r = (pos @ p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)           # (H, D, K)
+            r = ops.linear(xp, pos, p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)           # (H, D, K)
             scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
                                out=ws["scores"])                               # AC (B, H, T, K)
             bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])     # (B, H, T, K)
@@ -542,19 +542,19 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
             ops.softmax_(xp, scores)
             ctx = ws["ctx"]
             xp.matmul(scores, v, out=ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-            attn = ctx @ p["w_o"]                                              # (B, T, C)
+            attn = ops.linear(xp, ctx, p["w_o"])                                   # (B, T, C)
             memory.update(l, x, M)          # this layer's input joins its memory
             if cfg.pre_lnorm:
                 a = x + attn
                 h = ops.linear(xp, ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"],
                                ws["ff"])
                 h += p["b1"]
-                x = a + (ops.relu_(xp, h) @ p["w2"] + p["b2"])
+                x = a + (ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"])
             else:
                 a = ops.layer_norm(xp, x + attn, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
                 h = ops.linear(xp, a, p["w1"], ws["ff"])
                 h += p["b1"]
-                x = ops.layer_norm(xp, a + (ops.relu_(xp, h) @ p["w2"] + p["b2"]), p["ln_ff_w"], p["ln_ff_b"],
+                x = ops.layer_norm(xp, a + (ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"]), p["ln_ff_w"], p["ln_ff_b"],
                                    cfg.eps)
     memory.advance(T)
     return x
