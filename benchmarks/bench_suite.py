@@ -1,35 +1,53 @@
 """The whole CPU comparison in one command: minfer vs HF transformers vs CTranslate2.
 
-    python benchmarks/bench_suite.py [--shapes t5-small,t5-base] [--runs 5] [--threads 2]
-                                     [--tasks decode,batch16,encoder,beam4] [--no-xl]
-                                     [--json OUT] [--markdown OUT]
+    python benchmarks/bench_suite.py [--shapes t5-small,t5-base] [--runs 5] [--rounds 1]
+                                     [--threads 2] [--tasks decode,batch16,encoder,beam4]
+                                     [--engines ...] [--no-xl] [--json OUT] [--markdown OUT]
+    python benchmarks/bench_suite.py --profile batch16 [--shapes t5-small] [--runs 3]
 
-Tasks (float32 unless the engine says int8; random weights, see bench_t5.py):
+Tasks (float32 unless the engine says int8; random weights with the exact t5-small / t5-base
+config, see bench_t5.py):
   decode   batch 1, 32 source tokens, 64 forced new tokens, greedy      (new tokens / s)
   batch16  16 sources of 32 tokens, 64 forced new tokens each, greedy   (new tokens / s, all rows)
   encoder  16 x 128 source tokens through the encoder only              (source tokens / s)
   beam4    batch 1, beam search with 4 beams, 64 forced new tokens     (new tokens / s)
-  xl       Transformer-XL scoring from bench_transfo_xl.py              (tokens / s)
+  xl       Transformer-XL scoring, run by bench_transfo_xl.py --json    (tokens / s)
 
-Engines: minfer, minfer-int8, transformers (torch CPU, inference mode), ctranslate2-fp32,
-ctranslate2-int8. CTranslate2 has no encoder-only call for T5 models, so its encoder row runs
-`translate_batch` with one decoding step (encoder + 1 step: slightly pessimistic for it) and is
-marked so. Every engine runs in its own subprocess with OMP/OPENBLAS/MKL threads set before
-imports; one warm-up, then --runs timed calls; median, min, max. Greedy and beam ids are checked
-against transformers' (the first mismatch is reported; int8 engines are expected to drift).
-Checkpoints and CTranslate2 conversions are made on first use by bench_t5.py's helpers.
+Engines: minfer, minfer-int8 (`minfer.load(folder, dtype="int8")`; its rows say "n/a yet" while
+that raises), transformers (torch CPU, inference mode), ctranslate2-fp32, ctranslate2-int8.
+"Forced" means eos is suppressed until the 64th token (min = max new tokens), so no engine stops
+early. CTranslate2 4.x has no encoder-only call for T5 (`Translator` has none, and
+`ctranslate2.Encoder` refuses a converted T5: "This model cannot be used as a sequence encoder"),
+so its encoder row times `translate_batch` with one decoding step (encoder + 1 step, a little
+pessimistic for it) and the notes add an estimate with that step's cost subtracted.
+
+Every engine runs in its own subprocess with OMP/OPENBLAS/MKL threads set before imports (torch
+also gets set_num_threads, CTranslate2 intra_threads); one warm-up call, then --runs timed calls
+(--rounds R repeats all engines R times round-robin and pools the runs); median, min and max,
+and minfer's median over each engine's. Greedy and beam ids are checked against transformers'
+(first mismatch with transformers' top-1/top-2 logit margin there for greedy; int8 engines are
+expected to drift); minfer's encoder output is compared with transformers'. Checkpoints and
+CTranslate2 conversions are made on first use by bench_t5.py's helpers. When other processes
+used more than 10% of the CPUs while an engine ran, its row is marked.
+
+--profile TASK runs minfer alone on TASK under cProfile (first shape of --shapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +58,13 @@ TASKS = ("decode", "batch16", "encoder", "beam4")
 ENGINES = ("minfer", "minfer-int8", "transformers", "ctranslate2-fp32", "ctranslate2-int8")
 NEW = 64
 RESULT_MARK = "SUITE_RESULT "
+BUSY_LIMIT = 0.1  # others' share of the CPUs above which a row is marked unreliable
+# Issue 6 targets: (shape, task, peer, minimum minfer / peer)
+TARGETS = (("t5-small", "decode", "ctranslate2-fp32", 1.2),
+           ("t5-small", "batch16", "ctranslate2-fp32", 1.0),
+           ("t5-small", "encoder", "ctranslate2-fp32", 1.0),
+           ("t5-base", "batch16", "ctranslate2-fp32", 1.0),
+           ("t5-base", "encoder", "ctranslate2-fp32", 1.0))
 
 
 def sources(task: str) -> list[list[int]]:
@@ -53,66 +78,90 @@ def sources(task: str) -> list[list[int]]:
 def work_units(task: str) -> int:
     """What one call produces: new tokens (generation) or source tokens (encoder)."""
     srcs = sources(task)
-    return len(srcs) * (sum(map(len, srcs)) // len(srcs) if task == "encoder" else NEW)
+    return sum(map(len, srcs)) if task == "encoder" else len(srcs) * NEW
 
 
 # =================================================================================================
 # Workers (in a subprocess)
 # =================================================================================================
-def timed(call, runs: int):
+def timed(call, runs: int, compare: bool = True):
+    """One warm-up call (its output is returned), then `runs` timed calls (seconds each)."""
     out = call()
     seconds = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        call()
+        again = call()
         seconds.append(time.perf_counter() - t0)
+        if compare and again != out:
+            raise RuntimeError("output changed between runs")
     return out, seconds
 
 
-def work_minfer(model_dir: Path, task: str, runs: int, threads: int, int8: bool) -> dict:
+def work_minfer(model_dir: Path, task: str, runs: int, threads: int, int8: bool,
+                dump: str | None) -> dict:
+    import numpy as np
+
     import minfer
-    model = minfer.load(model_dir, dtype="int8" if int8 else None)
+    try:
+        model = minfer.load(model_dir, dtype="int8" if int8 else None)
+    except Exception as exc:  # minfer's int8 path may not exist yet
+        if not int8:
+            raise
+        return {"unavailable": f"{type(exc).__name__}: {exc}"[:160]}
     srcs = sources(task)
     if task == "encoder":
-        out, seconds = timed(lambda: model.encode(srcs), runs)
-        return {"seconds": seconds, "checksum": float(abs(out).sum())}
+        out, seconds = timed(lambda: model.encode(srcs), runs, compare=False)
+        if dump:
+            np.save(dump, np.asarray(out, np.float32))
+        return {"seconds": seconds}
     beams = 4 if task == "beam4" else 1
 
     def call():
         rows = model.generate(srcs, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=beams,
                               early_stopping=True)
-        return [[int(t) for t in r[1:]] for r in rows]
+        return [[int(t) for t in r[1:]] for r in rows]  # drop the decoder start token
     out, seconds = timed(call, runs)
     return {"seconds": seconds, "ids": out}
 
 
-def work_transformers(model_dir: Path, task: str, runs: int, threads: int, int8: bool) -> dict:
+def work_transformers(model_dir: Path, task: str, runs: int, threads: int, int8: bool,
+                      dump: str | None) -> dict:
+    import numpy as np
     import torch
     import transformers
     from transformers import T5ForConditionalGeneration
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     model = T5ForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    srcs = sources(task)
-    ids = torch.tensor(srcs, dtype=torch.long)  # equal lengths: no padding needed
+    ids = torch.tensor(sources(task), dtype=torch.long)  # equal lengths: no padding needed
     if task == "encoder":
         def enc():
             with torch.inference_mode():
                 return model.encoder(input_ids=ids).last_hidden_state
-        out, seconds = timed(enc, runs)
-        return {"seconds": seconds, "checksum": float(out.abs().sum())}
+        out, seconds = timed(enc, runs, compare=False)
+        if dump:
+            np.save(dump, out.numpy().astype(np.float32))
+        return {"seconds": seconds, "torch_threads": torch.get_num_threads()}
     beams = 4 if task == "beam4" else 1
 
-    def call():
+    def generate(**extra):
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 num_beams=beams, early_stopping=True)
-        return [[int(t) for t in r[1:]] for r in out]
+            return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                  num_beams=beams, early_stopping=True, **extra)
+
+    def call():
+        return [[int(t) for t in r[1:]] for r in generate()]  # drop the decoder start token
     out, seconds = timed(call, runs)
-    return {"seconds": seconds, "ids": out}
+    result = {"seconds": seconds, "ids": out, "torch_threads": torch.get_num_threads()}
+    if beams == 1:  # untimed: each greedy decision's top-1 minus top-2 logit, per row and step
+        scored = generate(output_scores=True, return_dict_in_generate=True)
+        top2 = torch.stack([s.topk(2, dim=-1).values for s in scored.scores], 1)  # (B, steps, 2)
+        result["margins"] = (top2[..., 0] - top2[..., 1]).tolist()
+    return result
 
 
-def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: bool) -> dict:
+def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: bool,
+                     dump: str | None) -> dict:
     import ctranslate2
     vocab = b5.read_ct2_vocabulary(model_dir)
     token_to_id = {t: i for i, t in enumerate(vocab)}
@@ -122,54 +171,154 @@ def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: 
     steps = 1 if task == "encoder" else NEW
     beams = 4 if task == "beam4" else 1
 
-    def call():
-        res = translator.translate_batch(srcs, beam_size=beams, max_decoding_length=steps,
+    def translate(batch):
+        res = translator.translate_batch(batch, beam_size=beams, max_decoding_length=steps,
                                          min_decoding_length=steps, max_batch_size=0)
         return [[token_to_id[t] for t in r.hypotheses[0]] for r in res]
-    out, seconds = timed(call, runs)
-    return {"seconds": seconds, "ids": None if task == "encoder" else out,
-            "compute_type": translator.compute_type,
-            **({"note": "encoder + 1 decoding step"} if task == "encoder" else {})}
+    out, seconds = timed(lambda: translate(srcs), runs)
+    result = {"seconds": seconds, "compute_type": translator.compute_type}
+    if task == "encoder":
+        # No encoder-only API: the row above is encoder + 1 decoding step. The same call on
+        # 2-token sources (first token, eos) costs about that step plus a negligible encoder.
+        # (An eos-only source returns at once without decoding, so it cannot serve.)
+        short = [[row[0], vocab[b5.EOS_ID]] for row in srcs]
+        _, step_seconds = timed(lambda: translate(short), runs)
+        result.update(note="encoder + 1 decoding step", step_seconds=step_seconds)
+    else:
+        result["ids"] = out
+    return result
+
+
+WORKERS = {"minfer": work_minfer, "minfer-int8": work_minfer, "transformers": work_transformers,
+           "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2}
 
 
 def worker(args) -> int:
-    fn = {"minfer": work_minfer, "minfer-int8": work_minfer, "transformers": work_transformers,
-          "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2}[args.engine]
-    result = fn(Path(args.model), args.task, args.runs, args.threads, args.engine.endswith("int8"))
+    if args.profile:
+        return profile_minfer(Path(args.model), args.profile, args.runs)
+    result = WORKERS[args.engine](Path(args.model), args.task, args.runs, args.threads,
+                                  args.engine.endswith("int8"), args.dump)
+    result["env_threads"] = {k: os.environ.get(k) for k in b5.thread_env(args.threads)}
     print(RESULT_MARK + json.dumps(result), flush=True)
+    return 0
+
+
+def profile_minfer(model_dir: Path, task: str, runs: int) -> int:
+    """cProfile over `runs` minfer calls of `task` after a warm-up. NumPy ufuncs (matmul,
+    exp, ...) are not calls of their own: their time is the tottime of the Python function that
+    called them."""
+    import cProfile
+    import pstats
+
+    import minfer
+    model = minfer.load(model_dir)
+    srcs = sources(task)
+    if task == "encoder":
+        def call():
+            model.encode(srcs)
+    else:
+        def call():
+            model.generate(srcs, max_new_tokens=NEW, min_new_tokens=NEW,
+                           num_beams=4 if task == "beam4" else 1, early_stopping=True)
+    call()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        call()
+    plain = (time.perf_counter() - t0) / runs
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(runs):
+        call()
+    profiler.disable()
+    print(f"minfer {task} on {model_dir.name}: {plain * 1e3:.1f} ms per call "
+          f"({work_units(task) / plain:.1f} tok/s) without the profiler")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(20)
     return 0
 
 
 # =================================================================================================
 # Driver
 # =================================================================================================
-def run_engine(engine: str, folder: Path, task: str, runs: int, threads: int) -> dict:
+def run_engine(engine: str, folder: Path, task: str, runs: int, threads: int,
+               dump: str | None) -> dict:
     env = {**os.environ, **b5.thread_env(threads)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--engine", engine,
            "--model", str(folder), "--task", task, "--runs", str(runs), "--threads", str(threads)]
+    if dump:
+        cmd += ["--dump", dump]
     busy = b5.background_load(0.5)
-    print(f"  {task:<8} {engine:<17}" + (f" (others busy {busy:.0%})" if busy and busy > 0.1 else ""),
-          flush=True)
+    print(f"  {task:<8} {engine:<17}" + (f" (others busy {busy:.0%} before)"
+                                         if busy and busy > BUSY_LIMIT else ""), flush=True)
+    ticks, children = b5.cpu_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(RESULT_MARK)]
+    others = b5.others_share(ticks, children, time.perf_counter() - start)
+    if others is not None and others > BUSY_LIMIT:
+        print(f"    other processes used {others:.0%} of the CPUs meanwhile: unreliable",
+              flush=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"error": f"worker failed: {tail[:200]}"}
     r = json.loads(lines[-1][len(RESULT_MARK):])
-    speeds = [work_units(task) / s for s in r["seconds"]]
-    r.update(median=statistics.median(speeds), min=min(speeds), max=max(speeds), busy_before=busy)
+    r["others_busy"] = max(v for v in (busy, others, 0.0) if v is not None)
     return r
 
 
-def first_mismatch(ref: list[list[int]], got: list[list[int]]) -> str:
+def pool(into: dict, r: dict) -> None:
+    """Add another round's runs of the same engine and task."""
+    if "error" in r or "unavailable" in r:
+        into.clear()
+        into.update(r)
+        return
+    if r.get("ids") != into.get("ids"):
+        into.clear()
+        into["error"] = "output changed between rounds"
+        return
+    for key in ("seconds", "step_seconds"):
+        if key in r:
+            into[key] += r[key]
+    into["others_busy"] = max(into["others_busy"], r["others_busy"])
+
+
+def summarise(task: str, r: dict) -> None:
+    units = work_units(task)
+    speeds = [units / s for s in r["seconds"]]
+    r.update(median=statistics.median(speeds), min=min(speeds), max=max(speeds))
+    if "step_seconds" in r:  # CTranslate2's encoder: subtract the median 1-step call
+        step = statistics.median(r["step_seconds"])
+        r["encoder_only_estimate"] = units / (statistics.median(r["seconds"]) - step)
+        r["step_ms"] = 1e3 * step
+
+
+def compare_ids(ref: list[list[int]], got: list[list[int]],
+                margins: list[list[float]] | None) -> str:
+    if len(ref) != len(got) or any(len(a) != len(b) for a, b in zip(ref, got)):
+        return "lengths differ"
     same = sum(a == b for a, b in zip(ref, got))
     if same == len(ref):
-        return "ids equal"
+        return "equal" if len(ref) == 1 else f"equal ({same}/{len(ref)} rows)"
+    notes = []
     for row, (a, b) in enumerate(zip(ref, got)):
-        for i, (x, y) in enumerate(zip(a, b)):
-            if x != y:
-                return f"{same}/{len(ref)} rows equal; row {row} differs at token {i}"
-    return f"{same}/{len(ref)} rows equal"
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is not None:
+            m = f", margin {margins[row][i]:.2g}" if margins else ""
+            notes.append(f"row {row} from token {i}{m}")
+    head = "differ" if len(ref) == 1 else f"{same}/{len(ref)} rows equal"
+    return f"{head}; " + "; ".join(notes[:2]) + ("; ..." if len(notes) > 2 else "")
+
+
+def encoder_check(dumps: dict[str, str], engine: str) -> str:
+    import numpy as np
+    if engine not in dumps or "transformers" not in dumps:
+        return ""
+    try:
+        a, ref = np.load(dumps[engine]), np.load(dumps["transformers"])
+    except OSError:
+        return ""
+    return f"max abs diff {np.abs(a - ref).max() / np.abs(ref).max():.1e} of max abs state"
 
 
 def engine_folders(shape: str, engines: list[str], tokenizer: Path) -> dict[str, Path]:
@@ -178,66 +327,179 @@ def engine_folders(shape: str, engines: list[str], tokenizer: Path) -> dict[str,
     for e in engines:
         if not e.startswith("ctranslate2"):
             folders[e] = model_dir
-        elif b5.have_ctranslate2() and all((tokenizer / f).is_file() for f in b5.TOKENIZER_FILES):
-            folders[e] = b5.ensure_ct2(model_dir, e.rsplit("-", 1)[1].replace("fp32", "float32"),
-                                       tokenizer)
+        elif not b5.have_ctranslate2():
+            print(f"skipping {e}: ctranslate2 is not importable")
+        elif not all((tokenizer / f).is_file() for f in b5.TOKENIZER_FILES):
+            print(f"skipping {e}: no T5 tokenizer files in {tokenizer}")
+        else:
+            quantization = {"ctranslate2-fp32": "float32", "ctranslate2-int8": "int8"}[e]
+            folders[e] = b5.ensure_ct2(model_dir, quantization, tokenizer)
     return folders
 
 
-def run_xl(runs: int, threads: int) -> dict | None:
-    out = HERE / "checkpoints" / "suite-xl.json"
+def run_xl(runs: int, rounds: int, threads: int, out: Path) -> dict:
+    """bench_transfo_xl.py (minfer and transformers) with --json; its report, or an error."""
     cmd = [sys.executable, str(HERE / "bench_transfo_xl.py"), "--runs", str(runs),
-           "--threads", str(threads), "--json", str(out)]
-    print("  xl       minfer, transformers (bench_transfo_xl.py)", flush=True)
+           "--rounds", str(rounds), "--threads", str(threads), "--json", str(out)]
+    print("transfo-xl: bench_transfo_xl.py (minfer, transformers) ...", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if "unreliable" in line or "other processes" in line:
+            print("  " + line.strip(), flush=True)
     if not out.is_file():
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]}
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    report["exit_status"] = proc.returncode
+    return report
 
 
-def xl_rows(report: dict) -> list[tuple]:
+def xl_rows(report: dict) -> list[str]:
+    res = report.get("results", {})
     rows = []
     try:
-        res = report["results"]
-        for engine in ("minfer", "transformers"):
-            s = res[engine]["score"]["tokens_per_s"]
-            rows.append(("xl scoring", engine, s["median"], s["min"], s["max"]))
+        mf = res["minfer"]["score"]["tokens_per_s"]["median"]
     except (KeyError, TypeError):
-        pass
+        mf = None
+    ll = report.get("summary", {}).get("log_likelihood")
+    check = (f"log-likelihood rel. diff {ll['relative_difference']:.1e}"
+             + ("" if ll["agree"] else " (DISAGREE)")) if ll else ""
+    for engine in ("minfer", "transformers"):
+        r = res.get(engine, {})
+        if "error" in r or "score" not in r:
+            rows.append(f"| transfo-xl-4l | scoring | {engine} | "
+                        f"{r.get('error', report.get('error', 'no result'))} | | | | | |")
+            continue
+        s = r["score"]["tokens_per_s"]
+        flag = " *" if (r.get("background_load_during") or 0) > BUSY_LIMIT else ""
+        ratio = "" if engine == "minfer" or mf is None else f"{mf / s['median']:.2f}"
+        rows.append(f"| transfo-xl-4l | scoring 12x128 | {engine}{flag} | {s['median']:.1f} | "
+                    f"{s['min']:.1f} | {s['max']:.1f} | tok/s | {ratio} | "
+                    f"{check if engine == 'transformers' else ''} |")
     return rows
 
 
-def table(results: dict, xl: dict | None) -> list[str]:
-    lines = ["| shape | task | engine | median | min | max | unit | minfer / engine | ids vs transformers |",
+def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
+    lines = ["| shape | task | engine | median | min | max | unit | minfer / engine "
+             "| output vs transformers |",
              "|---|---|---|---:|---:|---:|---|---:|---|"]
     for shape, tasks in results.items():
         for task, engines in tasks.items():
             unit = "src tok/s" if task == "encoder" else "new tok/s"
             base = engines.get("minfer", {}).get("median")
-            ref = engines.get("transformers", {}).get("ids")
+            ref = engines.get("transformers", {})
             for engine, r in engines.items():
-                if "error" in r:
-                    lines.append(f"| {shape} | {task} | {engine} | {r['error']} | | | | | |")
+                name = engine + (" (enc+1 step)" if r.get("note") else "")
+                if "unavailable" in r:
+                    lines.append(f"| {shape} | {task} | {name} | n/a yet | | | | | "
+                                 f"{r['unavailable'].replace('|', '/')} |")
                     continue
+                if "error" in r:
+                    lines.append(f"| {shape} | {task} | {name} | {r['error']} | | | | | |")
+                    continue
+                if r["others_busy"] > BUSY_LIMIT:
+                    name += " *"
                 ratio = "" if engine == "minfer" or not base else f"{base / r['median']:.2f}"
                 if engine == "minfer-int8":
-                    int8_peer = engines.get("ctranslate2-int8", {}).get("median")
-                    ratio = f"{r['median'] / int8_peer:.2f} vs ct2-int8" if int8_peer else ""
-                check = ("" if engine == "transformers" or ref is None or r.get("ids") is None
-                         else first_mismatch(ref, r["ids"]))
-                name = engine + (" (enc+1 step)" if r.get("note") else "")
+                    peer = engines.get("ctranslate2-int8", {}).get("median")
+                    ratio = f"{r['median'] / peer:.2f} vs ct2-int8" if peer else ""
+                if engine == "transformers":
+                    check = "reference"
+                elif task == "encoder":
+                    check = encoder_check(dumps.get((shape, task), {}), engine)
+                elif ref.get("ids") is not None and r.get("ids") is not None:
+                    check = compare_ids(ref["ids"], r["ids"], ref.get("margins"))
+                else:
+                    check = ""
                 lines.append(f"| {shape} | {task} | {name} | {r['median']:.1f} | {r['min']:.1f} | "
                              f"{r['max']:.1f} | {unit} | {ratio} | {check} |")
     if xl is not None:
-        rows = xl_rows(xl)
-        base = rows[0][2] if rows else None
-        for task, engine, med, lo, hi in rows:
-            ratio = "" if engine == "minfer" else f"{base / med:.2f}"
-            lines.append(f"| transfo-xl-4l | scoring | {engine} | {med:.1f} | {lo:.1f} | {hi:.1f} | "
-                         f"tok/s | {ratio} | |")
-        if not rows:
-            lines.append(f"| transfo-xl-4l | scoring | - | {xl.get('error', 'no result')} | | | | | |")
+        lines += xl_rows(xl)
     return lines
+
+
+def notes(results: dict) -> list[str]:
+    out = []
+    for shape, tasks in results.items():
+        r = tasks.get("encoder", {}).get("ctranslate2-fp32", {})
+        if "encoder_only_estimate" in r:
+            base = tasks["encoder"].get("minfer", {}).get("median")
+            ratio = f"; minfer / that = {base / r['encoder_only_estimate']:.2f}" if base else ""
+            out.append(f"- {shape} encoder, CTranslate2 fp32: its 1-step call on 2-token sources "
+                       f"takes {r['step_ms']:.1f} ms; subtracting it, the encoder alone would run "
+                       f"at ~{r['encoder_only_estimate']:.0f} src tok/s{ratio}.")
+    return out
+
+
+def target_lines(results: dict) -> list[str]:
+    out = []
+    for shape, task, peer, want in TARGETS:
+        rows = results.get(shape, {}).get(task, {})
+        mine, theirs = rows.get("minfer", {}).get("median"), rows.get(peer, {}).get("median")
+        if mine is None or theirs is None:
+            continue
+        ratio = mine / theirs
+        verdict = "met" if ratio >= want else f"MISSED by {(want - ratio) / want:.0%}"
+        out.append(f"- {shape} {task}: minfer / {peer} = {ratio:.2f} (target >= {want:g}): "
+                   f"{verdict}")
+    for shape, tasks in results.items():
+        for task, rows in tasks.items():
+            a, b = rows.get("minfer-int8", {}), rows.get("ctranslate2-int8", {})
+            if "median" in a and "median" in b:
+                out.append(f"- {shape} {task} int8: minfer-int8 / ctranslate2-int8 = "
+                           f"{a['median'] / b['median']:.2f} (reported)")
+    return out
+
+
+def blas_info() -> str:
+    """NumPy's BLAS as built, and the OpenBLAS kernel it picked on this CPU (when visible)."""
+    import numpy as np
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        text = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:
+        text = "unknown BLAS"
+    for lib in glob.glob(str(Path(np.__file__).parent.parent / "numpy.libs" / "*openblas*")):
+        try:
+            handle = ctypes.CDLL(lib)
+            for name in ("scipy_openblas_get_corename64_", "openblas_get_corename64_",
+                         "openblas_get_corename"):
+                if hasattr(handle, name):
+                    fn = getattr(handle, name)
+                    fn.restype = ctypes.c_char_p
+                    return f"{text} (kernel {fn().decode()})"
+        except OSError:
+            pass
+    return text
+
+
+def machine_line(args) -> str:
+    import numpy as np
+    m = b5.machine_info()
+    flags = ""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        fields = dict(l.split(":", 1) for l in cpuinfo.splitlines()[:30] if ":" in l)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        flags = fields.get("flags", "").split()
+        flags = ", ".join(x for x in (
+            f"family {fields['cpu family']} model {fields['model']}" if "model" in fields else "",
+            "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "")) if x)
+    except (OSError, KeyError):
+        pass
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "absent"
+    return (f"Machine: {m['cpu']}{' (' + flags + ')' if flags else ''}, {m['cores']} cores; "
+            f"Python {m['python']}, NumPy {np.__version__} with {blas_info()}, "
+            f"torch {version('torch')}, transformers {version('transformers')}, "
+            f"ctranslate2 {version('ctranslate2')}; minfer at {m['git_commit'][:7]}"
+            f"{' (modified)' if m['minfer_modified'] else ''}. {args.threads} threads per engine, "
+            f"median of {args.runs * args.rounds} runs"
+            + (f" ({args.rounds} rounds of {args.runs})" if args.rounds > 1 else "")
+            + " after 1 warm-up per process.")
 
 
 def main() -> int:
@@ -245,41 +507,101 @@ def main() -> int:
     p.add_argument("--shapes", default="t5-small,t5-base")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--engines", default=",".join(ENGINES))
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=5, help="timed runs per process (after 1 warm-up)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure all engines this many times round-robin and pool the runs")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--no-xl", action="store_true")
-    p.add_argument("--tokenizer", type=Path, default=b5.DEFAULT_TOKENIZER)
-    p.add_argument("--json")
-    p.add_argument("--markdown")
+    p.add_argument("--no-xl", action="store_true", help="skip the Transformer-XL rows")
+    p.add_argument("--tokenizer", type=Path, default=b5.DEFAULT_TOKENIZER,
+                   help="folder with the T5 tokenizer files (for the CTranslate2 converter)")
+    p.add_argument("--json", metavar="OUT")
+    p.add_argument("--markdown", metavar="OUT")
+    p.add_argument("--profile", choices=TASKS, help="profile minfer alone on this task")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--task", help=argparse.SUPPRESS)
+    p.add_argument("--dump", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if min(args.runs, args.rounds, args.threads) < 1:
+        p.error("--runs, --rounds and --threads must be at least 1")
+    shapes = [s for s in args.shapes.split(",") if s]
+    tasks = [t for t in args.tasks.split(",") if t]
     engines = [e for e in args.engines.split(",") if e]
+    bad = [x for x in shapes if x not in b5.SHAPES] + [x for x in tasks if x not in TASKS] \
+        + [x for x in engines if x not in ENGINES]
+    if bad:
+        p.error(f"unknown shape, task or engine {bad[0]!r}")
+    if args.profile:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
+               "--model", str(b5.ensure_checkpoint(shapes[0])), "--runs", str(args.runs),
+               "--profile", args.profile]
+        return subprocess.run(cmd, env={**os.environ, **b5.thread_env(args.threads)}).returncode
+
+    commit_before = b5.machine_info()["git_commit"]  # minfer may change under a long run
+    scratch = tempfile.TemporaryDirectory(prefix="bench_suite_")
     results: dict = {}
-    for shape in [s for s in args.shapes.split(",") if s]:
+    dumps: dict = {}
+    for shape in shapes:
         print(f"{shape}:", flush=True)
         folders = engine_folders(shape, engines, args.tokenizer)
-        results[shape] = {}
-        for task in [t for t in args.tasks.split(",") if t]:
-            results[shape][task] = {e: run_engine(e, f, task, args.runs, args.threads)
-                                    for e, f in folders.items()}
-    xl = None if args.no_xl else run_xl(args.runs, args.threads)
-    machine = b5.machine_info()
-    head = (f"Machine: {machine['cpu']}, {machine['cores']} cores, Python {machine['python']}, "
-            f"minfer at {machine['git_commit'][:7]}{' (modified)' if machine['minfer_modified'] else ''}; "
-            f"{args.threads} threads, median of {args.runs} runs after 1 warm-up.")
-    lines = [head, ""] + table(results, xl)
+        results[shape] = {t: {} for t in tasks}
+        for round_no in range(args.rounds):
+            if args.rounds > 1:
+                print(f" round {round_no + 1} of {args.rounds}", flush=True)
+            for task in tasks:
+                for engine, folder in folders.items():
+                    done = results[shape][task].get(engine)
+                    if done is not None and ("error" in done or "unavailable" in done):
+                        continue
+                    dump = None
+                    if task == "encoder" and engine in ("minfer", "minfer-int8", "transformers"):
+                        dump = str(Path(scratch.name) / f"{shape}-{engine}.npy")
+                        dumps.setdefault((shape, task), {})[engine] = dump
+                    r = run_engine(engine, folder, task, args.runs, args.threads, dump)
+                    if done is None:
+                        results[shape][task][engine] = r
+                    else:
+                        pool(done, r)
+        for task, rows in results[shape].items():
+            for r in rows.values():
+                if "seconds" in r and "error" not in r:
+                    summarise(task, r)
+    xl = None if args.no_xl else run_xl(args.runs, args.rounds, args.threads,
+                                        Path(scratch.name) / "xl.json")
+
+    lines = [machine_line(args), "", *table(results, dumps, xl), ""]
+    commit_after = b5.machine_info()["git_commit"]
+    if commit_after != commit_before:
+        lines += [f"WARNING: the repository moved from {commit_before[:7]} to {commit_after[:7]} "
+                  "during the run; the minfer rows may mix both versions.", ""]
+    lines.append("`*`: other processes used more than 10% of the CPUs while that engine ran "
+                 "(unreliable). Ratios above 1: minfer is faster.")
+    extra = notes(results)
+    if extra:
+        lines += ["", *extra]
+    goals = target_lines(results)
+    if goals:
+        lines += ["", "Targets (issue 6):", "", *goals]
     print("\n" + "\n".join(lines))
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines) + "\n")
+        print(f"\nwrote {args.markdown}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "results": results, "xl": xl},
-                                              indent=1) + "\n")
-    return 0
+        report = {"machine": b5.machine_info(), "machine_line": machine_line(args),
+                  "threads": args.threads, "runs": args.runs, "rounds": args.rounds,
+                  "new_tokens": NEW, "sources": {t: sources(t) for t in tasks},
+                  "results": {s: {t: dict(rows) for t, rows in ts.items()}
+                              for s, ts in results.items()},
+                  "xl": xl}
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    scratch.cleanup()
+    failed = [1 for ts in results.values() for rows in ts.values() for r in rows.values()
+              if "error" in r]
+    return 1 if failed or (xl and (xl.get("error") or xl.get("exit_status"))) else 0
 
 
 if __name__ == "__main__":
