@@ -5,8 +5,10 @@ little-endian header length N, N bytes of JSON mapping tensor names to {dtype, s
 (offsets relative to the end of the header), then the raw little-endian data. We parse it ourselves
 rather than through the `safetensors` package because (1) NumPy has no bfloat16 and the package's
 NumPy reader refuses BF16 files, and (2) we want every inconsistency of a lying header to become a
-`CheckpointError` naming file and tensor before anything is allocated. Tensors are memory-mapped
-(never read whole into a Python bytes object) and converted one at a time.
+`CheckpointError` naming file and tensor before anything is allocated. Tensors are read one at a
+time with file I/O straight into their arrays (never the whole file into a Python bytes object);
+a memory map is optional (`Checkpoint.use_mmap`) because mapped pages count toward the process's
+RSS and doubled its peak under a memory limit.
 
 A folder without safetensors may instead hold a torch.save'd `pytorch_model.bin`; legacy.py reads
 it (restricted unpickling, no torch) behind the same per-file interface.
@@ -60,7 +62,7 @@ def bf16_to_float32(raw: np.ndarray) -> np.ndarray:
 
 
 class SafetensorsFile:
-    """One .safetensors file: a validated header and memory-mapped tensor views."""
+    """One .safetensors file: a validated header; tensors read with file I/O or a memory map."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
