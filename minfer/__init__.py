@@ -13,12 +13,13 @@ from .backend import make_backend
 from .checkpoint import Checkpoint, read_json
 from . import errors
 from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
-                     ModelNotFoundError, TokenizerError)
+                     ModelNotFoundError, StreamingError, TokenizerError)
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError", "ConfigError", "CheckpointError",
-           "InputError", "ArenaExhausted", "ModelNotFoundError", "TokenizerError", "errors"]
+           "InputError", "ArenaExhausted", "ModelNotFoundError", "StreamingError", "TokenizerError",
+           "errors"]
 __version__ = "0.1.0"
 
 # Files whose presence means a model folder carries its tokenizer.

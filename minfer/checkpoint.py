@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .errors import CheckpointError, ConfigError
+from .streaming import dequantize_int8
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
 
@@ -288,7 +289,9 @@ class Checkpoint:
             scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
             if rows is not None:
                 scale = scale[rows[0]:rows[1]]
-            return np.multiply(raw, scale[:, None], dtype=np.float32).astype(dtype, copy=False)
+            # widen, then scale in place: several times faster than a mixed int8 * float32 multiply
+            return dequantize_int8(np, raw, scale[:, None], np.empty(raw.shape, np.float32)
+                                   ).astype(dtype, copy=False)
         if info.dtype == "BF16":
             raw = bf16_to_float32(raw)
         elif info.dtype not in FLOAT_CODES:

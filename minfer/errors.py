@@ -44,3 +44,7 @@ class ModelNotFoundError(MinferError):
 
 class TokenizerError(MinferError):
     """A tokenizer file is missing, malformed or unusable."""
+
+
+class StreamingError(MinferError, OSError):
+    """Streamed layers cannot be stored or read back (the temporary disk is missing or full)."""

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from . import ops
 from .errors import InputError, MinferError
 
 # When neither the call nor the checkpoint says how long to decode. Deliberately long: a silent
@@ -219,8 +220,7 @@ def top_p_filter(scores: np.ndarray, p: float) -> np.ndarray:
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = scores - scores.max(axis=1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return ops.log_softmax_(np, np.array(scores, np.float32))
 
 
 def process(scores: np.ndarray, seqs: np.ndarray, opts: GenerationOptions, new_len: int,

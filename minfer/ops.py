@@ -79,7 +79,14 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     inv *= 1.0 / x.shape[-1]
     inv += eps
     xp.sqrt(inv, out=inv)
-    return xp.divide(x, inv, out=out)
+    if xf is x:
+        return xp.divide(x, inv, out=out)
+    # half input: normalise in float32 and round once, into the input's dtype (as HF's T5 does);
+    # a float32 result would make every following product with half weights widen the weights
+    if out is None:
+        return (xf / inv).astype(x.dtype)
+    xp.divide(xf, inv, out=out)
+    return out
 
 
 def rms_norm(xp: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
@@ -109,9 +116,11 @@ def softmax_(xp: Any, x: Any) -> Any:
     return x
 
 
-def log_softmax(xp: Any, x: Any) -> Any:
-    shifted = x - xp.max(x, axis=-1, keepdims=True)
-    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=-1, keepdims=True))
+def log_softmax_(xp: Any, x: Any) -> Any:
+    """Log-softmax over the last axis, in place (x is a float32 scratch array)."""
+    x -= xp.max(x, axis=-1, keepdims=True)
+    x -= xp.log(xp.sum(xp.exp(x), axis=-1, keepdims=True))
+    return x
 
 
 # -- activations (in place on scratch buffers) --------------------------------------------------------

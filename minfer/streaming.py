@@ -25,13 +25,14 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .errors import ArenaExhausted, ConfigError
-from .memory import ALIGNMENT, Arena, align_up, format_bytes
+from .errors import ConfigError, InputError, StreamingError
+from .memory import Arena, align_up, format_bytes
 
 SCALE_SUFFIX = ".scale"  # an int8 tensor `w` travels with its float32 per-column scales `w.scale`
 INT8_SCRATCH_BYTES = 1 << 20  # float blocks of int8 matrices are widened here: about an L2 cache
@@ -53,7 +54,8 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_int8(xp: Any, q: Any, scale: Any, out: Any) -> Any:
-    """int8 (in, out) * scale (out,) into the float buffer `out` (in, out)."""
+    """int8 q * scale (broadcast: (out,) per column, or (rows, 1) per row) into the float
+    buffer `out` of q's shape."""
     # Two simple passes (widen, then scale in place) run several times faster in NumPy than one
     # mixed-type multiply, whose int8 * float32 loop casts element by element.
     out[...] = q
@@ -74,8 +76,7 @@ class Entry:
 class Layout:
     """Where each tensor of a layer sits in one packed, aligned byte block.
 
-    int8 tensors are followed by their `name.scale` entry; `float_bytes` is what the layer takes
-    once dequantised (the size of the dequantisation scratch)."""
+    int8 tensors are followed by their `name.scale` entry (float32 scales per output column)."""
 
     def __init__(self, tensors: Mapping[str, tuple[tuple[int, ...], Any]]):
         self.entries: dict[str, Entry] = {}
@@ -90,11 +91,6 @@ class Layout:
     @classmethod
     def of(cls, arrays: Mapping[str, np.ndarray]) -> "Layout":
         return cls({n: (a.shape, a.dtype) for n, a in arrays.items()})
-
-    def float_bytes(self, dtype: Any) -> int:
-        """Bytes of the dequantised int8 tensors in `dtype` (0 for a float layer)."""
-        return sum(align_up(int(np.prod(self.entries[n].shape)) * np.dtype(dtype).itemsize)
-                   for n in self.quantized)
 
     def int8_scratch_bytes(self, dtype: Any) -> int:
         """Scratch an int8 product needs: INT8_SCRATCH_BYTES, or less for small matrices."""
@@ -116,6 +112,33 @@ class Layout:
 
     def views(self, block: Any) -> dict[str, Any]:
         return {name: self.view(block, name) for name in self.entries}
+
+
+def unit_layout(shapes: Mapping[str, tuple[int, ...]], dtype: Any, quantize: bool,
+                matrices: Sequence[str] | None = None) -> Layout:
+    """The packed layout of one layer from its (in, out) shapes: `dtype` tensors, or, with
+    `quantize`, int8 `matrices` (default: every tensor) each followed by its float32 scales."""
+    spec: dict[str, tuple[tuple[int, ...], Any]] = {}
+    for name, shape in shapes.items():
+        if quantize and (matrices is None or name in matrices):
+            spec[name] = (tuple(shape), np.int8)
+            spec[name + SCALE_SUFFIX] = ((shape[1],), np.float32)
+        else:
+            spec[name] = (tuple(shape), dtype)
+    return Layout(spec)
+
+
+def unit_arrays(arrays: Mapping[str, np.ndarray], dtype: Any, quantize: bool,
+                matrices: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """A layer's float32 host arrays in `unit_layout`'s form: cast to `dtype`, or `matrices`
+    quantised straight from float32 (never from an already rounded half copy)."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in arrays.items():
+        if quantize and (matrices is None or name in matrices):
+            out[name], out[name + SCALE_SUFFIX] = quantize_int8(a)
+        else:
+            out[name] = a.astype(dtype, copy=False)
+    return out
 
 
 # =====================================================================================================
@@ -180,8 +203,9 @@ def plan_weights(unit_bytes: Mapping[str, int], fixed: int, workspace: int, limi
             + f" + {format_bytes(scratch)} int8 scratch + {format_bytes(workspace)} workspace); "
             f"raise the limit to at least {need} bytes or reserve less workspace")
     room = limit - floor
-    rank = sorted(range(len(units)), key=lambda i: (-(priority or (lambda _: 0))(list(units)[i]), i))
     names = list(units)
+    prio = priority or (lambda _: 0)
+    rank = sorted(range(len(names)), key=lambda i: (-prio(names[i]), i))
     keep: set[str] = set()
     for i in rank:
         if units[names[i]] <= room:
@@ -199,29 +223,44 @@ def plan_weights(unit_bytes: Mapping[str, int], fixed: int, workspace: int, limi
 class PackFile:
     """Streamed layers of a CPU run, packed in an unlinked temporary file and read back with
     `pread` straight into an arena slot: no memory map, so the page cache, not the process,
-    holds them (`TMPDIR` chooses the disk)."""
+    holds them (`TMPDIR` chooses the disk; on a tmpfs they would sit in RAM after all)."""
 
     def __init__(self) -> None:
-        self._file = tempfile.TemporaryFile(prefix="minfer-layers-")
+        self.where = os.environ.get("TMPDIR") or tempfile.tempdir or "the temporary directory"
+        try:
+            self.where = tempfile.gettempdir()
+            self._file = tempfile.TemporaryFile(prefix="minfer-layers-")
+        except OSError as e:
+            raise self._error("cannot create", e) from None
         self.size = 0
+
+    def _error(self, what: str, e: Exception) -> StreamingError:
+        return StreamingError(f"{what} the file of streamed layers in {self.where} (set TMPDIR "
+                              f"to a disk with room): {e}")
 
     def append(self, block: np.ndarray) -> tuple[int, int]:
         offset = self.size
-        self._file.seek(offset)
-        self._file.write(memoryview(block))
-        self._file.flush()
+        try:
+            self._file.seek(offset)
+            self._file.write(memoryview(block))
+            self._file.flush()
+        except OSError as e:
+            raise self._error("cannot write", e) from None
         self.size = offset + block.nbytes
         return offset, block.nbytes
 
     def read_into(self, dst: np.ndarray, offset: int, nbytes: int) -> None:
         view = memoryview(dst)[:nbytes]
-        fd = self._file.fileno()
         done = 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"short read from the layer pack file at {offset + done}")
-            done += got
+        try:
+            fd = self._file.fileno()
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    raise OSError(f"short read at byte {offset + done}")
+                done += got
+        except (OSError, ValueError) as e:  # ValueError: the file was closed (model closed)
+            raise self._error("cannot read", e) from None
 
     def close(self) -> None:
         self._file.close()
@@ -269,14 +308,21 @@ class Transfers:
 # =====================================================================================================
 @dataclass
 class Unit:
-    """One layer's weights: resident (device arrays) or streamed (a host source)."""
+    """One layer's weights: resident (device arrays) or streamed (a host source).
+
+    `params` is what model code receives for a resident layer (int8 matrices wrapped as
+    `ops.Int8Weight`), built once at placement; a streamed layer's params for each of the two
+    slots are built on first use and kept in `slot_params` (a layer always lands in the same
+    views of a slot), so nothing is rebuilt per step."""
     name: str
     layout: Layout
     resident: dict[str, Any] | None = None
     source: HostSource | None = None
+    params: dict[str, Any] | None = None
+    slot_params: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
-class LayerStack(Sequence):
+class LayerStack:
     """A stack's layers in execution order; iterating yields each layer's float parameter dict."""
 
     def __init__(self, runtime: "WeightRuntime", units: list[Unit]):
@@ -290,7 +336,7 @@ class LayerStack(Sequence):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.runtime.simple:
-            return iter([u.resident for u in self.units])  # all resident floats: no machinery
+            return iter([u.params for u in self.units])  # all resident: no machinery
         return self.runtime.run(self.units)
 
 
@@ -306,16 +352,16 @@ class Recorder:
 class WeightRuntime:
     """Places a model's weights per a `WeightPlan` and runs its layer stacks (see module doc)."""
 
-    def __init__(self, be: Any, plan: WeightPlan, float_dtype: Any, transfers: Transfers | None,
-                 recorder: Recorder | None = None):
-        self.be, self.plan, self.float_dtype = be, plan, np.dtype(float_dtype)
+    def __init__(self, be: Any, plan: WeightPlan, recorder: Recorder | None = None):
+        self.be, self.plan, self.float_dtype = be, plan, np.dtype(be.dtype)
         self.recorder = recorder
-        self.transfers = transfers
+        self.transfers = be.make_transfers() if plan.streamed else None
         self.in_arena = plan.limit is not None  # weights live in the arena only under a limit
         self.pack: PackFile | None = None
         self.slots: list[Any] = []
         self.scratch = None
         self._pending: list[Any] = []
+        self.closed = False
         arena: Arena = be.arena
         if plan.streamed:
             hold = arena.hold({"slot0": ((plan.slot_bytes,), np.uint8),
@@ -323,11 +369,10 @@ class WeightRuntime:
             self.slots = [hold.buffers["slot0"], hold.buffers["slot1"]]
         if plan.scratch_bytes:
             self.scratch = arena.hold({"scratch": ((plan.scratch_bytes,), np.uint8)}).buffers["scratch"]
-        self.has_int8 = False
 
     @property
     def simple(self) -> bool:
-        return not self.plan.streamed and not self.has_int8 and self.recorder is None
+        return not self.plan.streamed and self.recorder is None
 
     # -- placement --------------------------------------------------------------------------------
     def place_fixed(self, host: np.ndarray, what: str) -> Any:
@@ -345,8 +390,10 @@ class WeightRuntime:
     def place_unit(self, name: str, arrays: dict[str, np.ndarray]) -> Unit:
         """One layer's host arrays -> a resident or streamed Unit, per the plan."""
         layout = Layout.of(arrays)
-        if layout.quantized:
-            self.has_int8 = True
+        planned = self.plan.unit_bytes.get(name)
+        if planned is not None and planned != layout.nbytes:  # the plan and the weights disagree
+            raise ConfigError(f"layer {name}: {layout.nbytes} bytes of weights, but the plan "
+                              f"counted {planned}")
         if name in self.plan.streamed:
             block = layout.pack(arrays)
             if self.be.device == "cpu" and self.in_arena:
@@ -357,10 +404,12 @@ class WeightRuntime:
             return Unit(name, layout, source=HostSource(block.nbytes,
                                                         array=self.be.host_buffer(block)))
         if not self.in_arena:
-            return Unit(name, layout, resident={k: self.be.asarray(v) for k, v in arrays.items()})
-        block = self.be.arena.hold({name: ((layout.nbytes,), np.uint8)}).buffers[name]
-        self.be.upload(block, layout.pack(arrays))
-        return Unit(name, layout, resident=layout.views(block))
+            resident = {k: self.be.asarray(v) for k, v in arrays.items()}
+        else:
+            block = self.be.arena.hold({name: ((layout.nbytes,), np.uint8)}).buffers[name]
+            self.be.upload(block, layout.pack(arrays))
+            resident = layout.views(block)
+        return Unit(name, layout, resident=resident, params=self._dequantized(layout, resident))
 
     # -- running a stack --------------------------------------------------------------------------
     def _dequantized(self, layout: Layout, params: dict[str, Any]) -> dict[str, Any]:
@@ -374,8 +423,17 @@ class WeightRuntime:
                        if name in layout.quantized else value)
                 for name, value in params.items() if not name.endswith(SCALE_SUFFIX)}
 
+    def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:
+        if slot not in unit.slot_params:
+            views = unit.layout.views(self.slots[slot])
+            unit.slot_params[slot] = self._dequantized(unit.layout, views)
+        return unit.slot_params[slot]
+
     def run(self, units: list[Unit]) -> Iterator[dict[str, Any]]:
         """Yield each unit's float params in order, streaming the non-resident ones one ahead."""
+        if self.closed:
+            raise InputError("this model was closed, which released its streamed layers; "
+                             "load it again")
         record = self.recorder or (lambda kind, unit: None)
         self.drain()
         streamed = [i for i, u in enumerate(units) if u.resident is None]
@@ -395,30 +453,60 @@ class WeightRuntime:
                 issue_next()
             for i, unit in enumerate(units):
                 if unit.resident is not None:
-                    params = unit.resident
+                    params = unit.params
                 else:
                     self.transfers.wait(tickets.pop(i))
                     record("ready", unit.name)
-                    params = unit.layout.views(self.slots[slot_of[i]])
+                    params = self._slot_params(unit, slot_of[i])
                 record("start", unit.name)
-                yield self._dequantized(unit.layout, params)
+                yield params
                 record("end", unit.name)
                 if unit.resident is None:
                     self.transfers.slot_released(slot_of[i])
                     if queue:
                         issue_next()  # the slot this layer used takes the next streamed layer
         finally:
-            self.drain()
+            self.drain(quiet=True)  # a failed copy has already raised where it was needed
 
-    def drain(self) -> None:
-        """Wait for every copy still in flight (a stack abandoned midway leaves some)."""
+    def drain(self, quiet: bool = False) -> None:
+        """Wait for every copy still in flight (a stack abandoned midway leaves some); with
+        `quiet`, a copy that failed is not raised again."""
         pending, self._pending = self._pending, []
         for ticket in pending:
-            self.transfers.wait(ticket)
+            try:
+                self.transfers.wait(ticket)
+            except Exception:
+                if not quiet:
+                    raise
 
     def close(self) -> None:
-        self.drain()
+        self.drain(quiet=True)
+        self.closed = True
         if self.transfers is not None:
             self.transfers.close()
         if self.pack is not None:
             self.pack.close()
+
+
+class OwnsWeights:
+    """What a loaded model shares about its weights: the plan, the runtime, and `close()`.
+
+    A streaming runtime holds a prefetch thread and an open pack file; `close()` (or leaving a
+    `with` block, or the model being garbage-collected) releases them. A closed model that
+    streams cannot run again."""
+
+    weight_plan: WeightPlan
+    runtime: WeightRuntime
+
+    def attach_runtime(self, plan: WeightPlan, runtime: WeightRuntime) -> None:
+        self.weight_plan, self.runtime = plan, runtime
+        self._release = weakref.finalize(self, runtime.close)
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -59,6 +59,19 @@ def test_half_precision_norm_does_not_overflow():
     np.testing.assert_allclose(out.astype(np.float32), 1.0, rtol=1e-3)
 
 
+def test_half_precision_norm_keeps_the_input_dtype():
+    # A float32 result would make the next product widen its float16 weight matrix (on CUDA, a
+    # whole-head copy the workspace plan never counted).
+    from minfer import ops
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float16)
+    got = ops.rms_normalize(np, x, 1e-6)
+    assert got.dtype == np.float16
+    xf = x.astype(np.float32)
+    want = xf / np.sqrt((xf * xf).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    assert ops.rms_norm(np, x, np.ones(16, np.float16), 1e-6).dtype == np.float16
+
+
 def test_device_selection_errors_are_clear():
     with pytest.raises(ConfigError, match="expected 'cpu', 'cuda', 'cuda:N' or 'auto'"):
         make_backend("tpu")

@@ -56,7 +56,6 @@ def test_layout_packs_aligned_and_round_trips():
         np.testing.assert_array_equal(views[name], a)
         assert views[name].dtype == a.dtype
     assert layout.quantized == ["b"]
-    assert layout.float_bytes(np.float32) == 256  # 7*2*4 bytes, aligned
 
 
 def test_int8_quantisation_is_per_column_and_within_half_a_step():
@@ -238,6 +237,26 @@ def test_memory_limit_through_load_matches_the_unlimited_run(folder, reference):
     np.testing.assert_array_equal(m.forward(IDS, DEC), reference[0])
     assert m.generate(IDS, max_new_tokens=12, min_new_tokens=12) == reference[1]
     assert m.backend.arena.stats().peak <= LIMIT
+
+
+def test_close_releases_the_prefetch_thread_and_the_layer_file(folder, reference):
+    with minfer.load(folder, memory_limit=LIMIT, workspace=WORKSPACE) as m:
+        np.testing.assert_array_equal(m.forward(IDS, DEC), reference[0])
+        pack = m.runtime.pack
+        assert pack is not None and not pack._file.closed
+        assert any(t.name.startswith("minfer-prefetch") for t in threading.enumerate())
+    assert pack._file.closed
+    assert not any(t.name.startswith("minfer-prefetch") for t in threading.enumerate())
+    with pytest.raises(minfer.InputError, match="model was closed"):
+        m.forward(IDS, DEC)  # a closed streaming model says so instead of crashing
+    m.close()  # idempotent
+
+
+def test_unusable_tmpdir_is_a_clear_error(folder, monkeypatch, tmp_path):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    with pytest.raises(minfer.StreamingError, match=r"missing .*TMPDIR"):
+        minfer.load(folder, memory_limit=LIMIT, workspace=WORKSPACE)
 
 
 def test_too_small_a_limit_is_refused_up_front(folder):

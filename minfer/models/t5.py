@@ -29,8 +29,8 @@ from ..backend import Backend
 from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
 from ..memory import BufferSpec, align_up, bytes_needed
-from ..streaming import (SCALE_SUFFIX, Layout, LayerStack, WeightPlan, WeightRuntime, plan_weights,
-                         quantize_int8)
+from ..streaming import (Layout, LayerStack, OwnsWeights, WeightPlan, WeightRuntime, plan_weights,
+                         unit_arrays, unit_layout)
 
 NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
 
@@ -240,16 +240,9 @@ def read_block(cfg: T5Config, ckpt: Checkpoint, stack: str, i: int) -> dict[str,
     return out
 
 
-def unit_layout(cfg: T5Config, stack: str, dtype: Any, quantize: bool) -> Layout:
+def block_layout(cfg: T5Config, stack: str, dtype: Any, quantize: bool) -> Layout:
     """The packed layout of one layer: float `dtype` matrices, or int8 + per-column scales."""
-    spec: dict[str, tuple[tuple[int, ...], Any]] = {}
-    for name, shape in block_shapes(cfg, stack).items():
-        if quantize:
-            spec[name] = (shape, np.int8)
-            spec[name + SCALE_SUFFIX] = ((shape[1],), np.float32)
-        else:
-            spec[name] = (shape, dtype)
-    return Layout(spec)
+    return unit_layout(block_shapes(cfg, stack), dtype, quantize)
 
 
 def fixed_bytes(cfg: T5Config, dtype: Any) -> int:
@@ -264,7 +257,7 @@ def plan_placement(cfg: T5Config, dtype: Any, quantize: bool, limit: int | None,
     """Which layers of `cfg` stay resident under `limit` (pure: nothing is read or allocated)."""
     units, scratch = {}, 0
     for stack in STACKS:
-        layout = unit_layout(cfg, stack, dtype, quantize)
+        layout = block_layout(cfg, stack, dtype, quantize)
         scratch = max(scratch, layout.int8_scratch_bytes(dtype))
         for i in range(stack_depth(cfg, stack)):
             units[f"{stack}.{i}"] = layout.nbytes
@@ -305,12 +298,7 @@ def load_params(cfg: T5Config, ckpt: Checkpoint, be: Backend, plan: WeightPlan,
     for stack in STACKS:
         units = []
         for i in range(stack_depth(cfg, stack)):
-            arrays = read_block(cfg, ckpt, stack, i)
-            if be.quantize:
-                arrays = {k: v for name, w in arrays.items()
-                          for k, v in zip((name, name + SCALE_SUFFIX), quantize_int8(w))}
-            else:
-                arrays = {k: v.astype(be.dtype, copy=False) for k, v in arrays.items()}
+            arrays = unit_arrays(read_block(cfg, ckpt, stack, i), be.dtype, be.quantize)
             units.append(runtime.place_unit(f"{stack}.{i}", arrays))
         params[stack] = {"blocks": LayerStack(runtime, units)}
     for stack in ("encoder", "decoder"):
@@ -729,7 +717,7 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
     return ids, mask
 
 
-class T5Model:
+class T5Model(OwnsWeights):
     """A loaded T5: config, parameters on a backend, and the encode / forward / generate API."""
 
     family = "t5"
@@ -846,9 +834,8 @@ def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
     cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
     plan = plan_placement(cfg, be.dtype, be.quantize, be.memory_limit,
                           be.workspace_reserve(run_bytes(cfg, be.dtype, **DEFAULT_RUN_SHAPE)["peak"]))
-    runtime = WeightRuntime(be, plan, be.dtype, be.make_transfers() if plan.streamed else None,
-                            recorder)
+    runtime = WeightRuntime(be, plan, recorder)
     model = T5Model(cfg, load_params(cfg, ckpt, be, plan, runtime), be, str(ckpt.folder),
                     ckpt.config, generation_config, tokenizer)
-    model.weight_plan, model.runtime = plan, runtime
+    model.attach_runtime(plan, runtime)
     return model

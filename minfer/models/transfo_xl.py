@@ -30,8 +30,8 @@ from ..backend import Backend
 from ..checkpoint import Checkpoint, ConfigReader, check_names
 from ..errors import CheckpointError, ConfigError, InputError
 from ..memory import BufferSpec, align_up, bytes_needed
-from ..streaming import (SCALE_SUFFIX, Layout, LayerStack, WeightPlan, WeightRuntime, plan_weights,
-                         quantize_int8)
+from ..streaming import (Layout, LayerStack, OwnsWeights, WeightPlan, WeightRuntime, plan_weights,
+                         unit_arrays, unit_layout)
 
 NEG_INF = float(np.finfo(np.float32).min)
 
@@ -194,14 +194,7 @@ def layer_shapes(cfg: XLConfig) -> dict[str, tuple[int, ...]]:
 
 
 def layer_layout(cfg: XLConfig, dtype: Any, quantize: bool) -> Layout:
-    spec: dict[str, tuple[tuple[int, ...], Any]] = {}
-    for name, shape in layer_shapes(cfg).items():
-        if quantize and name in LAYER_MATRICES:
-            spec[name] = (shape, np.int8)
-            spec[name + SCALE_SUFFIX] = ((shape[1],), np.float32)
-        else:
-            spec[name] = (shape, dtype)
-    return Layout(spec)
+    return unit_layout(layer_shapes(cfg), dtype, quantize, LAYER_MATRICES)
 
 
 def _layer_arrays(cfg: XLConfig, read: Callable[[str], np.ndarray], l: int,
@@ -223,13 +216,7 @@ def _layer_arrays(cfg: XLConfig, read: Callable[[str], np.ndarray], l: int,
         "ln_attn_b": read(f"{p}.dec_attn.layer_norm.bias"),
         "ln_ff_w": read(f"{p}.pos_ff.layer_norm.weight"), "ln_ff_b": read(f"{p}.pos_ff.layer_norm.bias"),
     }
-    out: dict[str, np.ndarray] = {}
-    for name, a in arrays.items():
-        if be.quantize and name in LAYER_MATRICES:
-            out[name], out[name + SCALE_SUFFIX] = quantize_int8(a)
-        else:
-            out[name] = a.astype(be.dtype, copy=False)
-    return out
+    return unit_arrays(arrays, be.dtype, be.quantize, LAYER_MATRICES)
 
 
 def fixed_bytes(cfg: XLConfig, dtype: Any) -> int:
@@ -285,7 +272,10 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend, runtime: WeightRun
         tables = [fixed(f"{emb}.emb_layers.{i}.weight") for i in range(n)]
         projs = [t(f"{emb}.emb_projs.{i}") for i in range(n)]
 
-    layers = LayerStack(runtime, [runtime.place_unit(f"layers.{l}", _layer_arrays(cfg, read, l, be))
+    def read32(name: str) -> np.ndarray:  # layers are cast or quantised from float32 once
+        return ckpt.read(tied.get(name, name), np.float32)
+
+    layers = LayerStack(runtime, [runtime.place_unit(f"layers.{l}", _layer_arrays(cfg, read32, l, be))
                                   for l in range(cfg.n_layer)])
 
     # output clusters: logits_i = (h @ proj_i) @ W_i + b_i; the head also scores the tail clusters
@@ -380,19 +370,12 @@ def _cluster_logits(c: dict, h: Any) -> Any:
     return out
 
 
-def _log_softmax_(xp: Any, x: Any) -> Any:
-    """Log-softmax over the last axis, in place on a scratch float32 array."""
-    x -= xp.max(x, axis=-1, keepdims=True)
-    x -= xp.log(xp.sum(xp.exp(x), axis=-1, keepdims=True))
-    return x
-
-
 def log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any) -> Any:
     """Projected adaptive log-softmax: hidden (N, C) -> log-probabilities (N, V) float32."""
     xp = be.xp
     clusters = params["clusters"]
     ends = cfg.cluster_ends
-    head = _log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
+    head = ops.log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
     if len(clusters) == 1:
         return head                                                            # (N, V)
     out = xp.empty((hidden.shape[0], cfg.vocab_size), dtype=np.float32)
@@ -400,7 +383,7 @@ def log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any) -> Any:
     for i in range(1, len(clusters)):
         tail = out[:, ends[i]:ends[i + 1]]
         tail[...] = _cluster_logits(clusters[i], hidden)
-        _log_softmax_(xp, tail)
+        ops.log_softmax_(xp, tail)
         tail += head[:, ends[1] + i - 1:ends[1] + i]  # + log p(cluster i)
     return out
 
@@ -416,7 +399,7 @@ def target_log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any,
     clusters = params["clusters"]
     ends = cfg.cluster_ends
     targets = np.asarray(targets, np.int64)
-    head = _log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
+    head = ops.log_softmax_(xp, _cluster_logits(clusters[0], hidden).astype(np.float32, copy=False))
     out = np.zeros(len(targets), np.float64)
     rows = np.nonzero(targets < ends[1])[0]
     out[rows] = be.to_host(head[be.asarray(rows), be.asarray(targets[rows])])
@@ -425,7 +408,7 @@ def target_log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any,
         if len(rows) == 0:
             continue
         r = be.asarray(rows)
-        tail = _log_softmax_(xp, _cluster_logits(clusters[i], hidden[r]).astype(np.float32,
+        tail = ops.log_softmax_(xp, _cluster_logits(clusters[i], hidden[r]).astype(np.float32,
                                                                                  copy=False))
         picked = tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])]
         out[rows] = be.to_host(picked + head[r, ends[1] + i - 1])
@@ -508,7 +491,10 @@ def layer_specs(cfg: XLConfig, B: int, T: int, K: int, dtype: Any) -> BufferSpec
 
 def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
                    memory: XLMemory) -> Any:
-    """(B, T) ids with `memory` (read, then updated in place) -> last layer output (B, T, C)."""
+    """(B, T) ids with `memory` (read, then updated in place) -> last layer output (B, T, C).
+
+    Call inside an arena scope: the layer scratch and (on CUDA, where CuPy's allocator is routed
+    to the arena within scopes) every temporary, the result included, live until it closes."""
     xp = be.xp
     B, T = ids.shape
     M = memory.length
@@ -519,43 +505,42 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
     blocked = attention_mask(cfg, T, M)                                        # (T, K)
     mask = be.asarray(blocked) if blocked.any() else None
     scale = 1.0 / math.sqrt(D)
-    with be.arena.scope():
-        ws = be.arena.alloc_many(layer_specs(cfg, B, T, K, be.dtype))
-        for l, p in enumerate(params["layers"]):
-            cat = ws["cat"]
-            cat[:, :M] = memory.layer(l)
-            cat[:, M:] = x                                                     # (B, K, C)
-            inp = (ops.layer_norm(xp, cat, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
-                   else cat)
-            qkv = ops.linear(xp, inp, p["w_qkv"], ws["qkv"]).reshape(B, K, 3, H, D)
-            q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                            # (B, H, T, D)
-            k = qkv[:, :, 1].transpose(0, 2, 1, 3)                             # (B, H, K, D)
-            v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-            r = ops.linear(xp, pos, p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)           # (H, D, K)
-            scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
-                               out=ws["scores"])                               # AC (B, H, T, K)
-            bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])     # (B, H, T, K)
-            scores += rel_shift(xp, bd)
-            scores *= scale
-            if mask is not None:
-                scores[:, :, blocked] = NEG_INF
-            ops.softmax_(xp, scores)
-            ctx = ws["ctx"]
-            xp.matmul(scores, v, out=ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-            attn = ops.linear(xp, ctx, p["w_o"])                                   # (B, T, C)
-            memory.update(l, x, M)          # this layer's input joins its memory
-            if cfg.pre_lnorm:
-                a = x + attn
-                h = ops.linear(xp, ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"],
-                               ws["ff"])
-                h += p["b1"]
-                x = a + (ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"])
-            else:
-                a = ops.layer_norm(xp, x + attn, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
-                h = ops.linear(xp, a, p["w1"], ws["ff"])
-                h += p["b1"]
-                x = ops.layer_norm(xp, a + (ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"]), p["ln_ff_w"], p["ln_ff_b"],
-                                   cfg.eps)
+    ws = be.arena.alloc_many(layer_specs(cfg, B, T, K, be.dtype))
+    for l, p in enumerate(params["layers"]):
+        cat = ws["cat"]
+        cat[:, :M] = memory.layer(l)
+        cat[:, M:] = x                                                         # (B, K, C)
+        inp = (ops.layer_norm(xp, cat, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
+               else cat)
+        qkv = ops.linear(xp, inp, p["w_qkv"], ws["qkv"]).reshape(B, K, 3, H, D)
+        q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                                # (B, H, T, D)
+        k = qkv[:, :, 1].transpose(0, 2, 1, 3)                                 # (B, H, K, D)
+        v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+        r = ops.linear(xp, pos, p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)   # (H, D, K)
+        scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
+                           out=ws["scores"])                                   # AC (B, H, T, K)
+        bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])         # (B, H, T, K)
+        scores += rel_shift(xp, bd)
+        scores *= scale
+        if mask is not None:
+            scores[:, :, blocked] = NEG_INF
+        ops.softmax_(xp, scores)
+        ctx = ws["ctx"]
+        xp.matmul(scores, v, out=ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        attn = ops.linear(xp, ctx, p["w_o"])                                  # (B, T, C)
+        memory.update(l, x, M)          # this layer's input joins its memory
+        if cfg.pre_lnorm:
+            a = x + attn
+            h = ops.linear(xp, ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"],
+                           ws["ff"])
+            h += p["b1"]
+            x = a + (ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"])
+        else:
+            a = ops.layer_norm(xp, x + attn, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
+            h = ops.linear(xp, a, p["w1"], ws["ff"])
+            h += p["b1"]
+            ff = ops.linear(xp, ops.relu_(xp, h), p["w2"]) + p["b2"]
+            x = ops.layer_norm(xp, a + ff, p["ln_ff_w"], p["ln_ff_b"], cfg.eps)
     memory.advance(T)
     return x
 
@@ -585,9 +570,10 @@ class XLDecodeState:
             out, self._pending = self._pending, None
             return out
         m = self.model
-        h = forward_hidden(m.backend, m.config, m.params,
-                           np.asarray(tokens, np.int64).reshape(self.batch, 1), self.memory)
-        return log_probs(m.backend, m.config, m.params, h[:, 0])              # (b, V)
+        with m.backend.arena.scope():
+            h = forward_hidden(m.backend, m.config, m.params,
+                               np.asarray(tokens, np.int64).reshape(self.batch, 1), self.memory)
+            return m.backend.to_host(log_probs(m.backend, m.config, m.params, h[:, 0]))  # (b, V)
 
     def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
         rows = np.asarray(rows, np.int64)
@@ -615,7 +601,7 @@ def run_bytes(cfg: XLConfig, dt: Any, batch: int, seg_len: int) -> dict[str, int
     return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
 
 
-class XLModel:
+class XLModel(OwnsWeights):
     """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
 
     family = "transfo-xl"
@@ -683,9 +669,10 @@ class XLModel:
                              + (" and was released" if memory.released else "")
                              + f", input_ids has {ids.shape[0]}")
         B, T = ids.shape
-        h = forward_hidden(self.backend, self.config, self.params, ids, memory)
-        lp = log_probs(self.backend, self.config, self.params, h.reshape(B * T, -1))
-        return np.asarray(self.backend.to_host(lp), np.float32).reshape(B, T, -1), memory
+        with self.backend.arena.scope():
+            h = forward_hidden(self.backend, self.config, self.params, ids, memory)
+            lp = log_probs(self.backend, self.config, self.params, h.reshape(B * T, -1))
+            return np.asarray(self.backend.to_host(lp), np.float32).reshape(B, T, -1), memory
 
     def score(self, inputs: Any, segment_len: int | None = None, memory: XLMemory | None = None,
               progress: Callable[[int, int], None] | None = None) -> dict:
@@ -718,9 +705,10 @@ class XLModel:
             for start in range(0, n, T):
                 seg = arr[:, start:min(start + T, n)]
                 targets = arr[0, start + 1:start + 1 + seg.shape[1]]
-                h = forward_hidden(self.backend, self.config, self.params, seg, memory)
-                total += float(target_log_probs(self.backend, self.config, self.params,
-                                                h.reshape(seg.shape[1], -1), targets).sum())
+                with self.backend.arena.scope():
+                    h = forward_hidden(self.backend, self.config, self.params, seg, memory)
+                    total += float(target_log_probs(self.backend, self.config, self.params,
+                                                    h.reshape(seg.shape[1], -1), targets).sum())
                 if progress is not None:
                     progress(start + seg.shape[1], n)
         finally:
@@ -740,10 +728,12 @@ class XLModel:
         try:
             P = ids.shape[1]
             chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
-            for start in range(0, P, chunk):
-                h = forward_hidden(self.backend, self.config, self.params,
-                                   ids[:, start:start + chunk], memory)
-            first = log_probs(self.backend, self.config, self.params, h[:, -1])  # (B, V)
+            with self.backend.arena.scope():
+                for start in range(0, P, chunk):
+                    h = forward_hidden(self.backend, self.config, self.params,
+                                       ids[:, start:start + chunk], memory)
+                first = self.backend.to_host(log_probs(self.backend, self.config, self.params,
+                                                       h[:, -1]))                # (B, V) host
             yield XLDecodeState(self, memory, first, ids[:, -1].copy())
         finally:
             if own:
@@ -780,8 +770,9 @@ class XLSession:
 
     def _feed_pending(self) -> None:
         if self.last_token is not None:
-            forward_hidden(self.model.backend, self.model.config, self.model.params,
-                           np.array([[self.last_token]]), self.memory)
+            with self.model.backend.arena.scope():
+                forward_hidden(self.model.backend, self.model.config, self.model.params,
+                               np.array([[self.last_token]]), self.memory)
             self.last_token = None
 
     def score(self, inputs: Any, segment_len: int | None = None) -> dict:
@@ -811,9 +802,8 @@ def load(ckpt: Checkpoint, be: Backend, generation_config: dict | None = None,
     cfg = XLConfig.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
     workspace = run_bytes(cfg, be.dtype, 1, cfg.tgt_len)["peak"]
     plan = plan_placement(cfg, be.dtype, be.quantize, be.memory_limit, be.workspace_reserve(workspace))
-    runtime = WeightRuntime(be, plan, be.dtype, be.make_transfers() if plan.streamed else None,
-                            recorder)
+    runtime = WeightRuntime(be, plan, recorder)
     model = XLModel(cfg, load_params(cfg, ckpt, be, runtime), be, str(ckpt.folder), ckpt.config,
                     generation_config, tokenizer)
-    model.weight_plan, model.runtime = plan, runtime
+    model.attach_runtime(plan, runtime)
     return model
