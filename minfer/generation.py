@@ -305,7 +305,9 @@ def token_loop(model: Any, input_ids: np.ndarray, attention_mask: np.ndarray,
                 tokens = np.argmax(scores, axis=1).astype(np.int64)
             seqs[:, t + 1] = tokens
             yield rows, tokens
-            done = np.isin(tokens, eos) | np.isin(rows, list(stopped))
+            done = (tokens[:, None] == eos).any(axis=1)  # (b,); np.isin costs ~30 us a call
+            if stopped:
+                done |= np.isin(rows, list(stopped))
             if done.all() or t + 1 == opts.max_new_tokens:
                 return
             if done.any():
