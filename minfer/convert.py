@@ -1,7 +1,9 @@
 """`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, to another
 float dtype, or with int8 layer matrices), copying config, generation config and tokenizer files
 alongside. An int8 file stores each quantised matrix `W` as I8 (out, in) beside `W_scale` (F32,
-one scale per output row); `Checkpoint.read` dequantises it, so every loader reads it.
+one scale per output row); `Checkpoint.read` dequantises it, so every loader reads it. For T5 the
+RMS norm weights are folded into the matrices they feed before quantising (and stored as ones),
+as the loader would fold them.
 
 Reading goes through `checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
 code); writing uses the `safetensors` package. Tensors are converted one at a time, but the
@@ -27,8 +29,10 @@ _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.float32}
 def is_layer_matrix(name: str, shape: tuple[int, ...]) -> bool:
     """The weights `--dtype int8` quantises: 2-D matrices inside the layer stacks (T5's
     `*.block.N.*`, Transformer-XL's `*.layers.N.*`). Embeddings, output heads and position
-    biases stay float: they are looked up or shared, and small next to the layers."""
-    return len(shape) == 2 and name.endswith(".weight") and (".block." in name or ".layers." in name)
+    biases stay float: they are looked up or shared, and small next to the layers (T5's bias
+    table sits inside block 0, hence the explicit exclusion)."""
+    return (len(shape) == 2 and name.endswith(".weight") and (".block." in name or ".layers." in name)
+            and "relative_attention_bias" not in name)
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -37,6 +41,22 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     from .streaming import quantize_int8
     q, scale = quantize_int8(np.ascontiguousarray(w.T))
     return np.ascontiguousarray(q.T), scale
+
+
+def t5_norm_folds(ckpt: Checkpoint) -> dict[str, str]:
+    """For a T5 checkpoint: every layer matrix fed by an RMS norm -> that norm's weight. An int8
+    file stores the matrices with the norms folded in (and the norms as ones): the model is the
+    same function, and loading it re-quantises exactly the stored int8 instead of rounding a
+    second time after its own folding. Transformer-XL folds nothing."""
+    if ckpt.config.get("model_type", "t5") not in ("t5", "mt5"):
+        return {}
+    from .models.t5 import T5Config, folded_norms
+    cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+    folds: dict[str, str] = {}
+    for stack, depth in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
+        for i in range(depth):
+            folds.update(folded_norms(cfg, stack, i))
+    return folds
 
 
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
@@ -51,11 +71,16 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"convert: output folder {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
+    folds = t5_norm_folds(ckpt) if dtype == "int8" else {}
     tensors = {}
     for name in ckpt.names():
         w = ckpt.read(name, _DTYPES[dtype])
+        if name in folds:
+            w = w * ckpt.read(folds[name], np.float32)[None, :]  # (out, in) * g over `in`
         if dtype == "int8" and is_layer_matrix(name, w.shape):
             tensors[name], tensors[name + SCALE_NAME_SUFFIX] = quantize_rows(w)
+        elif name in set(folds.values()):
+            tensors[name] = np.ones_like(w)  # folded into the matrices it feeds
         else:
             tensors[name] = w
     save_file(tensors, str(out / "model.safetensors"),

@@ -119,6 +119,20 @@ def _ff_names(prefix: str, gated: bool) -> list[str]:
     return [f"{prefix}.DenseReluDense.{w}.weight" for w in wi + ["wo"]]
 
 
+def folded_norms(cfg: T5Config, stack: str, i: int) -> dict[str, str]:
+    """Layer `i` of `stack` ('encoder' / 'decoder'): each HF matrix fed by an RMS norm -> that
+    norm's weight. The loader folds the weight into the matrix ((x/rms * g) @ W == (x/rms) @
+    (g W)); `convert --dtype int8` folds it before quantising, so the file's int8 is exactly
+    what quantising at load would make (no second rounding)."""
+    p = f"{stack}.block.{i}.layer"
+    feeds = {f"{p}.0.SelfAttention.{w}.weight": f"{p}.0.layer_norm.weight" for w in "qkv"}
+    if stack == "decoder":
+        feeds[f"{p}.1.EncDecAttention.q.weight"] = f"{p}.1.layer_norm.weight"
+    ff = f"{p}.{2 if stack == 'decoder' else 1}"
+    feeds.update({w: f"{ff}.layer_norm.weight" for w in _ff_names(ff, cfg.gated)[:-1]})
+    return feeds
+
+
 def expected_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `cfg` must hold, with its HF (out, in) shape."""
     C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size
@@ -211,32 +225,33 @@ def stack_depth(cfg: T5Config, stack: str) -> int:
 def read_block(cfg: T5Config, ckpt: Checkpoint, stack: str, i: int) -> dict[str, np.ndarray]:
     """Layer `i` of `stack` as float32 host matrices (in, out), fused, with norm weights folded."""
 
+    hf_stack = "encoder" if stack == "encoder" else "decoder"
+    norm_of = folded_norms(cfg, hf_stack, i)
+
     def read(name: str) -> np.ndarray:  # (out, in) as stored
         return ckpt.read(name, np.float32)
 
-    def linear(*names: str, norm: str | None = None) -> np.ndarray:
-        """HF (out, in) weights fused along `out` -> (in, sum(out)). With `norm`, the weight of
-        the RMS norm feeding this matrix is folded in: (x/rms * g) @ W == (x/rms) @ (g[:, None] W),
-        which saves a multiply per sublayer (a rounding-level change)."""
+    def linear(*names: str) -> np.ndarray:
+        """HF (out, in) weights fused along `out` -> (in, sum(out)), with the weight of the RMS
+        norm feeding them folded in (saves a multiply per sublayer; a rounding-level change)."""
         w = np.ascontiguousarray(np.concatenate([read(n) for n in names], axis=0).T)
-        if norm is not None:
-            w *= read(norm)[:, None]
+        if names[0] in norm_of:
+            w *= read(norm_of[names[0]])[:, None]
         return w
 
-    p = f"{'encoder' if stack == 'encoder' else 'decoder'}.block.{i}.layer"
+    p = f"{hf_stack}.block.{i}.layer"
     if stack == "cross":
         return {"w_cross_kv": linear(f"{p}.1.EncDecAttention.k.weight",
                                      f"{p}.1.EncDecAttention.v.weight")}
     attn = f"{p}.0.SelfAttention"
-    out = {"w_qkv": linear(*(f"{attn}.{w}.weight" for w in "qkv"), norm=f"{p}.0.layer_norm.weight"),
+    out = {"w_qkv": linear(*(f"{attn}.{w}.weight" for w in "qkv")),
            "w_o": linear(f"{attn}.o.weight")}
     if stack == "decoder":
-        out.update(w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight",
-                                    norm=f"{p}.1.layer_norm.weight"),
+        out.update(w_cross_q=linear(f"{p}.1.EncDecAttention.q.weight"),
                    w_cross_o=linear(f"{p}.1.EncDecAttention.o.weight"))
     ff = f"{p}.{2 if stack == 'decoder' else 1}"
     *wi, wo = _ff_names(ff, cfg.gated)
-    out.update(w_in=linear(*wi, norm=f"{ff}.layer_norm.weight"), w_out=linear(wo))
+    out.update(w_in=linear(*wi), w_out=linear(wo))
     return out
 
 
