@@ -98,6 +98,43 @@ def test_memory_matters_and_reset_forgets(case, xl_models):
 
 @pytestmark_parity
 @pytest.mark.parametrize("case", XL_CASES)
+def test_relative_key_table_equals_projecting_the_sinusoids(case, xl_models):
+    # the per-layer table (a view, or a gather past clamp_len) must give what projecting the
+    # distances' sinusoids at call time gives (the path a prompt longer than the table takes)
+    model = xl_models(case)
+    be, cfg, params = model.backend, model.config, model.params
+    no_table = {**params, "r_tables": [t[:0] for t in params["r_tables"]]}
+    for l, p in enumerate(params["layers"]):
+        for K in (1, cfg.mem_len + 1, xl.r_table_rows(cfg), cfg.mem_len + cfg.tgt_len + 7):
+            got = xl.relative_keys(be, cfg, params, l, p["w_r"], K)
+            want = xl.relative_keys(be, cfg, no_table, l, p["w_r"], K)
+            assert got.shape == (cfg.n_head, cfg.d_head, K)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
+
+
+@pytestmark_parity
+@pytest.mark.parametrize("case", XL_CASES)
+def test_reordered_memory_rows_continue_their_own_history(case, xl_models):
+    # beams and trimmed batches reorder the memory: its states and the cached keys/values of
+    # every layer must follow their rows, or the next call attends to another row's past
+    model = xl_models(case)
+    rng = np.random.default_rng(3)
+    V = model.config.vocab_size
+    first = rng.integers(0, V, (3, 5))
+    nxt = rng.integers(0, V, (3, 2))
+    _, mem = model.forward(first)
+    mem.reorder(np.array([1, 1, 0]))
+    together, mem = model.forward(nxt, mem)
+    mem.release()
+    for row, source in enumerate([1, 1, 0]):
+        _, alone_mem = model.forward(first[source:source + 1])
+        alone, alone_mem = model.forward(nxt[row:row + 1], alone_mem)
+        alone_mem.release()
+        assert rel_err(together[row:row + 1], alone) < TOL, f"row {row}"
+
+
+@pytestmark_parity
+@pytest.mark.parametrize("case", XL_CASES)
 def test_greedy_continuation_matches(case, xl_models):
     ref = reference(case)
     model = xl_models(case)

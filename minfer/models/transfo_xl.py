@@ -219,14 +219,25 @@ def _layer_arrays(cfg: XLConfig, read: Callable[[str], np.ndarray], l: int,
     return unit_arrays(arrays, be.dtype, be.quantize, LAYER_MATRICES)
 
 
+def r_table_rows(cfg: XLConfig) -> int:
+    """Distances each layer's projected-sinusoid table covers: every distance a scoring segment
+    or a generation step sees (mem_len + tgt_len), or fewer when clamp_len makes all longer
+    distances share one row."""
+    rows = cfg.mem_len + cfg.tgt_len
+    return min(rows, cfg.clamp_len + 1) if cfg.clamp_len > 0 else rows
+
+
 def fixed_bytes(cfg: XLConfig, dtype: Any) -> int:
-    """Bytes of the always-resident weights: adaptive embedding and softmax (all but the layers)."""
+    """Bytes of the always-resident weights: adaptive embedding and softmax (all but the layers)
+    and each layer's projected-sinusoid table."""
     required, tied = _shapes(cfg)
     shapes = {**required, **{name: required[src] for name, src in tied.items()}}  # copies too
     n = sum(int(np.prod(s)) for name, s in shapes.items()
             if not name.startswith("transformer.layers.") and not name.endswith("r_w_bias")
             and not name.endswith("r_r_bias"))
-    return align_up(n * np.dtype(dtype).itemsize) + 64 * 256  # + alignment of each hold
+    item = np.dtype(dtype).itemsize
+    r_tables = cfg.n_layer * align_up(r_table_rows(cfg) * cfg.n_head * cfg.d_head * item)
+    return align_up(n * item) + r_tables + 64 * 256  # + alignment of each hold
 
 
 def plan_placement(cfg: XLConfig, dtype: Any, quantize: bool, limit: int | None,
@@ -277,6 +288,13 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend, runtime: WeightRun
 
     layers = LayerStack(runtime, [runtime.place_unit(f"layers.{l}", _layer_arrays(cfg, read32, l, be))
                                   for l in range(cfg.n_layer)])
+    # r = sinusoid(distance) @ W_r depends on nothing but the distance: one table per layer,
+    # projected once here instead of K rows at every call (row j: distance rows-1-j)
+    rows = r_table_rows(cfg)
+    pos = sinusoids(cfg, read32("transformer.pos_emb.inv_freq"), rows)
+    r_tables = [fixed(f"r_table{l}", (pos @ read32(f"transformer.layers.{l}.dec_attn.r_net.weight").T
+                                      ).astype(be.dtype))
+                for l in range(cfg.n_layer)]
 
     # output clusters: logits_i = (h @ proj_i) @ W_i + b_i; the head also scores the tail clusters
     clusters = []
@@ -296,7 +314,7 @@ def load_params(cfg: XLConfig, ckpt: Checkpoint, be: Backend, runtime: WeightRun
         clusters.append({"proj": proj, "w": fixed(f"cluster{i}.w", np.ascontiguousarray(w.T)),
                          "b": fixed(f"cluster{i}.b", np.ascontiguousarray(b))})
     return {"emb_tables": tables, "emb_projs": projs, "inv_freq": read("transformer.pos_emb.inv_freq"),
-            "layers": layers, "clusters": clusters}
+            "layers": layers, "clusters": clusters, "r_tables": r_tables}
 
 
 # =====================================================================================================
@@ -325,14 +343,30 @@ def embed(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray) -> Any:
     return out
 
 
-def positional_embedding(be: Backend, cfg: XLConfig, inv_freq: np.ndarray, klen: int) -> Any:
-    """(K, C) sinusoids of the distances K-1 ... 0 (clamped at clamp_len), [sin | cos] halves,
-    in float32 from the checkpoint's inv_freq (the reference's own precision)."""
+def sinusoids(cfg: XLConfig, inv_freq: np.ndarray, klen: int) -> np.ndarray:
+    """(K, C) host float32 sinusoids of the distances K-1 ... 0 (clamped at clamp_len), [sin | cos]
+    halves, from the checkpoint's inv_freq (the reference's own precision)."""
     pos = np.arange(klen - 1, -1, -1.0, dtype=np.float32)
     if cfg.clamp_len > 0:
         np.minimum(pos, np.float32(cfg.clamp_len), out=pos)
-    angles = np.outer(pos, inv_freq.astype(np.float32))                       # (K, C/2)
-    return be.asarray(np.concatenate([np.sin(angles), np.cos(angles)], axis=-1), be.dtype)
+    angles = np.outer(pos, np.asarray(inv_freq, np.float32))                  # (K, C/2)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+def relative_keys(be: Backend, cfg: XLConfig, params: dict, l: int, w_r: Any, K: int) -> Any:
+    """Layer l's projected sinusoids of the distances K-1 ... 0 as (H, D, K): rows of its table
+    when the table covers them (a view, or a gather when clamp_len folds the long distances
+    into one row), else projected now (a prompt chunk longer than a segment)."""
+    table = params["r_tables"][l]                                              # (R, H*D)
+    R = table.shape[0]
+    if K <= R:
+        r = table[R - K:]
+    elif 0 < cfg.clamp_len < R:
+        r = table[be.asarray(R - 1 - np.minimum(np.arange(K - 1, -1, -1), cfg.clamp_len))]
+    else:
+        pos = be.asarray(sinusoids(cfg, params["inv_freq"], K), be.dtype)
+        r = ops.linear(be.xp, pos, w_r)
+    return r.reshape(K, cfg.n_head, cfg.d_head).transpose(1, 2, 0)
 
 
 def rel_shift(xp: Any, x: Any) -> Any:
@@ -418,17 +452,42 @@ def target_log_probs(be: Backend, cfg: XLConfig, params: dict, hidden: Any,
 # =====================================================================================================
 # Segment memory
 # =====================================================================================================
+def memory_specs(cfg: XLConfig, batch: int, dtype: Any) -> BufferSpec:
+    """The segment memory: each layer's input (the model's state) and, beside it, that input's
+    key/value projections, so a call projects only its new positions (see `XLMemory`)."""
+    L, M = cfg.n_layer, cfg.mem_len
+    return {"memory": ((L, batch, M, cfg.d_model), dtype),
+            "memory_kv": ((L, batch, M, 2, cfg.n_head, cfg.d_head), dtype)}
+
+
+def _append(buf: Any, new: Any, old_length: int) -> None:
+    """buf (B, cap, ...) holds `old_length` positions: append new (B, T, ...), keep the last cap."""
+    cap, T = buf.shape[1], new.shape[1]
+    if T >= cap:
+        buf[:, :cap] = new[:, T - cap:]
+        return
+    keep = min(old_length, cap - T)
+    if keep:
+        buf[:, :keep] = buf[:, old_length - keep:old_length].copy()
+    buf[:, keep:keep + T] = new
+
+
 class XLMemory:
     """Each layer's input over the last `mem_len` positions: (L, B, mem_len, C) in the arena.
 
     `length` positions are filled (0 = empty memory). Forward calls read it and update it in place;
-    `release()` (or garbage collection) hands the arena block back."""
+    `release()` (or garbage collection) hands the arena block back.
+
+    Beside the states it keeps their key/value projections (L, B, mem_len, 2, H, D): a memory
+    position's K/V is a function of that position's layer input alone (pre-norm included), so
+    it is computed once, when the position is new, instead of at every later call (in generation
+    a step would otherwise project mem_len + 1 rows to produce one). HF recomputes them."""
 
     def __init__(self, be: Backend, cfg: XLConfig, batch: int):
         self.cfg, self.batch = cfg, batch
-        spec = {"memory": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), be.dtype)}
-        self._hold = be.arena.hold(spec)
+        self._hold = be.arena.hold(memory_specs(cfg, batch, be.dtype))
         self.states = self._hold.buffers["memory"]
+        self.kv = self._hold.buffers["memory_kv"]
         self.length = 0
         self._finalizer = weakref.finalize(self, self._hold.release)
 
@@ -436,19 +495,17 @@ class XLMemory:
         """(B, M, C) view of layer l's filled memory."""
         return self.states[l, :, :self.length]
 
-    def update(self, l: int, hidden: Any, old_length: int) -> None:
-        """Append layer l's input `hidden` (B, T, C) to its memory, keeping the last mem_len."""
-        cap, T = self.cfg.mem_len, hidden.shape[1]
-        if cap == 0:
+    def layer_kv(self, l: int) -> Any:
+        """(B, M, 2, H, D) view of the keys/values of layer l's filled memory."""
+        return self.kv[l, :, :self.length]
+
+    def update(self, l: int, hidden: Any, kv: Any, old_length: int) -> None:
+        """Append layer l's input `hidden` (B, T, C) and its keys/values `kv` (B, T, 2, H, D),
+        keeping the last mem_len positions."""
+        if self.cfg.mem_len == 0:
             return
-        buf = self.states[l]
-        if T >= cap:
-            buf[:, :cap] = hidden[:, T - cap:]
-            return
-        keep = min(old_length, cap - T)
-        if keep:
-            buf[:, :keep] = buf[:, old_length - keep:old_length].copy()
-        buf[:, keep:keep + T] = hidden
+        _append(self.states[l], hidden, old_length)
+        _append(self.kv[l], kv, old_length)
 
     def advance(self, T: int) -> None:
         self.length = min(self.length + T, self.cfg.mem_len)
@@ -457,8 +514,9 @@ class XLMemory:
         """Keep / duplicate batch rows (finished rows leave; beams follow their parents)."""
         n = len(rows)
         for l in range(self.cfg.n_layer):
-            filled = self.states[l, :, :self.length]
-            filled[:n] = filled[rows]
+            for buf in (self.states, self.kv):
+                filled = buf[l, :, :self.length]
+                filled[:n] = filled[rows]
         self.batch = n
 
     def reset(self) -> None:
@@ -480,8 +538,8 @@ def layer_specs(cfg: XLConfig, B: int, T: int, K: int, dtype: Any) -> BufferSpec
     """Scratch of one forward call (reused by every layer)."""
     H, D = cfg.n_head, cfg.d_head
     return {
-        "cat": ((B, K, cfg.d_model), dtype),
-        "qkv": ((B, K, 3 * H * D), dtype),
+        "qkv": ((B, T, 3 * H * D), dtype),  # the new positions' projections
+        "kv": ((B, K, 2, H, D), dtype),      # memory's cached keys/values, then the new ones
         "scores": ((B, H, T, K), dtype),
         "bd": ((B, H, T, K), dtype),
         "ctx": ((B, T, H * D), dtype),
@@ -501,22 +559,22 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
     K = M + T
     H, D = cfg.n_head, cfg.d_head
     x = embed(be, cfg, params, ids)                                            # (B, T, C)
-    pos = positional_embedding(be, cfg, params["inv_freq"], K)                 # (K, C)
     blocked = attention_mask(cfg, T, M)                                        # (T, K)
     mask = be.asarray(blocked) if blocked.any() else None
     scale = 1.0 / math.sqrt(D)
     ws = be.arena.alloc_many(layer_specs(cfg, B, T, K, be.dtype))
     for l, p in enumerate(params["layers"]):
-        cat = ws["cat"]
-        cat[:, :M] = memory.layer(l)
-        cat[:, M:] = x                                                         # (B, K, C)
-        inp = (ops.layer_norm(xp, cat, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
-               else cat)
-        qkv = ops.linear(xp, inp, p["w_qkv"], ws["qkv"]).reshape(B, K, 3, H, D)
-        q = qkv[:, M:, 0].transpose(0, 2, 1, 3)                                # (B, H, T, D)
-        k = qkv[:, :, 1].transpose(0, 2, 1, 3)                                 # (B, H, K, D)
-        v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-        r = ops.linear(xp, pos, p["w_r"]).reshape(K, H, D).transpose(1, 2, 0)   # (H, D, K)
+        # projections of the T new positions only; the memory's come from its cache
+        inp = (ops.layer_norm(xp, x, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
+               else x)
+        qkv = ops.linear(xp, inp, p["w_qkv"], ws["qkv"]).reshape(B, T, 3, H, D)
+        kv = ws["kv"]                                                          # (B, K, 2, H, D)
+        kv[:, :M] = memory.layer_kv(l)
+        kv[:, M:] = qkv[:, :, 1:]
+        q = qkv[:, :, 0].transpose(0, 2, 1, 3)                                 # (B, H, T, D)
+        k = kv[:, :, 0].transpose(0, 2, 1, 3)                                  # (B, H, K, D)
+        v = kv[:, :, 1].transpose(0, 2, 1, 3)
+        r = relative_keys(be, cfg, params, l, p["w_r"], K)                      # (H, D, K)
         scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
                            out=ws["scores"])                                   # AC (B, H, T, K)
         bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])         # (B, H, T, K)
@@ -528,7 +586,7 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
         ctx = ws["ctx"]
         xp.matmul(scores, v, out=ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
         attn = ops.linear(xp, ctx, p["w_o"])                                  # (B, T, C)
-        memory.update(l, x, M)          # this layer's input joins its memory
+        memory.update(l, x, qkv[:, :, 1:], M)  # this layer's input (and its K/V) join its memory
         if cfg.pre_lnorm:
             a = x + attn
             h = ops.linear(xp, ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps), p["w1"],
@@ -596,7 +654,7 @@ class _GenerationIds:
 
 def run_bytes(cfg: XLConfig, dt: Any, batch: int, seg_len: int) -> dict[str, int]:
     """Arena bytes of a run: the segment memory plus one segment's scratch."""
-    memory = bytes_needed({"m": ((cfg.n_layer, batch, cfg.mem_len, cfg.d_model), dt)})
+    memory = bytes_needed(memory_specs(cfg, batch, dt))
     scratch = bytes_needed(layer_specs(cfg, batch, seg_len, cfg.mem_len + seg_len, dt))
     return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
 
