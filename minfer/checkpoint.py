@@ -280,10 +280,7 @@ class Checkpoint:
         info = f.tensors[name]
         if rows is not None and not (len(info.shape) >= 1 and 0 <= rows[0] <= rows[1] <= info.shape[0]):
             raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{name}' {list(info.shape)}")
-        if isinstance(f, SafetensorsFile):
-            raw = f.raw(name, self.use_mmap, rows)
-        else:
-            raw = f.raw(name) if rows is None else f.raw(name)[rows[0]:rows[1]]
+        raw = f.raw(name, self.use_mmap, rows)
         if name in self._scales:
             scale_name = self._scales[name]
             scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
@@ -298,7 +295,7 @@ class Checkpoint:
             raise CheckpointError(f"{info.file}: tensor '{name}' has integer dtype {info.dtype}, "
                                   "expected a floating-point weight")
         try:
-            if not self.use_mmap and isinstance(f, SafetensorsFile):  # raw is a private copy
+            if not self.use_mmap and raw.flags.writeable:  # raw is a private copy
                 return np.ascontiguousarray(raw, dtype=dtype)
             return np.array(raw, dtype=dtype, order="C")
         except OSError as e:  # a file shrunk under the memory map

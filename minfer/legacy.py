@@ -22,7 +22,8 @@ Formats (see torch/serialization.py, `_save` / `_legacy_save` / `_load` / `_lega
 Tensors are `_rebuild_tensor_v2(storage, storage_offset, size, stride, ...)` calls: we record
 them (validating that offset + extent lies inside the storage, and the storage's declared size
 against the bytes actually in the file, before any allocation) and materialise them later with
-`as_strided` over a memory map of the file, copied to a contiguous array. bfloat16 is kept as raw
+`as_strided` over the bytes they span, read with file I/O (what `Checkpoint` does by default) or
+through a memory map of the file, copied to a contiguous array. bfloat16 is kept as raw
 uint16 bits until read and then widened to float32 like checkpoint.py does.
 """
 
@@ -458,7 +459,8 @@ def _read_torch(reader: _Reader, what: str) -> tuple[Any, str]:
 
 # -- tensors ------------------------------------------------------------------------------------
 class TorchFile:
-    """A torch.save'd state dict (pytorch_model.bin): validated tensor records over a memory map.
+    """A torch.save'd state dict (pytorch_model.bin): validated tensor records, read through a
+    memory map or with file I/O.
 
     Duck-types `checkpoint.SafetensorsFile` (path, tensors, metadata, raw()), so `Checkpoint`
     reads it like a safetensors file. TensorInfo.start/end give the bytes the tensor's elements
@@ -512,17 +514,39 @@ class TorchFile:
         itemsize = _STORAGE[st.code].itemsize
         return buf[st.start * itemsize:(st.start + st.numel) * itemsize]
 
-    def raw(self, name: str, mmap: bool = True) -> np.ndarray:
-        """The tensor as stored (BF16 as uint16), a read-only strided view of the file's bytes
-        (always mapped: `mmap` is accepted for the SafetensorsFile interface)."""
+    def raw(self, name: str, mmap: bool = True, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor as stored (BF16 as uint16), or rows [a, b) of its first axis: a read-only
+        strided view of the memory-mapped file, or with `mmap=False` a private array holding
+        just the bytes those elements span, read with file I/O (mapped pages would count as the
+        process's memory). Compressed zip members are always decompressed whole."""
         t = self._refs[name]
         dtype = _STORAGE[t.storage.code].newbyteorder(self._order)
-        if math.prod(t.shape) == 0:
-            return np.empty(t.shape, dtype=dtype)
+        shape, offset = t.shape, t.offset
+        if rows is not None:
+            shape, offset = (rows[1] - rows[0], *shape[1:]), offset + rows[0] * t.stride[0]
+        if math.prod(shape) == 0:
+            return np.empty(shape, dtype=dtype)
+        strides = tuple(s * dtype.itemsize for s in t.stride)
+        root = t.storage.root or t.storage
+        if not mmap and root.packed is None:
+            span = _Tensor(t.storage, offset, shape, t.stride).extent
+            flat = self._pread(self.tensors[name].start + (offset - t.offset) * dtype.itemsize,
+                               span * dtype.itemsize, root).view(dtype)
+            return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides)
         flat = self._storage_bytes(t.storage).view(dtype)
-        return np.lib.stride_tricks.as_strided(
-            flat[t.offset:], shape=t.shape, strides=tuple(s * dtype.itemsize for s in t.stride),
-            writeable=False)
+        return np.lib.stride_tricks.as_strided(flat[offset:], shape=shape, strides=strides,
+                                               writeable=False)
+
+    def _pread(self, start: int, nbytes: int, root: _Storage) -> np.ndarray:
+        buf = np.empty(nbytes, np.uint8)
+        try:
+            with open(self.path, "rb") as f:
+                got = f.seek(start) == start and f.readinto(memoryview(buf))
+        except OSError as e:
+            raise self._fail(f"cannot read storage '{_quoted(root.key)}': {_first_line(e)}") from None
+        if got != nbytes:
+            raise self._fail(f"storage '{_quoted(root.key)}' is truncated")
+        return buf
 
     def array(self, name: str) -> np.ndarray:
         """A fresh C-contiguous copy in native byte order; BF16 widened to float32."""

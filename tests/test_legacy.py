@@ -248,6 +248,48 @@ def test_shared_storage_is_read_once_per_tensor(tmp_path):
     assert np.array_equal(arrays["emb.weight"], arrays["out.weight"])
 
 
+def test_file_io_reads_equal_mapped_reads_without_mapping(tmp_path):
+    # under a memory limit tensors are read with file I/O (mapped pages would count as RSS):
+    # every dtype, stride, offset, byte order and row range must read as through the map
+    entries, raw = sample_entries()
+    big = {"0": BASE.astype(">f4").tobytes(), "1": np.frombuffer(raw["1"], "<u2").astype(">u2").tobytes(),
+           "2": np.frombuffer(raw["2"], "<i8").astype(">i8").tobytes(),
+           "3": np.arange(6, dtype=">f2").tobytes()}
+    legacy_entries, legacy_raw = sample_entries(legacy=True)
+    numels = {"0": 12, "1": 3, "2": 4, "3": 6}
+    paths = [write_zip(tmp_path / "w.bin", state_dict(entries), raw),
+             write_zip(tmp_path / "b.bin", state_dict(entries), big, byteorder="big"),
+             write_zip(tmp_path / "c.bin", state_dict(entries), raw, compression=zipfile.ZIP_DEFLATED),
+             write_legacy(tmp_path / "l.bin", state_dict(legacy_entries),
+                          {k: (numels[k], legacy_raw[k]) for k in ("2", "0", "3", "1")})]
+    for path in paths:
+        f = TorchFile(path)
+        for name, info in f.tensors.items():
+            mapped = np.array(f.raw(name))
+            read = f.raw(name, mmap=False)
+            assert read.dtype == mapped.dtype and np.array_equal(read, mapped), (path.name, name)
+            if info.shape and info.shape[0] > 1:
+                assert np.array_equal(f.raw(name, mmap=False, rows=(1, info.shape[0])), mapped[1:])
+                assert np.array_equal(f.raw(name, rows=(0, 1)), mapped[:1])
+        if path.name != "c.bin":  # compressed members are decompressed, never mapped
+            assert f._map is not None
+        g = TorchFile(path)
+        for name in g.tensors:
+            g.raw(name, mmap=False)
+        assert g._map is None, path.name
+
+
+def test_file_io_read_of_a_shrunk_file_is_a_clear_error(tmp_path):
+    entries, raw = sample_entries()
+    path = write_zip(tmp_path / "w.bin", state_dict(entries), raw)
+    f = TorchFile(path)
+    last = max(f.tensors.values(), key=lambda i: i.end)
+    path.write_bytes(path.read_bytes()[:last.end - 2])  # cut inside the last tensor's bytes
+    with pytest.raises(CheckpointError) as err:
+        f.raw(last.name, mmap=False)
+    one_line(err, str(path), "truncated")
+
+
 # -- lying or broken files ------------------------------------------------------------------------
 def one_line(err, *needles) -> str:
     text = str(err.value)
