@@ -50,13 +50,8 @@ def t5_norm_folds(ckpt: Checkpoint) -> dict[str, str]:
     second time after its own folding. Transformer-XL folds nothing."""
     if ckpt.config.get("model_type", "t5") not in ("t5", "mt5"):
         return {}
-    from .models.t5 import T5Config, folded_norms
-    cfg = T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-    folds: dict[str, str] = {}
-    for stack, depth in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
-        for i in range(depth):
-            folds.update(folded_norms(cfg, stack, i))
-    return folds
+    from .models.t5 import T5Config, all_folded_norms
+    return all_folded_norms(T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json")))
 
 
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
@@ -72,6 +67,7 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
         raise ConfigError(f"convert: output folder {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     folds = t5_norm_folds(ckpt) if dtype == "int8" else {}
+    folded_norm_names = set(folds.values())
     tensors = {}
     for name in ckpt.names():
         w = ckpt.read(name, _DTYPES[dtype])
@@ -79,7 +75,7 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
             w = w * ckpt.read(folds[name], np.float32)[None, :]  # (out, in) * g over `in`
         if dtype == "int8" and is_layer_matrix(name, w.shape):
             tensors[name], tensors[name + SCALE_NAME_SUFFIX] = quantize_rows(w)
-        elif name in set(folds.values()):
+        elif name in folded_norm_names:
             tensors[name] = np.ones_like(w)  # folded into the matrices it feeds
         else:
             tensors[name] = w

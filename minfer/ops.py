@@ -126,8 +126,8 @@ def softmax_(xp: Any, x: Any) -> Any:
 
 def log_softmax_(xp: Any, x: Any) -> Any:
     """Log-softmax over the last axis, in place (x is a float32 scratch array)."""
-    x -= xp.max(x, axis=-1, keepdims=True)
-    x -= xp.log(xp.sum(xp.exp(x), axis=-1, keepdims=True))
+    x -= x.max(axis=-1, keepdims=True)
+    x -= xp.log(xp.exp(x).sum(axis=-1, keepdims=True))
     return x
 
 

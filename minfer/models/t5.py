@@ -133,6 +133,15 @@ def folded_norms(cfg: T5Config, stack: str, i: int) -> dict[str, str]:
     return feeds
 
 
+def all_folded_norms(cfg: T5Config) -> dict[str, str]:
+    """`folded_norms` of every layer of both stacks."""
+    folds: dict[str, str] = {}
+    for stack in ("encoder", "decoder"):
+        for i in range(stack_depth(cfg, stack)):
+            folds.update(folded_norms(cfg, stack, i))
+    return folds
+
+
 def expected_shapes(cfg: T5Config) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `cfg` must hold, with its HF (out, in) shape."""
     C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size

@@ -353,19 +353,25 @@ def sinusoids(cfg: XLConfig, inv_freq: np.ndarray, klen: int) -> np.ndarray:
     return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
 
 
-def relative_keys(be: Backend, cfg: XLConfig, params: dict, l: int, w_r: Any, K: int) -> Any:
-    """Layer l's projected sinusoids of the distances K-1 ... 0 as (H, D, K): rows of its table
-    when the table covers them (a view, or a gather when clamp_len folds the long distances
-    into one row), else projected now (a prompt chunk longer than a segment)."""
-    table = params["r_tables"][l]                                              # (R, H*D)
-    R = table.shape[0]
+def relative_source(be: Backend, cfg: XLConfig, params: dict, K: int) -> tuple[str, Any]:
+    """Where a call with K keys gets the projected sinusoids of the distances K-1 ... 0 (the same
+    for every layer, so worked out once per call): ("rows", a slice of each layer's table, or
+    an index array when clamp_len folds the long distances into one row), or ("project", the
+    (K, C) sinusoids to multiply by W_r, for a prompt chunk longer than the tables)."""
+    R = params["r_tables"][0].shape[0] if params["r_tables"] else 0
     if K <= R:
-        r = table[R - K:]
-    elif 0 < cfg.clamp_len < R:
-        r = table[be.asarray(R - 1 - np.minimum(np.arange(K - 1, -1, -1), cfg.clamp_len))]
-    else:
-        pos = be.asarray(sinusoids(cfg, params["inv_freq"], K), be.dtype)
-        r = ops.linear(be.xp, pos, w_r)
+        return "rows", slice(R - K, R)
+    if 0 < cfg.clamp_len < R:
+        return "rows", be.asarray(R - 1 - np.minimum(np.arange(K - 1, -1, -1), cfg.clamp_len))
+    return "project", be.asarray(sinusoids(cfg, params["inv_freq"], K), be.dtype)
+
+
+def relative_keys(be: Backend, cfg: XLConfig, params: dict, l: int, w_r: Any, K: int,
+                  source: tuple[str, Any] | None = None) -> Any:
+    """Layer l's projected sinusoids of the distances K-1 ... 0 as (H, D, K), from its table or
+    projected now, per `relative_source` (computed here when not given)."""
+    how, what = source or relative_source(be, cfg, params, K)
+    r = params["r_tables"][l][what] if how == "rows" else ops.linear(be.xp, what, w_r)
     return r.reshape(K, cfg.n_head, cfg.d_head).transpose(1, 2, 0)
 
 
@@ -563,6 +569,7 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
     mask = be.asarray(blocked) if blocked.any() else None
     scale = 1.0 / math.sqrt(D)
     ws = be.arena.alloc_many(layer_specs(cfg, B, T, K, be.dtype))
+    r_source = relative_source(be, cfg, params, K)
     for l, p in enumerate(params["layers"]):
         # projections of the T new positions only; the memory's come from its cache
         inp = (ops.layer_norm(xp, x, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
@@ -574,7 +581,7 @@ def forward_hidden(be: Backend, cfg: XLConfig, params: dict, ids: np.ndarray,
         q = qkv[:, :, 0].transpose(0, 2, 1, 3)                                 # (B, H, T, D)
         k = kv[:, :, 0].transpose(0, 2, 1, 3)                                  # (B, H, K, D)
         v = kv[:, :, 1].transpose(0, 2, 1, 3)
-        r = relative_keys(be, cfg, params, l, p["w_r"], K)                      # (H, D, K)
+        r = relative_keys(be, cfg, params, l, p["w_r"], K, r_source)            # (H, D, K)
         scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
                            out=ws["scores"])                                   # AC (B, H, T, K)
         bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws["bd"])         # (B, H, T, K)
