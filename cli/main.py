@@ -147,25 +147,20 @@ def generate(model, revision, device, dtype, workspace, memory_limit, offline, p
               help="New tokens for the memory estimate (T5).")
 def info(model, revision, device, dtype, workspace, memory_limit, offline, batch, src_len, max_new_tokens) -> None:
     """Architecture, parameters, files and memory needed by a model."""
-    from minfer.memory import format_bytes
+    from minfer.arena import format_bytes
     m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     params = m.parameter_count()
-    if m.family == "t5":
-        plan = m.plan(batch, src_len, max_new_tokens)
-        need = (f"workspace for batch {batch} x {src_len} -> {max_new_tokens} new",
-                f"{format_bytes(plan['peak'])} (decode state {format_bytes(plan['decode_state'])}, "
-                f"encoder scratch {format_bytes(plan['encoder_scratch'])})")
-    else:
-        plan = m.plan(batch, src_len)
-        need = (f"workspace for batch {batch}, segment {src_len}",
-                f"{format_bytes(plan['peak'])} (memory {format_bytes(plan['memory'])}, "
-                f"segment scratch {format_bytes(plan['segment_scratch'])})")
+    plan = m.plan(batch, src_len, max_new_tokens)
+    shape = (f"batch {batch} x {src_len} -> {max_new_tokens} new" if m.is_encoder_decoder
+             else f"batch {batch}, segment {src_len}")
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.items()
+                      if k != "peak")
+    need = (f"workspace for {shape}", f"{format_bytes(plan['peak'])} ({parts})")
     files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
     lines = [("model", m.folder), *m.describe(),
              ("parameters", f"{params:,}"),
-             ("device / dtype", f"{m.backend.device} / {m.backend.weight_dtype_name}"),
-             *(m.weight_plan.summary() if getattr(m, "weight_plan", None) is not None else
-               [("weights in memory", format_bytes(params * m.backend.dtype.itemsize))]),
+             ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
+             *m.weight_plan.summary(),
              need,
              ("arena capacity", format_bytes(m.backend.arena.capacity)),
              ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
@@ -224,7 +219,7 @@ def score(model, revision, device, dtype, workspace, memory_limit, offline, file
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""
     from minfer.convert import convert as run_convert
-    from minfer.memory import format_bytes
+    from minfer.arena import format_bytes
     summary = run_convert(model, output, dtype)
     click.echo(f"wrote {summary['tensors']} tensors ({format_bytes(summary['bytes'])}) to "
                f"{summary['output']}/model.safetensors; copied {', '.join(summary['copied']) or 'nothing'}")

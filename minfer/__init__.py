@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .backend import make_backend
-from .checkpoint import Checkpoint, read_json
 from . import errors
+from .devices import make_backend
 from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
                      ModelNotFoundError, StreamingError, TokenizerError)
+from .io.checkpoint import Checkpoint, read_json
+from .models.registry import family_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
 
@@ -37,13 +38,13 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         shards, or a pytorch_model.bin read without executing pickle code).
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when CuPy finds a device).
     dtype: "float32" (CPU default; bf16/fp16 checkpoints are widened), "float16" (CUDA default),
-        or "int8": weight-only int8 linear layers with per-column scales (the default for a
-        checkpoint that `minfer convert --dtype int8` wrote).
+        or "int8": weight-only int8 linear layers with one scale per output channel (the default
+        for a checkpoint that `minfer convert --dtype int8` wrote).
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory). With memory_limit: the part of the
         limit reserved for runs.
     memory_limit: the whole budget, weights included, e.g. "2GiB". Layers that do not fit stay
-        out of memory and are streamed in as they are needed (see streaming.py); a limit too
+        out of memory and are streamed in as they are needed (see params/runtime.py); a limit too
         small even for streaming is refused up front with the minimum that would work.
     revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
     """
@@ -54,16 +55,9 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     from .tokenizer import load_tokenizer
     folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
     ckpt = Checkpoint(folder)
-    model_type = ckpt.config.get("model_type", "t5")
-    families = {"t5": "t5", "mt5": "t5", "transfo-xl": "transfo_xl"}
-    if model_type not in families:
-        raise ConfigError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported "
-                          f"(supported: {', '.join(families)})")
-    import importlib
-    family = importlib.import_module(f".models.{families[model_type]}", __name__)
+    family = family_of(ckpt.config, str(folder / "config.json"))
     if dtype is None and ckpt.quantized_names():
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
     tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
-    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer,
-                       **({"recorder": recorder} if recorder is not None else {}))
+    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)

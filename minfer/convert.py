@@ -1,11 +1,12 @@
 """`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, to another
 float dtype, or with int8 layer matrices), copying config, generation config and tokenizer files
-alongside. An int8 file stores each quantised matrix `W` as I8 (out, in) beside `W_scale` (F32,
-one scale per output row); `Checkpoint.read` dequantises it, so every loader reads it. For T5 the
-RMS norm weights are folded into the matrices they feed before quantising (and stored as ones),
-as the loader would fold them.
+alongside. An int8 file stores each matrix that feeds a linear slot (the family's weight table
+says which) as I8 (out, in) beside `W_scale` (F32, one scale per output channel, i.e. per row
+here); `Checkpoint.read` dequantises it, so every loader reads it. RMS norm weights that the table
+folds into a slot are folded before quantising (and stored as ones), as the loader would fold
+them, so loading re-quantises to exactly the stored int8 instead of rounding a second time.
 
-Reading goes through `checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
+Reading goes through `io.checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
 code); writing uses the `safetensors` package. Tensors are converted one at a time, but the
 writer needs them all in memory at once: fine for the checkpoints this targets.
 """
@@ -18,40 +19,20 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import SCALE_NAME_SUFFIX, Checkpoint
 from .errors import ConfigError
+from .io.checkpoint import Checkpoint
+from .models.registry import family_of
+from .params.formats import SCALE_SUFFIX, quantize_int8
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "spiece.model", "vocab.json", "vocab.txt")
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.float32}
 
 
-def is_layer_matrix(name: str, shape: tuple[int, ...]) -> bool:
-    """The weights `--dtype int8` quantises: 2-D matrices inside the layer stacks (T5's
-    `*.block.N.*`, Transformer-XL's `*.layers.N.*`). Embeddings, output heads and position
-    biases stay float: they are looked up or shared, and small next to the layers (T5's bias
-    table sits inside block 0, hence the explicit exclusion)."""
-    return (len(shape) == 2 and name.endswith(".weight") and (".block." in name or ".layers." in name)
-            and "relative_attention_bias" not in name)
-
-
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """HF (out, in) float -> int8 (out, in) and float32 per-row scales (out,): one scale per
-    output channel, symmetric absmax / 127, round to nearest."""
-    from .streaming import quantize_int8
+    """HF (out, in) float -> int8 (out, in) and float32 scales (out,), one per output channel."""
     q, scale = quantize_int8(np.ascontiguousarray(w.T))
     return np.ascontiguousarray(q.T), scale
-
-
-def t5_norm_folds(ckpt: Checkpoint) -> dict[str, str]:
-    """For a T5 checkpoint: every layer matrix fed by an RMS norm -> that norm's weight. An int8
-    file stores the matrices with the norms folded in (and the norms as ones): the model is the
-    same function, and loading it re-quantises exactly the stored int8 instead of rounding a
-    second time after its own folding. Transformer-XL folds nothing."""
-    if ckpt.config.get("model_type", "t5") not in ("t5", "mt5"):
-        return {}
-    from .models.t5 import T5Config, all_folded_norms
-    return all_folded_norms(T5Config.from_hf(ckpt.config, str(ckpt.folder / "config.json")))
 
 
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
@@ -66,15 +47,19 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"convert: output folder {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    folds = t5_norm_folds(ckpt) if dtype == "int8" else {}
-    folded_norm_names = set(folds.values())
+    linear = {}  # tensor feeding a linear slot -> the norm folded into it (or None)
+    if dtype == "int8":
+        family = family_of(ckpt.config, str(ckpt.folder / "config.json"))
+        config = family.config_class.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        linear = family.weight_table(config).linear_sources()
+    folded_norm_names = {norm for norm in linear.values() if norm is not None}
     tensors = {}
     for name in ckpt.names():
         w = ckpt.read(name, _DTYPES[dtype])
-        if name in folds:
-            w = w * ckpt.read(folds[name], np.float32)[None, :]  # (out, in) * g over `in`
-        if dtype == "int8" and is_layer_matrix(name, w.shape):
-            tensors[name], tensors[name + SCALE_NAME_SUFFIX] = quantize_rows(w)
+        if name in linear:
+            if linear[name] is not None:  # (out, in) * g over `in`
+                w = w * ckpt.read(linear[name], np.float32)[None, :]
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_rows(w)
         elif name in folded_norm_names:
             tensors[name] = np.ones_like(w)  # folded into the matrices it feeds
         else:

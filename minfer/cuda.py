@@ -27,7 +27,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import ConfigError
-from .memory import Arena, align_up, format_bytes
+from .arena import Arena, align_up, format_bytes
 
 DEVICE_HEADROOM = 0.9  # without a limit, take this share of the free device memory
 
@@ -105,7 +105,7 @@ class CudaBackend(Backend):
         return CudaTransfers()
 
 
-def make_cuda_backend(index: int, compute: np.dtype, quantize: bool, limit: int | None,
+def make_cuda_backend(index: int, compute: np.dtype, weight_format: str, limit: int | None,
                       reserve: int | None) -> CudaBackend:
     count = device_count()
     if count == 0:
@@ -124,4 +124,4 @@ def make_cuda_backend(index: int, compute: np.dtype, quantize: bool, limit: int 
     cupy.cuda.Device(index).use()
     # On the GPU the arena is always the budget: weights, slots and workspace all live in it.
     return CudaBackend(xp=cupy, device=f"cuda:{index}", arena=CudaArena(capacity, index),
-                       dtype=compute, quantize=quantize, memory_limit=capacity, workspace=reserve)
+                       dtype=compute, weight_format=weight_format, memory_limit=capacity, workspace=reserve)

@@ -1,7 +1,7 @@
 """Model name -> local folder: a folder as given, or a Hugging Face Hub repo fetched into its cache.
 
 `resolve_model("t5-small")` returns a folder in the Hugging Face layout (config.json, safetensors
-weights, tokenizer files) that `checkpoint.Checkpoint` and `tokenizer` read. Downloading and caching
+weights, tokenizer files) that `io.checkpoint.Checkpoint` and `tokenizer` read. Downloading and caching
 are left to `huggingface_hub.snapshot_download`, so the cache is the one every HF library shares
 (https://huggingface.co/docs/hub/local-cache: `<cache>/models--ORG--NAME/{blobs,refs,snapshots}`)
 and HF's own settings stay in force: HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE,
@@ -9,7 +9,7 @@ HF_HUB_DISABLE_PROGRESS_BARS. This module adds what minfer needs on top: legacy 
 default revision where a repo keeps its safetensors weights off `main`, fetching only the files we
 read, and one-line errors instead of the hub's multi-line tracebacks.
 
-No math and no parsing happens here: the folder's contents are validated by checkpoint.py.
+No math and no parsing happens here: the folder's contents are validated by io/checkpoint.py.
 """
 
 from __future__ import annotations

@@ -14,32 +14,9 @@ import math
 from typing import Any, Callable
 
 from .errors import ConfigError
+from .params.formats import PackedWeight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-class Int8Weight:
-    """A weight-only int8 matrix (in, out) with float32 scales per output column, multiplied in
-    column blocks: each block is widened into a small float scratch that stays in cache and fed
-    to BLAS, and the product is scaled by column afterwards. Only int8 bytes come from memory,
-    and no float copy of the whole matrix is ever written."""
-
-    def __init__(self, q: Any, scale: Any, scratch: Any):
-        self.q, self.scale, self.scratch = q, scale, scratch  # scratch: flat float buffer
-        self.shape, self.dtype = q.shape, scratch.dtype
-        K = q.shape[0]
-        self.block = max(1, min(q.shape[1], scratch.size // max(K, 1)))
-
-    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        """x (M, K) @ self -> out (M, N)."""
-        K, N = self.shape
-        for j in range(0, N, self.block):
-            e = min(N, j + self.block)
-            w = self.scratch[:K * (e - j)].reshape(K, e - j)
-            w[...] = self.q[:, j:e]                       # widen int8 -> float (cached block)
-            xp.matmul(x, w, out=out[:, j:e])
-        out *= self.scale
-        return out
 
 
 def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
@@ -47,14 +24,14 @@ def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
 
     Why: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading all of w,
     so a batch of 16 decoding rows would stream every weight matrix 16 times per step. `w` may be
-    an `Int8Weight`."""
+    a `PackedWeight` (e.g. int8), which multiplies itself."""
     if out is None:
         out = xp.empty((*x.shape[:-1], w.shape[1]), dtype=x.dtype)
     if not out.flags.c_contiguous:
         out[...] = linear(xp, x, w)
         return out
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
-    if isinstance(w, Int8Weight):
+    if isinstance(w, PackedWeight):
         w.matmul(xp, x2, o2)
     else:
         xp.matmul(x2, w, out=o2)

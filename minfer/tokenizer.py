@@ -8,7 +8,7 @@
    `</s>` appended, and `extra_ids` sentinels `<extra_id_N>` (not in the SentencePiece model) given
    the ids `sp_vocab + extra_ids - 1 - N`, so `<extra_id_0>` is the last id (32099 for T5);
 3. Transformer-XL's word-level WikiText-103 vocabulary (`WordTokenizer`): `vocab.pkl` or
-   `vocab.bin` (pickles, read by `legacy.load_pickled_vocab`'s restricted unpickler), else
+   `vocab.bin` (pickles, read by `io.torch_pickle.load_pickled_vocab`'s restricted unpickler), else
    `vocab.json`, else `vocab.txt`. Its rules are in the `WordTokenizer` docstring.
 
 For T5, both sources give the same ids for the same text (checked on T5's vocabulary: the tests compare
@@ -456,7 +456,7 @@ class WordTokenizer(Tokenizer):
 def _read_word_vocab(path: Path) -> tuple[list[str], dict[str, Any]]:
     """The symbols (index = id) of a word vocabulary file, and the pickle's other entries."""
     if path.suffix in (".pkl", ".bin"):
-        from .legacy import load_pickled_vocab
+        from .io.torch_pickle import load_pickled_vocab
         data = load_pickled_vocab(path)
         return _symbols_of(path, data.get("idx2sym"), data.get("sym2idx")), data
     if path.suffix == ".json":

@@ -6,11 +6,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 T5_FIXTURES = ROOT / "weights" / "t5"
 T5_CASES = sorted(p.name for p in T5_FIXTURES.glob("*") if (p / "reference.npz").is_file())
+XL_FIXTURES = ROOT / "weights" / "transfo_xl"
+XL_CASES = sorted(p.name for p in XL_FIXTURES.glob("*") if (p / "reference.npz").is_file())
+needs_xl_fixtures = pytest.mark.skipif(not XL_CASES, reason="no Transformer-XL fixtures")
 
 
-def load_reference(case: str) -> dict[str, np.ndarray]:
-    with np.load(T5_FIXTURES / case / "reference.npz", allow_pickle=False) as z:
+def load_reference(case: str, fixtures: Path = T5_FIXTURES) -> dict[str, np.ndarray]:
+    with np.load(fixtures / case / "reference.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
+
+
+def load_xl_reference(case: str) -> dict[str, np.ndarray]:
+    return load_reference(case, XL_FIXTURES)
 
 
 def rel_err(got, want) -> float:
@@ -49,6 +56,7 @@ def make_text_model_folder(folder, seed=5, **overrides):
     """A random T5 over the committed tiny vocabulary (600 ids) with its tokenizer files, plus
     task_specific_params like t5-small's."""
     import shutil
+
     from t5_factory import write_t5
     params = {"translation_en_to_de": {"prefix": "translate English to German: ", "num_beams": 2,
                                        "max_length": 9, "early_stopping": True},

@@ -4,7 +4,8 @@ import json
 import numpy as np
 from safetensors.numpy import save_file
 
-from minfer.models.t5 import T5Config, expected_shapes
+from minfer.models.t5 import T5Config
+from minfer.models.t5.spec import weight_table
 
 BASE = dict(model_type="t5", vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32,
             num_layers=2, num_decoder_layers=2, relative_attention_num_buckets=8,
@@ -20,7 +21,7 @@ def write_t5(folder, seed=0, extra_tensors=None, drop=(), **overrides):
     rng = np.random.default_rng(seed)
     cfg = T5Config.from_hf(config)
     tensors = {}
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in weight_table(cfg).tensors.items():
         if name in drop:
             continue
         scale = 1.0 if name.endswith("layer_norm.weight") else shape[-1] ** -0.5

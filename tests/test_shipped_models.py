@@ -151,7 +151,7 @@ def test_xl_generate_answers_through_ids_and_text(xl, xl_heldout):
 
 def test_xl_recall_holds_with_int8_layers(xl, xl_heldout):
     """int8 layers predict the same keys (streaming XL layers is tested on a 3-layer fixture in
-    test_streaming.py: with 2 layers, two slots cost as much as keeping both)."""
+    test_params_runtime.py: with 2 layers, two slots cost as much as keeping both)."""
     q = minfer.load(XL_DIR, dtype="int8")
-    assert q.backend.quantize
+    assert q.backend.weight_format == "int8"
     assert recall(q, xl_heldout[:64], reset=False) == recall(xl, xl_heldout[:64], reset=False)

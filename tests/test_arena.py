@@ -1,8 +1,9 @@
+"""The explicit allocator (arena.py): aligned typed blocks, scopes, holds, budgets, typed buffer sets."""
 import numpy as np
 import pytest
 
+from minfer.arena import ALIGNMENT, Arena, align_up, bytes_needed, parse_bytes
 from minfer.errors import ArenaExhausted, ConfigError
-from minfer.memory import ALIGNMENT, Arena, align_up, bytes_needed, parse_bytes
 
 
 def address(a):

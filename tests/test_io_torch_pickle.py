@@ -11,7 +11,6 @@ import io
 import os
 import pickle
 import struct
-import subprocess
 import sys
 import zipfile
 from collections import Counter, OrderedDict
@@ -20,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minfer.checkpoint import Checkpoint, check_names
 from minfer.errors import CheckpointError, TokenizerError
-from minfer.legacy import TORCH_MAGIC, TorchFile, load_pickled_vocab, load_torch_state_dict
+from minfer.io.checkpoint import Checkpoint
+from minfer.io.torch_pickle import TORCH_MAGIC, TorchFile, load_pickled_vocab, load_torch_state_dict
 
 
 # -- a tiny pickle writer ---------------------------------------------------------------------
@@ -555,23 +554,10 @@ def test_checkpoint_reads_pytorch_model_bin(tmp_path):
     with pytest.raises(CheckpointError, match="tensor 'nope' is missing"):
         ck.read("nope")
     assert ck.stored_dtypes() == {"F32", "BF16", "I64", "F16"}
-    check_names(ck, EXPECTED)
 
 
-def test_checkpoint_prefers_safetensors(tmp_path):
-    from safetensors.numpy import save_file
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
-    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
-    assert Checkpoint(tmp_path).names() == ["w"]
 
 
-def test_other_legacy_names_still_get_the_hint(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "model.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="found model.pt: only safetensors and "
-                                              "pytorch_model.bin are read"):
-        Checkpoint(tmp_path)
 
 
 # -- real files, when torch is importable ---------------------------------------------------------

@@ -1,3 +1,4 @@
+"""One safetensors file (io/safetensors.py, io/tensors.py): header validation, dtypes, bounded reads."""
 import json
 import struct
 
@@ -5,8 +6,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from minfer.checkpoint import Checkpoint, SafetensorsFile, bf16_to_float32
 from minfer.errors import CheckpointError
+from minfer.io.checkpoint import Checkpoint
+from minfer.io.safetensors import SafetensorsFile
+from minfer.io.tensors import bf16_to_float32
 
 
 def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None):
@@ -87,49 +90,6 @@ def test_malformed_files_fail_with_file_and_tensor_named(tmp_path, case, header,
     assert needle in msg and str(path) in msg
     if header and len(header) == 1 and case not in ("huge header", "header past end"):
         assert f"'{next(iter(header))}'" in msg
-
-
-def test_sharded_index(tmp_path):
-    folder_with(tmp_path)
-    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
-    save_file({"b": np.ones(3, np.float32)}, str(tmp_path / "s2.safetensors"))
-    index = {"metadata": {}, "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    ckpt = Checkpoint(tmp_path)
-    assert sorted(ckpt.names()) == ["a", "b"]
-    np.testing.assert_array_equal(ckpt.read("b"), np.ones(3))
-
-
-@pytest.mark.parametrize("weight_map,needle", [
-    ({"a": "../escape.safetensors"}, "not a file name inside"),
-    ({"a": "missing.safetensors"}, "missing.safetensors is missing"),
-    ({"a": "s1.safetensors", "zzz": "s1.safetensors"}, "'zzz' is not in its shard"),
-    ({}, "weight_map"),
-])
-def test_bad_index_is_named(tmp_path, weight_map, needle):
-    folder_with(tmp_path)
-    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(CheckpointError, match=needle):
-        Checkpoint(tmp_path)
-
-
-def test_missing_pieces_are_named(tmp_path):
-    with pytest.raises(CheckpointError, match="config.json: file is missing"):
-        Checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
-        Checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")   # read by legacy.py when no safetensors
-    with pytest.raises(CheckpointError, match="pytorch_model.bin: empty file"):
-        Checkpoint(tmp_path)
-
-
-def test_integer_tensor_is_not_a_weight(tmp_path):
-    folder_with(tmp_path, {"i": np.arange(3, dtype=np.int64)})
-    with pytest.raises(CheckpointError, match="integer dtype I64"):
-        Checkpoint(tmp_path).read("i")
 
 
 @pytest.mark.parametrize("mapped", [False, True])

@@ -1,24 +1,19 @@
-"""Transformer-XL: parity with HF references (weights/transfo_xl), rel_shift, memory semantics,
-scoring, generation and sessions."""
+"""Transformer-XL (models/transfo_xl/model.py) against Hugging Face transformers: three segments
+with memory, greedy continuation, scoring, sessions; the committed references in
+weights/transfo_xl (weights/make_transfo_xl_fixtures.py) and the live oracle where installed."""
 import importlib.util
-import shutil
 
 import numpy as np
 import pytest
+from conftest import ROOT, XL_CASES, XL_FIXTURES, needs_xl_fixtures, rel_err
+from conftest import load_xl_reference as reference
 
 import minfer
-from conftest import ROOT, rel_err
-from minfer.errors import CheckpointError, InputError
-from minfer.models import transfo_xl as xl
+from minfer.errors import InputError
+from minfer.models.transfo_xl import math as xl_math
+from minfer.models.transfo_xl import spec as xl_spec
 
-XL_FIXTURES = ROOT / "weights" / "transfo_xl"
-XL_CASES = sorted(p.name for p in XL_FIXTURES.glob("*") if (p / "reference.npz").is_file())
 TOL = 1e-4
-
-
-def reference(case):
-    with np.load(XL_FIXTURES / case / "reference.npz", allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
 
 
 @pytest.fixture(scope="module")
@@ -32,42 +27,12 @@ def xl_models():
     return get
 
 
-# -- rel_shift ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("T,M", [(1, 0), (4, 0), (4, 3), (5, 9), (7, 2)])
-def test_rel_shift_equals_the_naive_loop(T, M):
-    K = M + T
-    x = np.random.default_rng(T * 10 + M).standard_normal((2, 3, T, K)).astype(np.float32)
-    got = xl.rel_shift(np, x)
-    for i in range(T):
-        for j in range(K):
-            if j <= i + M:  # every key the query may see
-                assert got[..., i, j].tolist() == x[..., i, j + T - 1 - i].tolist()
-
-
-def test_attention_mask_same_length():
-    cfg = xl.XLConfig.from_hf({"model_type": "transfo-xl", "vocab_size": 10, "cutoffs": [],
-                               "div_val": 1, "d_model": 4, "n_head": 1, "d_head": 4,
-                               "d_inner": 4, "n_layer": 1, "mem_len": 3, "same_length": True})
-    m = xl.attention_mask(cfg, qlen=3, mlen=3)  # (3, 6)
-    # query i sits at key position 3+i; with same_length every query sees the same number
-    # (mem_len) of keys ending at itself: i+1 .. i+3
-    assert m.tolist() == [[True, False, False, False, True, True],
-                          [True, True, False, False, False, True],
-                          [True, True, True, False, False, False]]
-    plain = xl.attention_mask(cfg.__class__(**{**cfg.__dict__, "same_length": False}), 3, 3)
-    assert not plain[:, :4].any() and plain[0, 4:].all()
-
-
-# -- parity with HF --------------------------------------------------------------------------------------
-pytestmark_parity = pytest.mark.skipif(not XL_CASES, reason="no Transformer-XL fixtures")
-
-
-@pytestmark_parity
+@needs_xl_fixtures
 def test_fixture_set_covers_the_required_cases():
     assert {"adaptive_div4", "plain_softmax", "adaptive_div1_proj"} <= set(XL_CASES)
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_three_segments_with_memory_match(case, xl_models):
     ref = reference(case)
@@ -84,7 +49,7 @@ def test_three_segments_with_memory_match(case, xl_models):
     memory.release()
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_memory_matters_and_reset_forgets(case, xl_models):
     ref = reference(case)
@@ -96,23 +61,23 @@ def test_memory_matters_and_reset_forgets(case, xl_models):
     assert rel_err(alone, ref["log_probs_2"]) > 1e-3  # memory changed segment 3's output
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_relative_key_table_equals_projecting_the_sinusoids(case, xl_models):
     # the per-layer table (a view, or a gather past clamp_len) must give what projecting the
     # distances' sinusoids at call time gives (the path a prompt longer than the table takes)
     model = xl_models(case)
     be, cfg, params = model.backend, model.config, model.params
-    no_table = {**params, "r_tables": [t[:0] for t in params["r_tables"]]}
+    no_table = {**params, **{f"r_table.{l}": params[f"r_table.{l}"][:0] for l in range(cfg.n_layer)}}
     for l, p in enumerate(params["layers"]):
-        for K in (1, cfg.mem_len + 1, xl.r_table_rows(cfg), cfg.mem_len + cfg.tgt_len + 7):
-            got = xl.relative_keys(be, cfg, params, l, p["w_r"], K)
-            want = xl.relative_keys(be, cfg, no_table, l, p["w_r"], K)
+        for K in (1, cfg.mem_len + 1, xl_spec.r_table_rows(cfg), cfg.mem_len + cfg.tgt_len + 7):
+            got = xl_math.relative_keys(be, cfg, params, l, p["w_r"], K)
+            want = xl_math.relative_keys(be, cfg, no_table, l, p["w_r"], K)
             assert got.shape == (cfg.n_head, cfg.d_head, K)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_reordered_memory_rows_continue_their_own_history(case, xl_models):
     # beams and trimmed batches reorder the memory: its states and the cached keys/values of
@@ -133,7 +98,7 @@ def test_reordered_memory_rows_continue_their_own_history(case, xl_models):
         assert rel_err(together[row:row + 1], alone) < TOL, f"row {row}"
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_greedy_continuation_matches(case, xl_models):
     ref = reference(case)
@@ -142,7 +107,7 @@ def test_greedy_continuation_matches(case, xl_models):
     assert got == ref["greedy_ids"].tolist()
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 @pytest.mark.parametrize("case", XL_CASES)
 def test_score_equals_summed_reference_log_probs(case, xl_models):
     ref = reference(case)
@@ -158,7 +123,7 @@ def test_score_equals_summed_reference_log_probs(case, xl_models):
     assert np.isclose(out["perplexity"], np.exp(-expected / n), rtol=1e-4)
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 def test_segment_three_depends_on_segment_one(xl_models):
     """Change only segment 1: segment 3's output moves when memory is carried (it reaches back
     through segment 2's memory), and not when the memory is reset before segment 3."""
@@ -183,7 +148,7 @@ def test_segment_three_depends_on_segment_one(xl_models):
     np.testing.assert_array_equal(run(ids, True), run(other, True))
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 def test_legacy_bin_checkpoint_matches_safetensors(xl_models):
     folder = XL_FIXTURES / "adaptive_div4_bin"
     if not (folder / "pytorch_model.bin").is_file():
@@ -196,35 +161,20 @@ def test_legacy_bin_checkpoint_matches_safetensors(xl_models):
     assert rel_err(lp, ref["log_probs_0"]) < TOL
 
 
-@pytestmark_parity
-def test_convert_bin_to_safetensors(tmp_path):
-    folder = XL_FIXTURES / "adaptive_div4_bin"
-    if not (folder / "pytorch_model.bin").is_file():
-        pytest.skip("no .bin fixture")
-    from minfer.convert import convert
-    summary = convert(folder, tmp_path / "out")
-    assert (tmp_path / "out" / "model.safetensors").is_file() and summary["tensors"] > 0
-    ref = reference("adaptive_div4")
-    lp, mem = minfer.load(tmp_path / "out").forward(ref["input_ids"][:, :int(ref["segment_len"])])
-    mem.release()
-    assert rel_err(lp, ref["log_probs_0"]) < TOL
-
-
-# -- memory object, sessions, arena ----------------------------------------------------------------------
-@pytestmark_parity
+@needs_xl_fixtures
 def test_memory_lives_in_the_arena_and_goes_back(xl_models):
     model = xl_models("adaptive_div4")
     arena = model.backend.arena
     before = arena.used
     lp, mem = model.forward([[1, 2, 3, 4]])
-    assert arena.used >= before + mem.states.nbytes
+    assert arena.used >= before + mem.buffers.states.nbytes + mem.buffers.kv.nbytes
     mem.release()
     assert arena.used == before
     with pytest.raises(InputError, match="released"):
         model.forward([[1, 2]], mem)
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 def test_session_continues_without_recomputation(xl_models):
     model = xl_models("adaptive_div4")
     ref = reference("adaptive_div4")
@@ -236,7 +186,7 @@ def test_session_continues_without_recomputation(xl_models):
     assert first + rest == full
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 def test_batch_rows_of_different_length_run_separately(xl_models):
     model = xl_models("adaptive_div4")
     a, b = [5, 6, 7, 8], [9, 10]
@@ -244,7 +194,7 @@ def test_batch_rows_of_different_length_run_separately(xl_models):
     assert together == [model.generate([a], max_new_tokens=4)[0], model.generate([b], max_new_tokens=4)[0]]
 
 
-@pytestmark_parity
+@needs_xl_fixtures
 def test_stream_ids_and_beam_search_run(xl_models):
     model = xl_models("plain_softmax")
     ids = list(model.generate([3, 4, 5], stream=True, max_new_tokens=6))
@@ -253,27 +203,6 @@ def test_stream_ids_and_beam_search_run(xl_models):
     assert len(beams[0][0].token_ids) == 5 and beams[0][0].score is not None
 
 
-# -- loading errors ---------------------------------------------------------------------------------------
-@pytestmark_parity
-def test_missing_and_misshaped_tensors_are_named(tmp_path):
-    from minfer.checkpoint import Checkpoint
-    from safetensors.numpy import save_file
-    src = XL_FIXTURES / "plain_softmax"
-    ckpt = Checkpoint(src)
-    tensors = {n: ckpt.read(n) for n in ckpt.names()}
-    folder = tmp_path / "m"
-    folder.mkdir()
-    shutil.copy(src / "config.json", folder)
-    name = "transformer.layers.1.pos_ff.CoreNet.3.bias"
-    save_file({k: v for k, v in tensors.items() if k != name}, str(folder / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=f"'{name}' is missing"):
-        minfer.load(folder)
-    save_file({**tensors, name: np.zeros(3, np.float32)}, str(folder / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
-        minfer.load(folder)
-
-
-# -- live oracle ------------------------------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None
                     or importlib.util.find_spec("transformers") is None,
                     reason="torch + transformers (the [dev] extra) not installed")
@@ -290,7 +219,6 @@ def test_live_oracle_agrees_with_committed_references(case):
     assert np.array_equal(live["greedy_ids"], ref["greedy_ids"])
 
 
-# -- scoring without the full vocabulary matrix ---------------------------------------------------------
 @pytest.mark.parametrize("case", XL_CASES)
 def test_target_log_probs_equal_the_full_matrix_at_the_targets(xl_models, case):
     model = xl_models(case)
@@ -302,10 +230,10 @@ def test_target_log_probs_equal_the_full_matrix_at_the_targets(xl_models, case):
                               rng.integers(0, cfg.vocab_size, 9)])
     ids = rng.integers(0, cfg.vocab_size, (1, len(targets)))
     memory = model.new_memory(1)
-    h = xl.forward_hidden(be, cfg, model.params, ids, memory).reshape(len(targets), -1)
-    full = np.asarray(xl.log_probs(be, cfg, model.params, h))
-    got = xl.target_log_probs(be, cfg, model.params, h, targets)
+    h = xl_math.forward_hidden(be, cfg, model.params, ids, memory.live(), 0).reshape(len(targets), -1)
+    full = np.asarray(xl_math.log_probs(be, cfg, model.params, h))
+    got = xl_math.target_log_probs(be, cfg, model.params, h, targets)
     want = full[np.arange(len(targets)), targets]
-    assert len(ends) - 1 == len(model.params["clusters"])
+    assert len(ends) - 1 == cfg.n_clusters
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     memory.release()

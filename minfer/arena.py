@@ -12,7 +12,8 @@ code keeps each view inside the scope that allocated it.
 
 Buffers are described declaratively as `{name: (shape, dtype)}` specs, so the same description
 drives the allocation (`alloc_many`) and the up-front plan (`bytes_needed`) without two copies of
-the shape arithmetic.
+the shape arithmetic. A `BufferSet` gives such a spec named, typed fields (llama2.c's RunState):
+the model families declare their per-request run states this way.
 """
 
 from __future__ import annotations
@@ -210,3 +211,22 @@ class Hold:
     @property
     def nbytes(self) -> int:
         return self.end - self.start
+
+
+class BufferSet:
+    """A typed set of arena buffers: subclass it as a dataclass whose fields are the buffers, and
+    declare each field's (shape, dtype) in `specs(...)`. `allocate` and `nbytes` both read that one
+    declaration, so what a plan counts is exactly what a run allocates."""
+
+    @classmethod
+    def specs(cls, *shape_args: Any) -> BufferSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def allocate(cls, arena: Arena, *shape_args: Any) -> Any:
+        """Every buffer of the set from the arena's current scope (uninitialised)."""
+        return cls(**arena.alloc_many(cls.specs(*shape_args)))
+
+    @classmethod
+    def nbytes(cls, *shape_args: Any) -> int:
+        return bytes_needed(cls.specs(*shape_args))

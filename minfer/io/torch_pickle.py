@@ -1,4 +1,4 @@
-"""Legacy PyTorch checkpoints and pickled vocabularies, read without torch and without running
+"""PyTorch pickle files (pytorch_model.bin) and pickled vocabularies, read without torch and without running
 pickle code.
 
 A pickle is a small program: its GLOBAL opcodes import any name and its REDUCE / NEWOBJ / BUILD
@@ -42,8 +42,8 @@ from typing import Any, Callable
 import _compat_pickle
 import numpy as np
 
-from .checkpoint import _STORAGE, TensorInfo, bf16_to_float32
-from .errors import CheckpointError, TokenizerError
+from ..errors import CheckpointError, TokenizerError
+from .tensors import STORAGE, TensorInfo, bf16_to_float32
 
 TORCH_MAGIC = 0x1950A86A20F9469CFC6C
 TORCH_LEGACY_PROTOCOL = 1001
@@ -98,7 +98,7 @@ class _Storage:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _STORAGE[self.code].itemsize
+        return self.numel * STORAGE[self.code].itemsize
 
     def __setstate__(self, state):
         raise pickle.UnpicklingError("a storage cannot be modified")
@@ -462,7 +462,7 @@ class TorchFile:
     """A torch.save'd state dict (pytorch_model.bin): validated tensor records, read through a
     memory map or with file I/O.
 
-    Duck-types `checkpoint.SafetensorsFile` (path, tensors, metadata, raw()), so `Checkpoint`
+    Duck-types `safetensors.SafetensorsFile` (path, tensors, metadata, raw()), so `Checkpoint`
     reads it like a safetensors file. TensorInfo.start/end give the bytes the tensor's elements
     span inside its storage (for a compressed zip member: offsets into its uncompressed data).
     """
@@ -483,7 +483,7 @@ class TorchFile:
                 raise reader.fail(f"state dict key {_quoted(repr(name), 60)} is not a string")
             if not isinstance(t, _Tensor):
                 raise reader.fail(f"entry '{_quoted(name)}' is a {type(t).__name__}, not a tensor")
-            st, itemsize = t.storage, _STORAGE[t.storage.code].itemsize
+            st, itemsize = t.storage, STORAGE[t.storage.code].itemsize
             if t.offset + t.extent > st.numel or t.offset > st.numel:
                 raise reader.fail(f"tensor '{_quoted(name)}' (size {list(t.shape)}, stride "
                                   f"{list(t.stride)}, offset {t.offset}) runs past its storage "
@@ -511,7 +511,7 @@ class TorchFile:
             raise self._fail(f"cannot read storage '{_quoted(root.key)}': {_first_line(e)}") from None
         if len(buf) != root.nbytes:
             raise self._fail(f"storage '{_quoted(root.key)}' is truncated")
-        itemsize = _STORAGE[st.code].itemsize
+        itemsize = STORAGE[st.code].itemsize
         return buf[st.start * itemsize:(st.start + st.numel) * itemsize]
 
     def raw(self, name: str, mmap: bool = True, rows: tuple[int, int] | None = None) -> np.ndarray:
@@ -520,7 +520,7 @@ class TorchFile:
         just the bytes those elements span, read with file I/O (mapped pages would count as the
         process's memory). Compressed zip members are always decompressed whole."""
         t = self._refs[name]
-        dtype = _STORAGE[t.storage.code].newbyteorder(self._order)
+        dtype = STORAGE[t.storage.code].newbyteorder(self._order)
         shape, offset = t.shape, t.offset
         if rows is not None:
             shape, offset = (rows[1] - rows[0], *shape[1:]), offset + rows[0] * t.stride[0]

@@ -1,0 +1,17 @@
+"""Decoding, model-agnostic: it drives any model implementing `protocol.DecodingModel`.
+
+- protocol.py    what a model provides (token ids, batches, a decode state per request)
+- options.py     the generation options, their checks and their precedence
+- processors.py  logits processors and the sampler (pure, vectorised)
+- search.py      greedy / sampled token loop and beam search
+- text.py        prompts in, text out, streamed; the public `generate`
+"""
+
+from .options import DEFAULT_MAX_NEW_TOKENS, GenerationOptions, resolve_options
+from .protocol import DecodeState, DecodingModel, TokenIds
+from .search import Hypothesis, beam_search, token_loop
+from .text import Result, StopMatcher, generate, run, stream, stream_tokens
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationOptions", "resolve_options", "DecodeState",
+           "DecodingModel", "TokenIds", "Hypothesis", "beam_search", "token_loop", "Result",
+           "StopMatcher", "generate", "run", "stream", "stream_tokens"]

@@ -1,0 +1,63 @@
+"""The decoding protocol between generation and the model families.
+
+Generation imports no model: it drives anything that implements `DecodingModel`, and both
+families implement it explicitly (models/base.py). A model opens a `DecodeState` per request
+(`start_decoding`, a context manager that releases the state's memory on exit); the loops call
+`step` once per position and `reorder` when rows finish or beams follow their parents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ContextManager, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """The token ids generation needs to know about."""
+    eos: tuple[int, ...]       # ids that end a sequence (Transformer-XL: none, <eos> ends a line)
+    pad: int                   # what finished beams are padded with when there is no eos
+    start: int | None = None   # the decoder start token of an encoder-decoder model
+
+
+@runtime_checkable
+class DecodeState(Protocol):
+    """One request's incremental decoding state (KV caches, segment memory, ...)."""
+
+    batch: int                 # live rows
+    first_tokens: np.ndarray   # (B,) what step 0 is fed: the decoder start token, or the prompt's
+                               # last token for a decoder-only model
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """One token per live row (b,) -> that position's scores (b, V) as float32 on the host
+        (logits, or log-probabilities for Transformer-XL); valid until the next step."""
+        ...
+
+    def reorder(self, rows: np.ndarray, cross: bool = True) -> None:
+        """Keep / repeat live rows (finished rows leave, beams follow their parents); `cross=False`
+        when every row keeps its source (beams of one input), so cross-attention K/V stay."""
+        ...
+
+
+@runtime_checkable
+class DecodingModel(Protocol):
+    """What generation reads of a model."""
+
+    token_ids: TokenIds
+    is_encoder_decoder: bool   # results keep the start token (HF's convention); decoder-only
+                               # results are the new tokens only
+    add_eos_to_prompt: bool    # T5 prompts end with </s>; Transformer-XL prompts do not
+    tokenizer: Any             # or None: token-id input only
+    folder: str
+    hf_config: dict            # config.json (task_specific_params, generation keys)
+    generation_config: dict    # generation_config.json, or {}
+
+    def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id lists or a (B, T) array -> validated (B, T) int64 ids and mask."""
+        ...
+
+    def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                       max_len: int) -> ContextManager[DecodeState]:
+        ...

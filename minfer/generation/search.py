@@ -1,0 +1,172 @@
+"""The search loops: greedy and sampled decoding, and beam search, over any `DecodingModel`.
+
+Semantics follow Hugging Face transformers' generate() (see docs/architecture.md): rows that end
+(eos, or a stop string the caller reports) leave the batch so they cost nothing more; beam search
+is transformers 4.57's vectorised form: top 2*num_beams candidates over num_beams*V, candidates
+that end within the top num_beams are finalised with score sum_logprobs / new_len**length_penalty,
+and early_stopping True / False / "never" behave as HF defines them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from .options import GenerationOptions
+from .processors import log_softmax, process, sample, warp
+from .protocol import DecodingModel
+
+NEG = np.float32(-1e9)  # HF's "finished / impossible" score offset in beam search
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]                  # decoder ids, starting with the start token
+    score: float = 0.0
+    finish_reason: str = "length"      # "eos", "length" or "stop"
+
+
+def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
+               opts: GenerationOptions, rng: np.random.Generator | None = None,
+               stopped: set[int] | None = None, start_decoding: Any = None,
+               info: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Greedy or sampled decoding of a padded batch. Yields (rows, tokens) each step: the batch row
+    indices still running and the token each chose. Rows that emit eos, or that the consumer adds to
+    `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
+    `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
+    Closing the generator releases the decode state."""
+    eos_ids = model.token_ids.eos
+    eos = np.asarray(eos_ids, np.int64)
+    B = input_ids.shape[0]
+    rows = np.arange(B)
+    stopped = stopped if stopped is not None else set()
+    if opts.do_sample and rng is None:
+        rng = np.random.default_rng(opts.seed)
+    start = start_decoding or model.start_decoding
+    with start(input_ids, attention_mask, opts.max_new_tokens) as state:
+        seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)                # (B, 1+N)
+        seqs[:, 0] = state.first_tokens
+        if info is not None:
+            info["first"] = seqs[:, 0].copy()  # what each row started from
+        for t in range(opts.max_new_tokens):
+            logits = state.step(seqs[:, t])                                     # (b, V)
+            scores = process(logits, seqs[:, :t + 1], opts, t, eos_ids)
+            if opts.do_sample:
+                tokens = sample(warp(scores, opts), rng)
+            else:
+                tokens = np.argmax(scores, axis=1).astype(np.int64)
+            seqs[:, t + 1] = tokens
+            yield rows, tokens
+            done = (tokens[:, None] == eos).any(axis=1)  # (b,); np.isin costs ~30 us a call
+            if stopped:
+                done |= np.isin(rows, list(stopped))
+            if done.all() or t + 1 == opts.max_new_tokens:
+                return
+            if done.any():
+                keep = np.flatnonzero(~done)
+                state.reorder(keep)
+                rows, seqs = rows[keep], seqs[keep]
+
+
+def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
+                opts: GenerationOptions, rng: np.random.Generator | None = None) -> list[list[Hypothesis]]:
+    """Beam search as HF transformers (4.x, vectorised form) runs it; returns per batch row the
+    `num_return_sequences` best hypotheses, best first. With do_sample the 2*num_beams candidates
+    are drawn without replacement (Gumbel top-k) instead of taken greedily."""
+    token_ids = model.token_ids
+    B, K, N = input_ids.shape[0], opts.num_beams, opts.max_new_tokens
+    V = None
+    L = N + 1                                      # decoder length limit incl. the start token
+    eos = np.asarray(token_ids.eos, np.int64)
+    keep_n = max(2, 1 + len(eos)) * K              # candidates per row (HF: enough to refill K)
+    in_top_k = np.arange(keep_n) < K
+    lp, es = opts.length_penalty, opts.early_stopping
+    if opts.do_sample and rng is None:
+        rng = np.random.default_rng(opts.seed)
+
+    ids = np.repeat(input_ids, K, axis=0)
+    mask = np.repeat(attention_mask, K, axis=0)
+    with model.start_decoding(ids, mask, N) as state:
+        fill = token_ids.eos[0] if len(eos) else token_ids.pad   # HF pads with eos
+        running = np.full((B, K, L), fill, np.int64)
+        running[:, :, 0] = np.asarray(state.first_tokens).reshape(B, K)
+        run_scores = np.zeros((B, K), np.float32)
+        run_scores[:, 1:] = NEG
+        fin_seqs, fin_scores = running.copy(), np.full((B, K), NEG, np.float32)
+        fin_len = np.ones((B, K), np.int64)
+        fin_done = np.zeros((B, K), bool)
+        improvable = np.ones(B, bool)              # HF's "early stop heuristic unsatisfied"
+        live = np.arange(B)                        # batch rows still computed
+        for cur in range(1, L):                    # cur: decoder tokens so far
+            b = len(live)
+            logits = state.step(running[live, :, cur - 1].reshape(-1))          # (b*K, V)
+            V = logits.shape[1]
+            logp = log_softmax(logits)
+            logp = process(logp, running[live, :, :cur].reshape(b * K, cur), opts, cur - 1,
+                           token_ids.eos)
+            if opts.do_sample:
+                logp = warp(logp, opts)
+            acc = (logp.reshape(b, K, V) + run_scores[live, :, None]).reshape(b, K * V)
+            if opts.do_sample:   # sample keep_n distinct candidates ~ softmax(acc): Gumbel top-k
+                noisy = acc + rng.gumbel(size=acc.shape).astype(np.float32)
+                top = np.argsort(-noisy, axis=1, kind="stable")[:, :keep_n]
+            else:
+                part = np.argpartition(-acc, keep_n - 1, axis=1)[:, :keep_n]
+                order = np.argsort(-np.take_along_axis(acc, part, axis=1), axis=1, kind="stable")
+                top = np.take_along_axis(part, order, axis=1)          # (b, keep_n) best first
+            top_scores = np.take_along_axis(acc, top, axis=1)
+            parent, token = top // V, top % V
+            cand = np.take_along_axis(running[live], parent[:, :, None], axis=1)  # (b, keep_n, L)
+            cand[:, :, cur] = token
+            ends = np.isin(token, eos) | (cur + 1 >= L)
+
+            # running beams for the next step: the best K candidates that did not end
+            run_pick = np.argsort(-(top_scores + ends * NEG), axis=1, kind="stable")[:, :K]
+            new_running = np.take_along_axis(cand, run_pick[:, :, None], axis=1)
+            new_run_scores = np.take_along_axis(top_scores + ends * NEG, run_pick, axis=1)
+            origin = np.take_along_axis(parent, run_pick, axis=1)               # (b, K)
+
+            # finished hypotheses: merge candidates that just ended (within the top K) with the kept
+            fscores = top_scores / np.float32((cur + 1 - 1) ** lp)
+            full = fin_done[live].all(axis=1) & (es is True)
+            fscores = fscores + (full[:, None] * NEG) + ((~improvable[live])[:, None] * NEG)
+            just = ends & in_top_k[None, :]
+            fscores = fscores + (~just) * NEG
+            m_seqs = np.concatenate([fin_seqs[live], cand], axis=1)
+            m_scores = np.concatenate([fin_scores[live], fscores], axis=1)
+            m_len = np.concatenate([fin_len[live], np.full(cand.shape[:2], cur + 1)], axis=1)
+            m_done = np.concatenate([fin_done[live], just], axis=1)
+            pick = np.argsort(-m_scores, axis=1, kind="stable")[:, :K]
+            fin_seqs[live] = np.take_along_axis(m_seqs, pick[:, :, None], axis=1)
+            fin_scores[live] = np.take_along_axis(m_scores, pick, axis=1)
+            fin_len[live] = np.take_along_axis(m_len, pick, axis=1)
+            fin_done[live] = np.take_along_axis(m_done, pick, axis=1)
+
+            running[live], run_scores[live] = new_running, new_run_scores
+            cur_next = cur + 1
+            hyp_len = (L - 1) if (es == "never" and lp > 0) else (cur_next - 1)
+            best_running = run_scores[live, 0] / np.float32(hyp_len ** lp)
+            worst = np.where(fin_done[live], fin_scores[live].min(axis=1, keepdims=True), NEG)
+            improvable[live] &= (best_running[:, None] > worst).any(axis=1)
+            row_open = improvable[live] & ~(fin_done[live].all(axis=1) & (es is True)) \
+                & ~ends.all(axis=1)
+            if not row_open.any() or cur_next >= L:
+                break
+            # beams follow their parents; rows that can no longer change leave the batch
+            flat = (np.arange(b)[:, None] * K + origin)
+            keep_rows = np.flatnonzero(row_open)
+            state.reorder(flat[keep_rows].reshape(-1), cross=len(keep_rows) != b)
+            live = live[keep_rows]
+
+    results = []
+    for r in range(B):
+        hyps = []
+        for j in range(opts.num_return_sequences):
+            n = int(fin_len[r, j])
+            tokens = [int(t) for t in fin_seqs[r, j, :n]]
+            reason = "eos" if n > 1 and tokens[-1] in token_ids.eos else "length"
+            hyps.append(Hypothesis(tokens, float(fin_scores[r, j]), reason))
+        results.append(hyps)
+    return results

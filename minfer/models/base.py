@@ -1,0 +1,181 @@
+"""What every model family shares: the public façade, how it is loaded, and input batches.
+
+A family is a declaration plus math (models/<family>/spec.py and math.py). Its public class
+subclasses `Model` and supplies only what differs: the config class, the weight table, the run
+sizes, the token ids and `start_decoding`. Everything else is written here once: loading (check ->
+plan -> place, through params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the
+context manager, `batch`, `generate` and `repr`. `Model` implements generation's
+`DecodingModel` protocol explicitly, so generation never imports a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..backend import Backend
+from ..errors import InputError
+from ..generation.protocol import DecodingModel, TokenIds
+from ..io.checkpoint import Checkpoint
+from ..params.formats import weight_format
+from ..params.loader import load_params, plan_placement
+from ..params.runtime import OwnsWeights, WeightRuntime
+from ..params.spec import WeightTable
+
+
+class Model(OwnsWeights, DecodingModel):
+    """A loaded model: config, parameters placed on a backend, tokenizer, and the public API."""
+
+    family: ClassVar[str]                  # "t5", "transfo-xl"
+    model_types: ClassVar[tuple[str, ...]]  # config.json model_type values this family reads
+    config_class: ClassVar[Any]            # has from_hf(dict, source), describe(), summary()
+    is_encoder_decoder: ClassVar[bool]
+    add_eos_to_prompt: ClassVar[bool]
+
+    def __init__(self, config: Any, params: dict, backend: Backend, folder: str,
+                 hf_config: dict | None = None, generation_config: dict | None = None,
+                 tokenizer: Any = None):
+        self.config = config
+        self.params = params
+        self.backend = backend
+        self.folder = folder
+        self.hf_config = hf_config or {}                  # config.json as read (task params, ...)
+        self.generation_config = generation_config or {}  # generation_config.json, if any
+        self.tokenizer = tokenizer
+        self.token_ids: TokenIds = self.make_token_ids(config)
+
+    # -- what a family supplies -----------------------------------------------------------------------
+    @staticmethod
+    def weight_table(config: Any) -> WeightTable:
+        raise NotImplementedError
+
+    @staticmethod
+    def run_bytes(config: Any, dtype: Any, batch: int, input_len: int | None,
+                  max_new_tokens: int | None) -> dict[str, int]:
+        """Arena bytes of one run of this shape: named parts and their "peak"."""
+        raise NotImplementedError
+
+    @staticmethod
+    def make_token_ids(config: Any) -> TokenIds:
+        raise NotImplementedError
+
+    def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """A family's own conditions on a validated batch (none by default)."""
+
+    # -- loading --------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, ckpt: Checkpoint, backend: Backend, generation_config: dict | None = None,
+             tokenizer: Any = None, recorder: Any = None) -> "Model":
+        """Parse the config, plan where the weights go (all resident without a memory limit),
+        then read them layer by layer into place."""
+        config = cls.config_class.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        table = cls.weight_table(config)
+        fmt = weight_format(backend.weight_format)
+        planned = cls.run_bytes(config, backend.dtype, 1, None, None)["peak"]
+        plan = plan_placement(table, backend.dtype, fmt, backend.memory_limit,
+                              backend.workspace_reserve(planned))
+        runtime = WeightRuntime(backend, plan, recorder)
+        try:
+            params = load_params(table, ckpt, backend.dtype, fmt, runtime)
+        except BaseException:
+            runtime.close()
+            raise
+        model = cls(config, params, backend, str(ckpt.folder), ckpt.config, generation_config,
+                    tokenizer)
+        model.attach_runtime(plan, runtime)
+        return model
+
+    # -- inputs and sizes -----------------------------------------------------------------------------
+    def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """Token-id lists or a (B, T) array -> right-padded (B, T) int64 ids and mask, validated."""
+        ids, mask = as_batch(input_ids, self.token_ids.pad, self.config.vocab_size, "input_ids",
+                             attention_mask)
+        self.check_batch(ids, mask)
+        return ids, mask
+
+    def plan(self, batch: int = 1, input_len: int | None = None,
+             max_new_tokens: int | None = None) -> dict[str, int]:
+        """Arena bytes a run of this shape needs (pure: nothing is allocated): named parts and
+        their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
+        return self.run_bytes(self.config, self.backend.dtype, batch, input_len, max_new_tokens)
+
+    def parameter_count(self) -> int:
+        return self.weight_table(self.config).parameter_count()
+
+    def describe(self) -> list[tuple[str, str]]:
+        """Architecture facts for `minfer info`."""
+        return self.config.describe()
+
+    # -- generation -----------------------------------------------------------------------------------
+    def generate(self, inputs: Any, *, stream: bool = False, task: str | None = None,
+                 return_details: bool = False, attention_mask: Any = None, **options: Any) -> Any:
+        """Generate from a prompt, a list of prompts, or token ids.
+
+        inputs: str -> str; list of str -> list of str; token-id lists (or a (B, T) array) -> id
+            lists (T5: starting with the decoder start token, ending at eos, included;
+            Transformer-XL: the new ids only). With num_return_sequences n > 1 each prompt gives a
+            list of n (ids: n rows each).
+        stream: return an iterator of text pieces (token ids for id input) for one prompt.
+        task: apply the checkpoint's task_specific_params (prefix and settings), e.g.
+            "translation_en_to_de" or "summarization".
+        return_details: per prompt a list of `generation.Result` (text, ids, finish reason, time).
+        options: max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
+            repetition_penalty, no_repeat_ngram_size, num_beams, length_penalty, early_stopping,
+            num_return_sequences, stop, seed. Unset ones come from generation_config.json, then
+            config.json, then minfer's defaults (max_new_tokens 256; never a silent 20-token cap).
+        """
+        from ..generation import generate
+        return generate(self, inputs, stream_output=stream, task=task,
+                        return_details=return_details, attention_mask=attention_mask, **options)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.folder!r}, {self.config.summary()}, "
+                f"device={self.backend.device!r})")
+
+
+def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
+             attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (a list of id lists, or a (B, T) array) -> right-padded (B, T) int64 ids + mask."""
+    if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
+        ids = np.asarray(inputs)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise InputError(f"{what}: expected a non-empty (batch, length) array, "
+                             f"got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise InputError(f"{what}: expected integer token ids, got dtype {ids.dtype}")
+        ids = ids.astype(np.int64)
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask: shape {mask.shape} does not match {what} {ids.shape}")
+        mask = mask.astype(np.int64)
+    else:
+        rows = list(inputs) if isinstance(inputs, (list, tuple)) else None
+        if not rows:
+            raise InputError(f"{what}: expected a non-empty list of token-id lists")
+        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in rows):
+            rows = [rows]  # a single sequence
+        lengths = []
+        for r, row in enumerate(rows):
+            if not isinstance(row, (list, tuple, np.ndarray)) or len(row) == 0:
+                raise InputError(f"{what}: row {r} is empty or not a list of token ids")
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in row):
+                raise InputError(f"{what}: row {r} holds something other than integer token ids")
+            lengths.append(len(row))
+        ids = np.full((len(rows), max(lengths)), pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = row
+            mask[r, :len(row)] = 1
+        if attention_mask is not None:
+            raise InputError("attention_mask: pass it only with an array of token ids")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise InputError(f"{what}: token id {ids[r, c]} at row {r}, position {c} is outside the "
+                         f"vocabulary (0..{vocab_size - 1})")
+    if not mask.any(axis=1).all():
+        raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
+    return ids, mask

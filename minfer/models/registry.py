@@ -1,0 +1,24 @@
+"""model_type -> family: the one list of the model families minfer runs.
+
+`load`, `convert` and `info` reach the families only through here.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import Model
+from .t5 import T5Model
+from .transfo_xl import XLModel
+
+FAMILIES: tuple[type[Model], ...] = (T5Model, XLModel)
+MODEL_TYPES: dict[str, type[Model]] = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family_of(config: dict, source: str) -> type[Model]:
+    """The family class that reads a config.json (model_type absent: T5, as old T5 saves omit it)."""
+    model_type = config.get("model_type", "t5")
+    family = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ConfigError(f"{source}: model_type {model_type!r} is not supported "
+                          f"(supported: {', '.join(MODEL_TYPES)})")
+    return family

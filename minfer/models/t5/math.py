@@ -1,0 +1,285 @@
+"""T5's math: pure functions over the backend's array namespace `be.xp`.
+
+The numerics are Hugging Face transformers' T5 (see docs/architecture.md): pre-norm residual
+blocks with RMS "layer norm" (its weight folded into the next matrix at load), attention without
+1/sqrt(d) scaling, a learned bias per (bucketed relative distance, head) that block 0 of each
+stack owns and all its layers share, and a tied head that sees the decoder output rescaled by
+d_model**-0.5.
+
+One block function serves every pass: the encoder (bidirectional self-attention), the teacher-
+forced decoder (causal self-attention over its own T positions, then cross-attention), and the
+incremental step (self-attention over the layer's KV cache, written at position t). Scratch
+comes from the caller's typed arena buffers (spec.py), so a step allocates nothing.
+
+Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim,
+I = H*D, C d_model, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from ... import ops
+from .spec import DecodeBuffers, DecoderScratch, EncoderScratch, PassScratch, T5Config
+
+NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
+FP16_CLAMP = float(np.finfo(np.float16).max) - 1000  # HF T5's guard value
+
+
+# =====================================================================================================
+# Relative position buckets (host-side integer work, cached)
+# =====================================================================================================
+def relative_bucket(relative_position: np.ndarray, bidirectional: bool, num_buckets: int,
+                    max_distance: int) -> np.ndarray:
+    """T5's bucket of each relative position (key - query).
+
+    Distances below max_exact get their own bucket; larger ones share log-spaced buckets up to
+    max_distance. The log is taken in float32, as the reference does, so truncation at bucket
+    edges matches it exactly. Bidirectional: half the buckets for keys after the query.
+    """
+    rel = np.asarray(relative_position, dtype=np.int64)
+    bucket = np.zeros_like(rel)
+    if bidirectional:
+        num_buckets //= 2
+        bucket += (rel > 0) * num_buckets
+        n = np.abs(rel)
+    else:
+        n = np.maximum(-rel, 0)
+    max_exact = num_buckets // 2
+    scaled = (np.log(np.maximum(n, 1).astype(np.float32) / np.float32(max_exact))
+              / np.float32(math.log(max_distance / max_exact))
+              * np.float32(num_buckets - max_exact))
+    large = np.minimum(max_exact + scaled.astype(np.int64), num_buckets - 1)
+    return bucket + np.where(n < max_exact, n, large)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_matrix(q_len: int, k_len: int, bidirectional: bool, num_buckets: int,
+                   max_distance: int) -> np.ndarray:
+    rel = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]  # (T, S): key - query
+    out = relative_bucket(rel, bidirectional, num_buckets, max_distance)
+    out.setflags(write=False)
+    return out
+
+
+def position_bias(cfg: T5Config, rel_bias: np.ndarray, q_len: int, k_len: int,
+                  bidirectional: bool) -> np.ndarray:
+    """(H, T, S) bias of every (query, key) pair: rel_bias[bucket(key - query)]."""
+    buckets = _bucket_matrix(q_len, k_len, bidirectional, cfg.num_buckets, cfg.max_distance)
+    return rel_bias[buckets].transpose(2, 0, 1)  # (T, S, H) -> (H, T, S)
+
+
+def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -> np.ndarray:
+    """(H, max_len) decoder bias indexed by reversed distance: column max_len-1-n holds distance n.
+
+    Step t's row over keys 0..t is then the contiguous slice [:, max_len-1-t:], so one table of
+    O(H * max_len) serves every step of a generation.
+    """
+    distance = np.arange(max_len - 1, -1, -1)  # reversed: column j has distance max_len-1-j
+    buckets = relative_bucket(-distance, False, cfg.num_buckets, cfg.max_distance)
+    return np.ascontiguousarray(rel_bias[buckets].T)  # (H, max_len)
+
+
+def mask_bias(be: Any, attention_mask: np.ndarray) -> Any:
+    """(B, 1, 1, S) additive mask: 0 where attended, finfo(float32).min where padded."""
+    B, S = attention_mask.shape
+    return be.asarray(np.where(attention_mask.astype(bool), 0.0, NEG_INF).reshape(B, 1, 1, S),
+                      be.dtype)
+
+
+# =====================================================================================================
+# Sublayers and the block
+# =====================================================================================================
+def clamp_half(xp: Any, x: Any) -> None:
+    """float16 only (CUDA): keep the residual stream finite after each sublayer, as HF's T5 does
+    by clamping to +-(max - 1000); T5's activations outgrow float16 in deep checkpoints."""
+    if x.dtype == np.float16:
+        xp.clip(x, -FP16_CLAMP, FP16_CLAMP, out=x)
+
+
+def attend(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
+    """softmax(q k^T + bias) v into ctx. q (B,H,T,D), k/v (B,H,S,D), bias broadcast to
+    (B,H,T,S), scores a (B,H,T,S) scratch, ctx a (B,T,H,D) output. No 1/sqrt(D): T5 folds it
+    into its initialisation."""
+    xp.matmul(q, k.swapaxes(-1, -2), out=scores)   # (B, H, T, S)
+    scores += bias
+    ops.softmax_(xp, scores)
+    xp.matmul(scores, v, out=ctx.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+
+
+def self_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, bias: Any, ws: PassScratch,
+                   cache: tuple[Any, Any] | None = None, t0: int = 0) -> Any:
+    """h (B, T, C) -> ws.proj (B, T, C). Without `cache` the T positions attend to each other
+    (bias masks what they may not see); with a layer's cache (k, v each (B, H, N, D)) their
+    keys/values are written at positions t0.. and they attend to positions 0..t0+T-1."""
+    B, T, _ = h.shape
+    H, D = cfg.num_heads, cfg.d_kv
+    qkv = ops.linear(xp, h, blk["w_qkv"], out=ws.qkv).reshape(B, T, 3, H, D)
+    q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
+    if cache is not None:
+        k_cache, v_cache = cache
+        k_cache[:, :, t0:t0 + T] = k
+        v_cache[:, :, t0:t0 + T] = v
+        k, v = k_cache[:, :, :t0 + T], v_cache[:, :, :t0 + T]
+    attend(xp, q, k, v, bias, ws.scores_as(B, H, T, k.shape[2]), ws.ctx.reshape(B, T, H, D))
+    return ops.linear(xp, ws.ctx, blk["w_o"], out=ws.proj)
+
+
+def cross_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, k: Any, v: Any, bias: Any,
+                    ws: PassScratch) -> Any:
+    """h (B, T, C) attends to the encoder's precomputed k/v (B, H, S, D), no position bias;
+    -> ws.proj (B, T, C)."""
+    B, T, _ = h.shape
+    H, D = cfg.num_heads, cfg.d_kv
+    q = ops.linear(xp, h, blk["w_cross_q"], out=ws.q).reshape(B, T, H, D)
+    attend(xp, q.transpose(0, 2, 1, 3), k, v, bias, ws.scores_as(B, H, T, k.shape[2]),
+           ws.ctx.reshape(B, T, H, D))
+    return ops.linear(xp, ws.ctx, blk["w_cross_o"], out=ws.proj)
+
+
+def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> Any:
+    """h (B, T, C) -> ws.proj (B, T, C): act(h W_in) W_out, or gated (v1.1):
+    (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (C, 2F) product."""
+    hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                    # (B, T, F | 2F)
+    act = ops.activation(cfg.act)
+    if cfg.gated:
+        F = cfg.d_ff
+        gate = act(xp, hidden[..., :F])                 # the wi_0 branch is the activated one
+        gate *= hidden[..., F:]
+        return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
+    return ops.linear(xp, act(xp, hidden), blk["w_out"], out=ws.proj)
+
+
+def block(xp: Any, cfg: T5Config, blk: dict, x: Any, ws: PassScratch, self_bias: Any,
+          cache: tuple[Any, Any] | None = None, t0: int = 0,
+          cross: tuple[Any, Any, Any] | None = None) -> None:
+    """One layer over x (B, T, C), updated in place: self-attention (over the layer's KV cache
+    from position t0 when `cache` is given), cross-attention to the encoder's (k, v, mask bias)
+    when `cross` is given (decoder layers), then the feed-forward; each a pre-norm residual."""
+    h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
+    x += self_attention(xp, cfg, blk, h, self_bias, ws, cache, t0)
+    clamp_half(xp, x)
+    if cross is not None:
+        h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
+        x += cross_attention(xp, cfg, blk, h, *cross, ws)
+        clamp_half(xp, x)
+    h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
+    x += feed_forward(xp, cfg, blk, h, ws)
+    clamp_half(xp, x)
+
+
+def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, out: Any, h: Any = None) -> Any:
+    """Decoder states (..., C) -> final norm -> logits (..., V) in `out` (h: optional scratch)."""
+    h = ops.rms_norm(xp, x, params["decoder.final_ln"], cfg.eps, out=h)
+    if cfg.tie_word_embeddings:
+        h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
+    return ops.linear(xp, h, params["lm_head"], out)
+
+
+# =====================================================================================================
+# Passes
+# =====================================================================================================
+def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
+           attention_mask: np.ndarray, out: Any) -> Any:
+    """Encoder stack: (B, T) ids -> final-normed states written into `out` (B, T, C)."""
+    xp = be.xp
+    B, T = input_ids.shape
+    with be.arena.scope():
+        ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
+        ops.embed(xp, params["embedding"], be.asarray(input_ids), ws.x)     # (B, T, C)
+        # position bias (1,H,T,T) + padding mask (B,1,1,T), built once and shared by all layers
+        ws.bias[...] = be.asarray(position_bias(cfg, params["encoder.rel_bias"], T, T,
+                                                bidirectional=True))
+        ws.bias += mask_bias(be, attention_mask)
+        for blk in params["encoder"]:
+            block(xp, cfg, blk, ws.x, ws, ws.bias)
+        out[...] = ops.rms_norm(xp, ws.x, params["encoder.final_ln"], cfg.eps, out=ws.h)
+    return out
+
+
+def cross_kv(be: Any, cfg: T5Config, params: dict, encoder_states: Any, cache_k: Any,
+             cache_v: Any) -> None:
+    """Every decoder layer's cross-attention K and V from the encoder output, computed once
+    per input: encoder_states (B, S, C) -> cache_k / cache_v (L, B, H, S, D)."""
+    xp = be.xp
+    B, S, _ = encoder_states.shape
+    H, D = cfg.num_heads, cfg.d_kv
+    with be.arena.scope():
+        raw = be.arena.alloc((B, S, 2 * H * D), be.dtype, "cross K/V projection")
+        for i, unit in enumerate(params["cross"]):
+            kv = ops.linear(xp, encoder_states, unit["w_cross_kv"], out=raw).reshape(B, S, 2, H, D)
+            cache_k[i] = kv[:, :, 0].transpose(0, 2, 1, 3)  # (B, H, S, D)
+            cache_v[i] = kv[:, :, 1].transpose(0, 2, 1, 3)
+
+
+def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndarray,
+                encoder_states: Any, attention_mask: np.ndarray) -> np.ndarray:
+    """Teacher-forced decoder: (B, T) ids over encoder states (B, S, C) -> logits (B, T, V)
+    float32 on the host."""
+    xp = be.xp
+    B, T = decoder_input_ids.shape
+    S = encoder_states.shape[1]
+    with be.arena.scope():
+        ws = DecoderScratch.allocate(be.arena, cfg, B, T, S, be.dtype)
+        cross_kv(be, cfg, params, encoder_states, ws.cross_k, ws.cross_v)
+        ops.embed(xp, params["embedding"], be.asarray(decoder_input_ids), ws.x)  # (B, T, C)
+        ws.self_bias[0] = be.asarray(position_bias(cfg, params["decoder.rel_bias"], T, T,
+                                                   bidirectional=False))
+        ws.self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
+        cross_bias = mask_bias(be, attention_mask)
+        for i, blk in enumerate(params["decoder"]):
+            block(xp, cfg, blk, ws.x, ws, ws.self_bias,
+                  cross=(ws.cross_k[i], ws.cross_v[i], cross_bias))
+        logits = lm_head(xp, cfg, params, ws.x, ws.logits)
+        return np.array(be.to_host(logits), dtype=np.float32)
+
+
+def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
+                attention_mask: np.ndarray, buf: DecodeBuffers, max_len: int) -> None:
+    """Fill a fresh decode state: encode the input once, every layer's cross K/V, the causal
+    bias table and the source mask."""
+    B, S = input_ids.shape
+    buf.self_bias[...] = be.asarray(causal_bias_by_distance(cfg, params["decoder.rel_bias"],
+                                                            max_len))
+    buf.cross_bias[...] = mask_bias(be, attention_mask)
+    with be.arena.scope():
+        enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")
+        encode(be, cfg, params, input_ids, attention_mask, enc)
+        cross_kv(be, cfg, params, enc, buf.cross_k, buf.cross_v)
+
+
+def decode_step(be: Any, cfg: T5Config, params: dict, buf: DecodeBuffers, token_ids: np.ndarray,
+                t: int) -> Any:
+    """Feed one token per live row (b,) at position t -> logits (b, V), a view of buf.logits.
+    `buf` holds the live rows' views (`DecodeBuffers.rows`). The causal bias of step t over keys
+    0..t is the contiguous slice [:, N-1-t:] of the distance table: nothing is recomputed."""
+    xp = be.xp
+    b = buf.x.shape[0]
+    H, N = cfg.num_heads, buf.self_bias.shape[1]
+    ops.embed(xp, params["embedding"], be.asarray(token_ids).reshape(b, 1), buf.x)  # (b, 1, C)
+    self_bias = buf.self_bias[:, N - 1 - t:].reshape(1, H, 1, t + 1)
+    for i, blk in enumerate(params["decoder"]):
+        block(xp, cfg, blk, buf.x, buf, self_bias, cache=(buf.self_k[i], buf.self_v[i]), t0=t,
+              cross=(buf.cross_k[i], buf.cross_v[i], buf.cross_bias))
+    return lm_head(xp, cfg, params, buf.x, buf.logits, buf.h)[:, 0]        # (b, V)
+
+
+def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
+    """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
+    of the self-attention caches moves, one layer at a time (bounding the temporary)."""
+    n = len(rows)
+    with be.arena.scope():
+        idx = be.asarray(rows)
+        for cache in (buf.self_k, buf.self_v):
+            for layer in range(cache.shape[0]):
+                filled = cache[layer, :, :, :length]
+                filled[:n] = filled[idx]
+        if cross:
+            for cache in (buf.cross_k, buf.cross_v):
+                for layer in range(cache.shape[0]):
+                    cache[layer, :n] = cache[layer][idx]
+            buf.cross_bias[:n] = buf.cross_bias[idx]

@@ -1,0 +1,303 @@
+"""T5's declaration: its config, its weight table, and the arena buffers its runs keep.
+
+Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
+Transformer"; v1.1 / flan-t5 / mT5 differ only in what the config says (gated FF, untied head).
+The weight table maps Hugging Face's tensor names onto minfer's parameters: per layer, q|k|v
+fused into one (C, 3I) slot, a gated FF's wi_0|wi_1 into one (C, 2F) slot, every RMS norm weight
+folded into the slots it feeds, and each decoder layer's cross-attention k|v as a unit of its own
+("cross"): it runs once per input, not at every step, so it is planned and streamed apart.
+
+Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim
+(d_kv), I = H*D, C d_model, F d_ff, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ... import ops
+from ...arena import BufferSet, BufferSpec, bytes_needed
+from ...errors import ConfigError
+from ...params.spec import Linear, Tensor, View, WeightTable
+from ..config import ConfigReader
+
+# What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
+# to this many tokens generating up to this many.
+DEFAULT_INPUT_LEN, DEFAULT_NEW_TOKENS = 256, 128
+
+
+# =====================================================================================================
+# Config
+# =====================================================================================================
+@dataclass(frozen=True)
+class T5Config:
+    vocab_size: int
+    d_model: int
+    d_kv: int
+    d_ff: int
+    num_heads: int
+    num_layers: int
+    num_decoder_layers: int
+    num_buckets: int
+    max_distance: int
+    eps: float
+    act: str                  # activation name of the FF input projection, e.g. "relu", "gelu_new"
+    gated: bool               # gated FF (v1.1): act(x @ wi_0) * (x @ wi_1)
+    tie_word_embeddings: bool
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    decoder_start_token_id: int
+    model_type: str = "t5"
+
+    @property
+    def inner(self) -> int:
+        """Attention inner width H*D (need not equal d_model)."""
+        return self.num_heads * self.d_kv
+
+    @property
+    def ff_width(self) -> int:
+        """Width of the FF input projection: F, or 2F for a gated FF (wi_0 | wi_1 fused)."""
+        return self.d_ff * (2 if self.gated else 1)
+
+    def describe(self) -> list[tuple[str, str]]:
+        """Architecture facts for `minfer info`."""
+        return [
+            ("family", f"{self.model_type} ({'gated-' if self.gated else ''}{self.act} FF, "
+                       f"{'tied' if self.tie_word_embeddings else 'untied'} head)"),
+            ("layers", f"{self.num_layers} encoder / {self.num_decoder_layers} decoder"),
+            ("width", f"d_model {self.d_model}, {self.num_heads} heads x d_kv {self.d_kv}, "
+                      f"d_ff {self.d_ff}"),
+            ("vocab", f"{self.vocab_size}"),
+            ("position buckets", f"{self.num_buckets}, max distance {self.max_distance}"),
+        ]
+
+    def summary(self) -> str:
+        return (f"layers={self.num_layers}/{self.num_decoder_layers}, d_model={self.d_model}, "
+                f"vocab={self.vocab_size}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "T5Config":
+        get_int = ConfigReader(cfg, source).get_int
+
+        model_type = cfg.get("model_type", "t5")
+        if model_type not in ("t5", "mt5"):
+            raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model (t5, mt5)")
+        proj = cfg.get("feed_forward_proj", "relu")
+        parts = proj.split("-") if isinstance(proj, str) else []
+        if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or not parts[-1]:
+            raise ConfigError(f"{source}: feed_forward_proj {proj!r} is not 'ACT' or 'gated-ACT'")
+        act = "gelu_new" if proj == "gated-gelu" else parts[-1]
+        gated = parts[0] == "gated"
+        # HF lets explicit config keys override what feed_forward_proj implies.
+        act = cfg.get("dense_act_fn", act)
+        gated = bool(cfg.get("is_gated_act", gated))
+        ops.activation(act)  # unsupported activations fail here, naming themselves
+
+        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-6)
+        eos = cfg.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+        pad = get_int("pad_token_id", 0, minimum=0)
+        start = cfg.get("decoder_start_token_id")
+        start = pad if start is None else start
+        num_layers = get_int("num_layers", 6)
+        vocab = get_int("vocab_size", 32128)
+        for name, value in (("eos_token_id", eos_ids), ("decoder_start_token_id", (start,))):
+            if not all(isinstance(i, int) and 0 <= i < vocab for i in value):
+                raise ConfigError(f"{source}: '{name}' must be token id(s) below vocab_size {vocab}, "
+                                  f"got {value!r}")
+        num_buckets = get_int("relative_attention_num_buckets", 32, minimum=2)
+        max_distance = get_int("relative_attention_max_distance", 128, minimum=2)
+        if max_distance <= num_buckets // 2:
+            # the decoder's log(max_distance / max_exact) would be <= 0: the buckets break down
+            raise ConfigError(f"{source}: relative_attention_max_distance {max_distance} must exceed "
+                              f"num_buckets/2 = {num_buckets // 2}")
+        return cls(
+            vocab_size=vocab, d_model=get_int("d_model", 512), d_kv=get_int("d_kv", 64),
+            d_ff=get_int("d_ff", 2048), num_heads=get_int("num_heads", 8), num_layers=num_layers,
+            num_decoder_layers=get_int("num_decoder_layers", num_layers) if cfg.get(
+                "num_decoder_layers") is not None else num_layers,
+            num_buckets=num_buckets, max_distance=max_distance, eps=float(eps), act=act,
+            gated=gated, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            pad_token_id=pad, eos_token_ids=eos_ids, decoder_start_token_id=start,
+            model_type=model_type,
+        )
+
+
+# =====================================================================================================
+# Weights
+# =====================================================================================================
+def _ff_sources(prefix: str, gated: bool) -> tuple[list[str], str]:
+    """(the FF input projections, the output projection) of an HF FF sublayer."""
+    wi = ["wi_0", "wi_1"] if gated else ["wi"]
+    return [f"{prefix}.DenseReluDense.{w}.weight" for w in wi], f"{prefix}.DenseReluDense.wo.weight"
+
+
+def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
+    """Layer i of 'encoder' or 'decoder': HF tensor shapes, and minfer's units built from them
+    ({'block': ..., 'cross': ...} for the decoder)."""
+    C, I, F = cfg.d_model, cfg.inner, cfg.d_ff
+    p = f"{stack}.block.{i}.layer"
+    attn, ln0 = f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight"
+    ff = f"{p}.{2 if stack == 'decoder' else 1}"
+    wi, wo = _ff_sources(ff, cfg.gated)
+    tensors = {**{f"{attn}.{w}.weight": (I, C) for w in "qkv"}, f"{attn}.o.weight": (C, I),
+               ln0: (C,), **{w: (F, C) for w in wi}, wo: (C, F), f"{ff}.layer_norm.weight": (C,)}
+    block = {"w_qkv": Linear(tuple(f"{attn}.{w}.weight" for w in "qkv"), fold=ln0),
+             "w_o": Linear((f"{attn}.o.weight",))}
+    units = {"block": block}
+    if stack == "decoder":
+        cross, ln1 = f"{p}.1.EncDecAttention", f"{p}.1.layer_norm.weight"
+        tensors.update({**{f"{cross}.{w}.weight": (I, C) for w in "qkv"},
+                        f"{cross}.o.weight": (C, I), ln1: (C,)})
+        block.update(w_cross_q=Linear((f"{cross}.q.weight",), fold=ln1),
+                     w_cross_o=Linear((f"{cross}.o.weight",)))
+        units["cross"] = {"w_cross_kv": Linear((f"{cross}.k.weight", f"{cross}.v.weight"))}
+    block.update(w_in=Linear(tuple(wi), fold=f"{ff}.layer_norm.weight"), w_out=Linear((wo,)))
+    return {"tensors": tensors, **units}
+
+
+def weight_table(cfg: T5Config) -> WeightTable:
+    """Every tensor a T5 checkpoint holds and every parameter minfer builds from it."""
+    C, V, HB = cfg.d_model, cfg.vocab_size, (cfg.num_buckets, cfg.num_heads)
+    tensors: dict[str, tuple[int, ...]] = {"shared.weight": (V, C)}
+    stacks: dict[str, list] = {"encoder": [], "cross": [], "decoder": []}
+    for stack, depth in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
+        for i in range(depth):
+            layer = _layer(cfg, stack, i)
+            tensors.update(layer["tensors"])
+            stacks[stack].append(layer["block"])
+            if "cross" in layer:
+                stacks["cross"].append(layer["cross"])
+        tensors[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = HB
+        tensors[f"{stack}.final_layer_norm.weight"] = (C,)
+    optional = {
+        "encoder.embed_tokens.weight": (V, C),   # aliases of the shared embedding
+        "decoder.embed_tokens.weight": (V, C),
+        # old checkpoints: a cross-attention position bias HF never applies
+        "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight": HB,
+    }
+    if cfg.tie_word_embeddings:
+        optional["lm_head.weight"] = (V, C)     # a saved copy of the tied head
+        # One copy serves both uses, stored as the head wants it: (C, V) row-major. BLAS reads a
+        # row-major head 25-40% faster than the transposed (V, C) view, and the embedding lookup
+        # (a few rows per step) does not mind gathering from the transposed view.
+        head = {"lm_head": Tensor("shared.weight", transpose=True), "embedding": View("lm_head")}
+    else:
+        tensors["lm_head.weight"] = (V, C)
+        head = {"embedding": Tensor("shared.weight"),
+                "lm_head": Tensor("lm_head.weight", transpose=True)}
+    fixed = {**head}
+    for stack in ("encoder", "decoder"):
+        fixed[f"{stack}.rel_bias"] = Tensor(
+            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", host=True)
+        fixed[f"{stack}.final_ln"] = Tensor(f"{stack}.final_layer_norm.weight")
+    return WeightTable(
+        tensors=tensors, fixed=fixed, stacks=stacks, optional=optional,
+        aliases={"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")},
+        # decoder layers run at every generated token, encoder and cross layers once per input
+        priority={"decoder": 1})
+
+
+# =====================================================================================================
+# Arena buffers of a run
+# =====================================================================================================
+@dataclass
+class PassScratch(BufferSet):
+    """What one pass of T positions over B rows reuses in every layer (allocated once a pass)."""
+    x: Any        # (B, T, C) the residual stream
+    h: Any        # (B, T, C) its normalised copy
+    proj: Any     # (B, T, C) a sublayer's output
+    qkv: Any      # (B, T, 3I)
+    ctx: Any      # (B, T, I) attention context
+    ff: Any       # (B, T, F | 2F)
+    scores: Any   # (B * H * T * K,) flat: viewed per attention as (B, H, T, keys), keys <= K
+    q: Any = None  # (B, T, I) cross-attention queries (decoder passes only)
+
+    ROWS = ("x", "h", "proj", "qkv", "ctx", "ff", "q")  # per-row buffers (batch first)
+
+    @classmethod
+    def specs(cls, cfg: T5Config, B: int, T: int, K: int, dtype: Any,
+              cross: bool = False) -> BufferSpec:
+        C, I = cfg.d_model, cfg.inner
+        return {"x": ((B, T, C), dtype), "h": ((B, T, C), dtype), "proj": ((B, T, C), dtype),
+                "qkv": ((B, T, 3 * I), dtype), "ctx": ((B, T, I), dtype),
+                "ff": ((B, T, cfg.ff_width), dtype),
+                "scores": ((B * cfg.num_heads * T * K,), dtype),
+                **({"q": ((B, T, I), dtype)} if cross else {})}
+
+    def scores_as(self, *shape: int) -> Any:
+        """The scores scratch viewed as `shape` (contiguous, so products can write into it)."""
+        n = 1
+        for s in shape:
+            n *= s
+        return self.scores[:n].reshape(shape)
+
+
+@dataclass
+class EncoderScratch(PassScratch):
+    bias: Any = None     # (B, H, T, T) position bias + padding mask, shared by all layers
+
+    @classmethod
+    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+        return {**PassScratch.specs(cfg, B, T, T, dtype),
+                "bias": ((B, cfg.num_heads, T, T), dtype)}
+
+
+@dataclass
+class DecoderScratch(PassScratch):
+    """A teacher-forced pass of T decoder positions over S source positions."""
+    self_bias: Any = None  # (1, H, T, T) position bias + causal mask
+    cross_k: Any = None    # (L, B, H, S, D)
+    cross_v: Any = None
+    logits: Any = None     # (B, T, V)
+
+    @classmethod
+    def specs(cls, cfg: T5Config, B: int, T: int, S: int, dtype: Any) -> BufferSpec:
+        H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
+        return {**PassScratch.specs(cfg, B, T, max(T, S), dtype, cross=True),
+                "self_bias": ((1, H, T, T), dtype),
+                "cross_k": ((L, B, H, S, D), dtype), "cross_v": ((L, B, H, S, D), dtype),
+                "logits": ((B, T, cfg.vocab_size), dtype)}
+
+
+@dataclass
+class DecodeBuffers(PassScratch):
+    """One request's incremental decoding state, kept for its whole length: the KV caches of N
+    positions, the cross-attention K/V, the bias tables, and the one-position step scratch."""
+    self_k: Any = None      # (L, B, H, N, D)
+    self_v: Any = None
+    cross_k: Any = None     # (L, B, H, S, D)
+    cross_v: Any = None
+    cross_bias: Any = None  # (B, 1, 1, S) the source padding mask
+    self_bias: Any = None   # (H, N) the causal bias by reversed distance (see math.py)
+    logits: Any = None      # (B, 1, V)
+
+    @classmethod
+    def specs(cls, cfg: T5Config, B: int, S: int, N: int, dtype: Any) -> BufferSpec:
+        H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
+        return {"self_k": ((L, B, H, N, D), dtype), "self_v": ((L, B, H, N, D), dtype),
+                "cross_k": ((L, B, H, S, D), dtype), "cross_v": ((L, B, H, S, D), dtype),
+                "cross_bias": ((B, 1, 1, S), dtype), "self_bias": ((H, N), dtype),
+                **PassScratch.specs(cfg, B, 1, max(N, S), dtype, cross=True),
+                "logits": ((B, 1, cfg.vocab_size), dtype)}
+
+    def rows(self, b: int) -> "DecodeBuffers":
+        """Views of the first b rows (the live batch after rows finished), built once per size."""
+        live = {f: getattr(self, f)[:b] for f in (*self.ROWS, "logits", "cross_bias")}
+        live.update({f: getattr(self, f)[:, :b] for f in ("self_k", "self_v", "cross_k", "cross_v")})
+        return DecodeBuffers(**{**self.__dict__, **live})
+
+
+def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
+              max_new_tokens: int | None) -> dict[str, int]:
+    """Arena bytes of one generation: its decode state plus the larger of the encoder pass and
+    the cross K/V projection."""
+    S = input_len or DEFAULT_INPUT_LEN
+    N = max_new_tokens or DEFAULT_NEW_TOKENS
+    state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
+    encoder = (EncoderScratch.nbytes(cfg, batch, S, dtype)
+               + bytes_needed({"out": ((batch, S, cfg.d_model), dtype)}))
+    cross = bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
+    return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
+            "peak": state + max(encoder, cross)}

@@ -1,0 +1,249 @@
+"""Transformer-XL's math: pure functions over the backend's array namespace `be.xp`.
+
+The numerics are Hugging Face transformers' TransfoXL (see docs/architecture.md): an adaptive
+input embedding scaled by sqrt(d_model); per layer, attention over [memory; segment] with
+sinusoidal *relative* positions, score = (q+u).k + rel_shift((q+v).r) scaled by 1/sqrt(d);
+post-norm (or pre-norm) residual blocks; a projected adaptive log-softmax head.
+
+The reference is time-major (T, B, C); everything here is batch-first and nothing is converted at
+run time. The segment memory is passed in as its buffers (`spec.MemoryBuffers`, the live rows)
+and its filled length: a call reads each layer's memory, then appends the layer's input to it.
+
+Shapes: B batch, T segment length, M memory length, K = M + T keys, H heads, D head dim,
+C d_model, F d_inner, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ... import ops
+from .spec import LayerScratch, MemoryBuffers, XLConfig, sinusoids
+
+NEG_INF = float(np.finfo(np.float32).min)
+
+
+# =====================================================================================================
+# Pieces of the forward pass
+# =====================================================================================================
+def embed(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray) -> Any:
+    """Adaptive input embedding: (B, T) ids -> (B, T, C), scaled by sqrt(d_model)."""
+    xp = be.xp
+    B, T = ids.shape
+    if cfg.div_val == 1:
+        out = xp.take(params["emb_table.0"], be.asarray(ids), axis=0)         # (B, T, d)
+        if "emb_proj.0" in params:
+            out = out @ params["emb_proj.0"]                                   # (B, T, C)
+    else:
+        flat = ids.reshape(-1)
+        out = xp.zeros((flat.size, cfg.d_model), dtype=be.dtype)
+        ends = cfg.cluster_ends
+        for i in range(len(ends) - 1):
+            rows = np.flatnonzero((flat >= ends[i]) & (flat < ends[i + 1]))
+            if rows.size == 0:
+                continue
+            vec = xp.take(params[f"emb_table.{i}"], be.asarray(flat[rows] - ends[i]), axis=0)
+            out[be.asarray(rows)] = vec @ params[f"emb_proj.{i}"]              # (n, C)
+        out = out.reshape(B, T, cfg.d_model)
+    out *= math.sqrt(cfg.d_model)
+    return out
+
+
+def relative_source(be: Any, cfg: XLConfig, params: dict, K: int) -> tuple[str, Any]:
+    """Where a call with K keys gets the projected sinusoids of the distances K-1 ... 0 (the same
+    for every layer, so worked out once per call): ("rows", a slice of each layer's table, or
+    an index array when clamp_len folds the long distances into one row), or ("project", the
+    (K, C) sinusoids to multiply by W_r, for a prompt chunk longer than the tables)."""
+    R = params["r_table.0"].shape[0] if cfg.n_layer else 0
+    if K <= R:
+        return "rows", slice(R - K, R)
+    if 0 < cfg.clamp_len < R:
+        return "rows", be.asarray(R - 1 - np.minimum(np.arange(K - 1, -1, -1), cfg.clamp_len))
+    return "project", be.asarray(sinusoids(cfg, params["inv_freq"], K), be.dtype)
+
+
+def relative_keys(be: Any, cfg: XLConfig, params: dict, l: int, w_r: Any, K: int,
+                  source: tuple[str, Any] | None = None) -> Any:
+    """Layer l's projected sinusoids of the distances K-1 ... 0 as (H, D, K), from its table or
+    projected now, per `relative_source` (computed here when not given)."""
+    how, what = source or relative_source(be, cfg, params, K)
+    r = params[f"r_table.{l}"][what] if how == "rows" else ops.linear(be.xp, what, w_r)
+    return r.reshape(K, cfg.n_head, cfg.d_head).transpose(1, 2, 0)
+
+
+def rel_shift(xp: Any, x: Any) -> Any:
+    """Turn scores indexed by position-embedding row into scores indexed by key.
+
+    x (..., T, K): x[..., i, m] pairs query i with embedding row m (distance K-1-m). Pad one zero
+    column, view (..., K+1, T), drop the first row, view back (..., T, K): then
+    out[..., i, j] = x[..., i, j + T - 1 - i] wherever that index is in range, i.e. for every key
+    j <= i + M the query may see (the rest is masked)."""
+    *lead, T, K = x.shape
+    padded = xp.concatenate([xp.zeros((*lead, T, 1), dtype=x.dtype), x], axis=-1)  # (..., T, K+1)
+    return padded.reshape(*lead, K + 1, T)[..., 1:, :].reshape(*lead, T, K)
+
+
+def attention_mask(cfg: XLConfig, qlen: int, mlen: int) -> np.ndarray:
+    """(T, K) True where query i may NOT see key j: keys after it; with same_length also keys
+    more than `mem_len` back, so every query sees the same number of keys."""
+    klen = mlen + qlen
+    i = np.arange(qlen)[:, None]
+    j = np.arange(klen)[None, :]
+    blocked = j > i + mlen
+    if cfg.same_length:
+        mask_len = klen - cfg.mem_len
+        shift = qlen - mask_len if mask_len > 0 else qlen
+        blocked |= j <= i - shift
+    return blocked
+
+
+def cluster_logits(params: dict, i: int, h: Any) -> Any:
+    """Output cluster i's logits: (h @ proj_i) @ W_i + b_i. h (N, C) -> (N, n_i)."""
+    proj = params.get(f"cluster.{i}.proj")
+    if proj is not None:
+        h = h @ proj                                                           # (N, d_i)
+    out = h @ params[f"cluster.{i}.w"]
+    out += params[f"cluster.{i}.b"]
+    return out
+
+
+def log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any) -> Any:
+    """Projected adaptive log-softmax: hidden (N, C) -> log-probabilities (N, V) float32."""
+    xp = be.xp
+    n = cfg.n_clusters
+    ends = cfg.cluster_ends
+    head = ops.log_softmax_(xp, cluster_logits(params, 0, hidden).astype(np.float32, copy=False))
+    if n == 1:
+        return head                                                            # (N, V)
+    out = xp.empty((hidden.shape[0], cfg.vocab_size), dtype=np.float32)
+    out[:, :ends[1]] = head[:, :ends[1]]
+    for i in range(1, n):
+        tail = out[:, ends[i]:ends[i + 1]]
+        tail[...] = cluster_logits(params, i, hidden)
+        ops.log_softmax_(xp, tail)
+        tail += head[:, ends[1] + i - 1:ends[1] + i]  # + log p(cluster i)
+    return out
+
+
+def target_log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any,
+                     targets: np.ndarray) -> np.ndarray:
+    """log p(targets[n] | hidden[n]) for each row: (N, C), (N,) ids -> (N,) float64 on the host.
+
+    What scoring needs, without the (N, V) matrix: the head's log-softmax for every row, and each
+    tail cluster's logits only for the rows whose target lies in that cluster (the computation
+    HF's adaptive softmax does when given labels). Equal to gathering `log_probs` at the targets."""
+    xp = be.xp
+    ends = cfg.cluster_ends
+    targets = np.asarray(targets, np.int64)
+    head = ops.log_softmax_(xp, cluster_logits(params, 0, hidden).astype(np.float32, copy=False))
+    out = np.zeros(len(targets), np.float64)
+    rows = np.nonzero(targets < ends[1])[0]
+    out[rows] = be.to_host(head[be.asarray(rows), be.asarray(targets[rows])])
+    for i in range(1, cfg.n_clusters):
+        rows = np.nonzero((targets >= ends[i]) & (targets < ends[i + 1]))[0]
+        if len(rows) == 0:
+            continue
+        r = be.asarray(rows)
+        tail = ops.log_softmax_(xp, cluster_logits(params, i, hidden[r]).astype(np.float32,
+                                                                               copy=False))
+        picked = tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])]
+        out[rows] = be.to_host(picked + head[r, ends[1] + i - 1])
+    return out
+
+
+# =====================================================================================================
+# Segment memory
+# =====================================================================================================
+
+
+# =====================================================================================================
+# The forward pass with segment memory
+# =====================================================================================================
+def append_memory(buf: Any, new: Any, old_length: int) -> None:
+    """buf (B, cap, ...) holds `old_length` positions: append new (B, T, ...), keep the last cap."""
+    cap, T = buf.shape[1], new.shape[1]
+    if T >= cap:
+        buf[:, :cap] = new[:, T - cap:]
+        return
+    keep = min(old_length, cap - T)
+    if keep:
+        buf[:, :keep] = buf[:, old_length - keep:old_length].copy()
+    buf[:, keep:keep + T] = new
+
+
+
+
+def feed_forward(xp: Any, cfg: XLConfig, p: dict, x: Any, attn: Any, ws: LayerScratch) -> Any:
+    """The attention residual and the position-wise FF of one layer: x, attn (B, T, C) -> the
+    layer's output (B, T, C). Post-norm (the released checkpoints): LN(a + FF(a)) with
+    a = LN(x + attn); pre-norm: a + FF(LN(a)) with a = x + attn."""
+    a = x + attn
+    if not cfg.pre_lnorm:
+        a = ops.layer_norm(xp, a, p["ln_attn_w"], p["ln_attn_b"], cfg.eps)
+    h = ops.layer_norm(xp, a, p["ln_ff_w"], p["ln_ff_b"], cfg.eps) if cfg.pre_lnorm else a
+    hidden = ops.linear(xp, h, p["w1"], ws.ff)                                # (B, T, F)
+    hidden += p["b1"]
+    out = ops.linear(xp, ops.relu_(xp, hidden), p["w2"])
+    out += p["b2"]
+    out += a
+    return out if cfg.pre_lnorm else ops.layer_norm(xp, out, p["ln_ff_w"], p["ln_ff_b"], cfg.eps)
+
+
+def forward_hidden(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray, memory: MemoryBuffers,
+                   M: int) -> Any:
+    """(B, T) ids over a memory of M filled positions -> last layer output (B, T, C). Each
+    layer's input (and its keys/values) is appended to `memory` (the live rows' buffers) after
+    the layer has read it; the caller advances the filled length.
+
+    Call inside an arena scope: the layer scratch and (on CUDA, where CuPy's allocator is routed
+    to the arena within scopes) every temporary, the result included, live until it closes."""
+    xp = be.xp
+    B, T = ids.shape
+    K = M + T
+    H, D = cfg.n_head, cfg.d_head
+    x = embed(be, cfg, params, ids)                                            # (B, T, C)
+    blocked = attention_mask(cfg, T, M)                                        # (T, K)
+    mask = be.asarray(blocked) if blocked.any() else None
+    scale = 1.0 / math.sqrt(D)
+    ws = LayerScratch.allocate(be.arena, cfg, B, T, K, be.dtype)
+    r_source = relative_source(be, cfg, params, K)
+    for l, p in enumerate(params["layers"]):
+        # projections of the T new positions only; the memory's come from its cache
+        inp = (ops.layer_norm(xp, x, p["ln_attn_w"], p["ln_attn_b"], cfg.eps) if cfg.pre_lnorm
+               else x)
+        qkv = ops.linear(xp, inp, p["w_qkv"], ws.qkv).reshape(B, T, 3, H, D)
+        kv = ws.kv                                                             # (B, K, 2, H, D)
+        kv[:, :M] = memory.kv[l, :, :M]
+        kv[:, M:] = qkv[:, :, 1:]
+        q = qkv[:, :, 0].transpose(0, 2, 1, 3)                                 # (B, H, T, D)
+        k = kv[:, :, 0].transpose(0, 2, 1, 3)                                  # (B, H, K, D)
+        v = kv[:, :, 1].transpose(0, 2, 1, 3)
+        r = relative_keys(be, cfg, params, l, p["w_r"], K, r_source)            # (H, D, K)
+        scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
+                           out=ws.scores)                                      # AC (B, H, T, K)
+        bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws.bd)            # (B, H, T, K)
+        scores += rel_shift(xp, bd)
+        scores *= scale
+        if mask is not None:
+            scores[:, :, blocked] = NEG_INF
+        ops.softmax_(xp, scores)
+        xp.matmul(scores, v, out=ws.ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        attn = ops.linear(xp, ws.ctx, p["w_o"])                                # (B, T, C)
+        if cfg.mem_len:  # this layer's input (and its K/V) join its memory
+            append_memory(memory.states[l], x, M)
+            append_memory(memory.kv[l], qkv[:, :, 1:], M)
+        x = feed_forward(xp, cfg, p, x, attn, ws)
+    return x
+
+
+def reorder_memory(memory: MemoryBuffers, rows: np.ndarray, M: int) -> None:
+    """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat); only the filled
+    positions move, one layer at a time."""
+    n = len(rows)
+    for buf in (memory.states, memory.kv):
+        for l in range(buf.shape[0]):
+            filled = buf[l, :, :M]
+            filled[:n] = filled[rows]

@@ -1,0 +1,285 @@
+"""Transformer-XL's public class: the shared façade plus segment memory, scoring and sessions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ...errors import InputError
+from ...generation.options import resolve_options
+from ...generation.protocol import DecodeState, TokenIds
+from ...generation.text import need_tokenizer, stream_tokens
+from ..base import Model
+from . import math as xl
+from .spec import MemoryBuffers, XLConfig, run_bytes, weight_table
+
+PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
+
+
+class SegmentMemory:
+    """Each layer's input over the last `mem_len` positions, for `batch` rows, held in the arena
+    across calls (an `Arena.hold`, which outlives the scopes of the calls) and updated in place.
+
+    `length` positions are filled: a fresh memory is EMPTY (the paper's semantics; HF would start
+    from mem_len zero vectors instead). Beside the states it keeps their key/value projections: a
+    memory position's K/V is a function of that position's layer input alone, so it is computed
+    once, when the position is new, instead of at every later call (HF recomputes them: mem_len+1
+    rows per generated token). `release()` (or garbage collection) hands the block back."""
+
+    def __init__(self, backend: Any, cfg: XLConfig, batch: int):
+        self.cfg, self.batch = cfg, batch
+        self._hold = backend.arena.hold(MemoryBuffers.specs(cfg, batch, backend.dtype))
+        self.buffers = MemoryBuffers(**self._hold.buffers)
+        self.length = 0
+        self._finalizer = weakref.finalize(self, self._hold.release)
+
+    def live(self) -> MemoryBuffers:
+        """The buffers of the live rows (fewer than allocated once rows have left)."""
+        return MemoryBuffers(self.buffers.states[:, :self.batch], self.buffers.kv[:, :self.batch])
+
+    def advance(self, T: int) -> None:
+        self.length = min(self.length + T, self.cfg.mem_len)
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Keep / duplicate batch rows (finished rows leave; beams follow their parents)."""
+        xl.reorder_memory(self.live(), rows, self.length)
+        self.batch = len(rows)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def release(self) -> None:
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def to_host(self) -> np.ndarray:
+        """(L, B, M, C) float32 copy of the filled memory."""
+        return np.array(self.buffers.states[:, :self.batch, :self.length], dtype=np.float32)
+
+
+class XLDecodeState(DecodeState):
+    """Generation state: the prompt's memory plus the log-probs of its last position.
+
+    Step 0 is fed the prompt's last token (`first_tokens`) and returns the log-probs the prompt
+    already produced instead of running the model again; later steps run one token through the
+    model with the carried memory."""
+
+    def __init__(self, model: "XLModel", memory: SegmentMemory, first_log_probs: np.ndarray,
+                 first_tokens: np.ndarray):
+        self.model, self.memory = model, memory
+        self.first_tokens = first_tokens
+        self._pending: np.ndarray | None = first_log_probs
+        self.batch = len(first_tokens)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+            return out
+        return self.model._run(np.asarray(tokens, np.int64).reshape(self.batch, 1), self.memory,
+                               head="last")
+
+    def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
+        rows = np.asarray(rows, np.int64)
+        if self._pending is not None:
+            self._pending = self._pending[rows]
+        self.memory.reorder(rows)
+        self.batch = len(rows)
+
+
+class XLModel(Model):
+    """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
+
+    family = "transfo-xl"
+    model_types = ("transfo-xl",)
+    config_class = XLConfig
+    is_encoder_decoder = False
+    add_eos_to_prompt = False
+    weight_table = staticmethod(weight_table)
+    run_bytes = staticmethod(run_bytes)
+
+    @staticmethod
+    def make_token_ids(config: XLConfig) -> TokenIds:
+        # <eos> ends a WT103 line, not a document: generation continues past it (it prints as a
+        # newline); use stop=["\n"] to end at a line break.
+        return TokenIds(eos=(), pad=config.eos_token_id)
+
+    def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        if not mask.all():
+            raise InputError("input_ids: Transformer-XL batches need rows of equal length "
+                             "(no padding); run different lengths one at a time")
+
+    def new_memory(self, batch: int = 1) -> SegmentMemory:
+        """An empty segment memory for `batch` rows (arena-backed; `release()` when done)."""
+        return SegmentMemory(self.backend, self.config, batch)
+
+    def _run(self, ids: np.ndarray, memory: SegmentMemory, head: str = "all") -> Any:
+        """One forward call over (B, T) ids with `memory` (advanced). Returns on the host the
+        log-probs of every position (B*T, V) (`head="all"`), of the last one (B, V) ("last"),
+        or nothing ("none": the call only extends the memory)."""
+        B, T = ids.shape
+        with self.backend.arena.scope():
+            h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
+                                  memory.length)
+            memory.advance(T)
+            if head == "none":
+                return None
+            h = h[:, -1] if head == "last" else h.reshape(B * T, -1)
+            return np.asarray(self.backend.to_host(
+                xl.log_probs(self.backend, self.config, self.params, h)), np.float32)
+
+    def _check_memory(self, memory: SegmentMemory, batch: int) -> None:
+        if memory.released or memory.batch != batch:
+            raise InputError(f"memory: holds {memory.batch} rows"
+                             + (" and was released" if memory.released else "")
+                             + f", input_ids has {batch}")
+
+    # -- the public surface ---------------------------------------------------------------------------
+    def forward(self, input_ids: Any, memory: SegmentMemory | None = None) -> tuple[np.ndarray, SegmentMemory]:
+        """(B, T) ids -> (log-probs (B, T, V) float32 numpy, memory). `memory=None` starts from an
+        empty memory; a given memory is read and updated in place (and returned)."""
+        ids, _ = self.batch(input_ids)
+        if memory is None:
+            memory = self.new_memory(ids.shape[0])
+        self._check_memory(memory, ids.shape[0])
+        B, T = ids.shape
+        return self._run(ids, memory).reshape(B, T, -1), memory
+
+    def score(self, inputs: Any, segment_len: int | None = None, memory: SegmentMemory | None = None,
+              progress: Callable[[int, int], None] | None = None) -> dict:
+        """Log-likelihood of a text (str; one WT103 line per line, <eos> after each) or id list,
+        processed in segments of `segment_len` (default tgt_len) with memory carried.
+        Returns {"log_likelihood", "tokens" (predicted tokens = ids - 1), "perplexity", "seconds"}."""
+        if isinstance(inputs, str):
+            if self.tokenizer is None:
+                raise InputError(f"text input requires a tokenizer, and {self.folder} has none")
+            lines = inputs.split("\n")
+            if lines and lines[-1] == "":
+                lines.pop()
+            ids = [t for line in lines for t in self.tokenizer.encode(line, add_eos=True)]
+        else:
+            ids = [int(t) for t in inputs]
+        if len(ids) < 2:
+            raise InputError("score: need at least 2 tokens (the first one is only context)")
+        arr, _ = self.batch([ids])
+        T = segment_len or self.config.tgt_len
+        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+            raise InputError(f"segment_len must be a positive integer, got {segment_len!r}")
+        own = memory is None
+        memory = self.new_memory(1) if own else memory
+        if memory.released or memory.batch != 1:
+            raise InputError("score: memory must be a live one-row memory")
+        be, cfg, params = self.backend, self.config, self.params
+        total, n = 0.0, arr.shape[1] - 1
+        t0 = time.perf_counter()
+        try:
+            for start in range(0, n, T):
+                seg = arr[:, start:min(start + T, n)]
+                targets = arr[0, start + 1:start + 1 + seg.shape[1]]
+                with be.arena.scope():
+                    h = xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
+                    memory.advance(seg.shape[1])
+                    total += float(xl.target_log_probs(be, cfg, params, h.reshape(seg.shape[1], -1),
+                                                       targets).sum())
+                if progress is not None:
+                    progress(start + seg.shape[1], n)
+        finally:
+            if own:
+                memory.release()
+        return {"log_likelihood": total, "tokens": n, "perplexity": math.exp(-total / n),
+                "seconds": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                       max_len: int, memory: SegmentMemory | None = None) -> Iterator[XLDecodeState]:
+        """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments) and yield
+        the state the generation loops step. A memory passed in (a session's) is continued."""
+        ids, _ = self.batch(input_ids, attention_mask)
+        own = memory is None
+        memory = self.new_memory(ids.shape[0]) if own else memory
+        try:
+            P = ids.shape[1]
+            chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
+            be, cfg, params = self.backend, self.config, self.params
+            with be.arena.scope():
+                for start in range(0, P, chunk):
+                    part = ids[:, start:start + chunk]
+                    h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
+                    memory.advance(part.shape[1])
+                first = np.asarray(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
+                                   np.float32)                                   # (B, V)
+            yield XLDecodeState(self, memory, first, ids[:, -1].copy())
+        finally:
+            if own:
+                memory.release()
+
+    def session(self) -> "XLSession":
+        """Keep memory between successive generate / score calls (a chat, a long document)."""
+        return XLSession(self)
+
+
+class XLSession:
+    """A memory carried across calls: `score` and `generate` continue where the last call ended
+    (one row). Use as a context manager, or call `close()`, to give the memory back."""
+
+    def __init__(self, model: XLModel):
+        self.model = model
+        self.memory = model.new_memory(1)
+        self.last_token: int | None = None  # the last token seen, not yet run through the model
+
+    def _feed_pending(self) -> None:
+        if self.last_token is not None:
+            self.model._run(np.array([[self.last_token]]), self.memory, head="none")
+            self.last_token = None
+
+    def score(self, inputs: Any, segment_len: int | None = None) -> dict:
+        self._feed_pending()
+        return self.model.score(inputs, segment_len, memory=self.memory)
+
+    def generate(self, prompt: Any, *, stream: bool = False, **options: Any) -> Any:
+        """Continue the session: the prompt (may be empty "" to just continue) goes after what
+        the session has seen; the generated tokens are remembered for the next call."""
+        model = self.model
+        opts, _ = resolve_options(model, **options)
+        if opts.num_beams != 1 or opts.num_return_sequences != 1:
+            raise InputError("a session continues one sequence: num_beams and "
+                             "num_return_sequences must be 1")
+        kind = "ids" if not isinstance(prompt, str) else "text"
+        if kind == "text":
+            new = (need_tokenizer(model, "text input").encode(prompt, add_eos=False)
+                   if prompt.strip() else [])
+        else:
+            new = [int(t) for t in prompt]
+        ids = ([self.last_token] if self.last_token is not None else []) + new
+        if not ids:
+            raise InputError("session: nothing to continue from: give a prompt")
+        self.last_token = None
+
+        def remember(tokens: list[int]) -> None:
+            self.last_token = tokens[-1] if tokens else ids[-1]
+
+        start = functools.partial(model.start_decoding, memory=self.memory)
+        tok = need_tokenizer(model, "stop strings") if (kind == "text" or opts.stop) else None
+        batch, mask = model.batch([ids])
+        pieces = stream_tokens(model, batch, mask, kind, opts, tok, start, remember)
+        if stream:
+            return pieces
+        out = list(pieces)
+        return "".join(out) if kind == "text" else out
+
+    def close(self) -> None:
+        self.memory.release()
+
+    def __enter__(self) -> "XLSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

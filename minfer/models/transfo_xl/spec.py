@@ -1,0 +1,292 @@
+"""Transformer-XL's declaration: its config, its weight table, and the arena buffers of a run.
+
+Dai et al. 2019, "Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context"; the
+checkpoint layout is Hugging Face's TransfoXL (transfo-xl-wt103). The weight table resolves the
+tied tensors (a safetensors save omits them; an old .bin save keeps copies, which are ignored in
+favour of their source, as HF re-ties on load), concatenates the head's cluster logits onto the
+first cluster, and projects each layer's sinusoid table once at load.
+
+Shapes: B batch, T segment length, M memory length, K = M + T keys, H heads, D head dim,
+C d_model, F d_inner, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...arena import BufferSet, BufferSpec
+from ...errors import ConfigError
+from ...params.spec import Derived, Linear, Tensor, WeightTable
+from ..config import ConfigReader
+
+
+# =====================================================================================================
+# Config
+# =====================================================================================================
+@dataclass(frozen=True)
+class XLConfig:
+    vocab_size: int
+    cutoffs: tuple[int, ...]       # cluster boundaries inside the vocabulary (may be empty)
+    d_model: int
+    d_embed: int
+    n_head: int
+    d_head: int
+    d_inner: int
+    div_val: int
+    n_layer: int
+    mem_len: int
+    clamp_len: int                 # <= 0: positions are not clamped
+    same_length: bool
+    pre_lnorm: bool
+    untie_r: bool
+    tie_word_embeddings: bool
+    tie_projs: tuple[bool, ...]
+    eps: float
+    tgt_len: int                   # the segment length the checkpoint was evaluated with
+    eos_token_id: int
+
+    @property
+    def cluster_ends(self) -> list[int]:
+        """[0, c1, ..., V]: cluster i holds ids [ends[i], ends[i+1])."""
+        return [0, *self.cutoffs, self.vocab_size]
+
+    @property
+    def n_clusters(self) -> int:
+        return len(self.cutoffs) + 1
+
+    def emb_dim(self, i: int) -> int:
+        return self.d_embed // (self.div_val ** i) if self.div_val > 1 else self.d_embed
+
+    def describe(self) -> list[tuple[str, str]]:
+        """Architecture facts for `minfer info`."""
+        return [
+            ("family", f"transfo-xl ({'pre' if self.pre_lnorm else 'post'}-norm, "
+                       f"{'untied' if self.untie_r else 'shared'} u/v biases)"),
+            ("layers", f"{self.n_layer}"),
+            ("width", f"d_model {self.d_model}, {self.n_head} heads x d_head {self.d_head}, "
+                      f"d_inner {self.d_inner}, d_embed {self.d_embed}"),
+            ("vocab", f"{self.vocab_size}, clusters at {list(self.cutoffs) or 'none'}, "
+                      f"div_val {self.div_val}"),
+            ("memory", f"mem_len {self.mem_len}, segment {self.tgt_len}, clamp_len "
+                       f"{self.clamp_len}, same_length {self.same_length}"),
+        ]
+
+    def summary(self) -> str:
+        return (f"layers={self.n_layer}, d_model={self.d_model}, vocab={self.vocab_size}, "
+                f"mem_len={self.mem_len}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, source: str = "config.json") -> "XLConfig":
+        get_int = ConfigReader(cfg, source).get_int
+
+        if cfg.get("model_type", "transfo-xl") != "transfo-xl":
+            raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not transfo-xl")
+        if cfg.get("attn_type", 0) != 0:
+            raise ConfigError(f"{source}: attn_type {cfg.get('attn_type')!r} is not supported "
+                              "(only 0, relative attention, as in every released checkpoint)")
+        vocab = get_int("vocab_size", 267735)
+        cutoffs = cfg.get("cutoffs", [20000, 40000, 200000])
+        if (not isinstance(cutoffs, list) or not all(isinstance(c, int) for c in cutoffs)
+                or list(cutoffs) != sorted(set(cutoffs)) or any(not 0 < c < vocab for c in cutoffs)):
+            raise ConfigError(f"{source}: 'cutoffs' must be increasing ids inside the vocabulary "
+                              f"(vocab_size {vocab}), got {cutoffs!r}")
+        n_clusters = len(cutoffs) + 1
+        share = cfg.get("proj_share_all_but_first", True)
+        tie_projs = cfg.get("tie_projs", [False] + [bool(share)] * len(cutoffs))
+        if not isinstance(tie_projs, list) or len(tie_projs) != n_clusters:
+            raise ConfigError(f"{source}: 'tie_projs' must list {n_clusters} booleans, got {tie_projs!r}")
+        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-5)
+        eos = cfg.get("eos_token_id", 0)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else 0
+        if not isinstance(eos, int) or not 0 <= eos < vocab:
+            raise ConfigError(f"{source}: 'eos_token_id' must be a token id, got {eos!r}")
+        d_model = get_int("d_model", 1024)
+        if d_model % 2:
+            raise ConfigError(f"{source}: 'd_model' must be even (sinusoid halves), got {d_model}")
+        div_val = get_int("div_val", 4)
+        d_embed = get_int("d_embed", d_model)
+        # d_embed // div_val**i may reach 0 for the last clusters: HF builds zero-width tables
+        # (their tokens embed to zero, their logits are the biases); the math here does the same.
+        clamp = cfg.get("clamp_len", 1000)
+        if isinstance(clamp, bool) or not isinstance(clamp, int):
+            raise ConfigError(f"{source}: 'clamp_len' must be an integer, got {clamp!r}")
+        return cls(
+            vocab_size=vocab, cutoffs=tuple(cutoffs), d_model=d_model, d_embed=d_embed,
+            n_head=get_int("n_head", 16), d_head=get_int("d_head", 64),
+            d_inner=get_int("d_inner", 4096), div_val=div_val, n_layer=get_int("n_layer", 18),
+            mem_len=get_int("mem_len", 1600, minimum=0), clamp_len=clamp,
+            same_length=bool(cfg.get("same_length", True)), pre_lnorm=bool(cfg.get("pre_lnorm", False)),
+            untie_r=bool(cfg.get("untie_r", True)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            tie_projs=tuple(bool(t) for t in tie_projs), eps=float(eps),
+            tgt_len=get_int("tgt_len", 128), eos_token_id=eos,
+        )
+
+
+
+# =====================================================================================================
+# Weights
+# =====================================================================================================
+def r_table_rows(cfg: XLConfig) -> int:
+    """Distances each layer's projected-sinusoid table covers: every distance a scoring segment
+    or a generation step sees (mem_len + tgt_len), or fewer when clamp_len makes all longer
+    distances share one row."""
+    rows = cfg.mem_len + cfg.tgt_len
+    return min(rows, cfg.clamp_len + 1) if cfg.clamp_len > 0 else rows
+
+
+def sinusoids(cfg: XLConfig, inv_freq: np.ndarray, klen: int) -> np.ndarray:
+    """(K, C) host float32 sinusoids of the distances K-1 ... 0 (clamped at clamp_len), [sin | cos]
+    halves, from the checkpoint's inv_freq (the reference's own precision)."""
+    pos = np.arange(klen - 1, -1, -1.0, dtype=np.float32)
+    if cfg.clamp_len > 0:
+        np.minimum(pos, np.float32(cfg.clamp_len), out=pos)
+    angles = np.outer(pos, np.asarray(inv_freq, np.float32))                  # (K, C/2)
+    return np.concatenate([np.sin(angles), np.cos(angles)], axis=-1)
+
+
+INV_FREQ = "transformer.pos_emb.inv_freq"
+
+
+def _layer(cfg: XLConfig, l: int, tensors: dict, optional: dict) -> dict:
+    """Layer l: its tensors (added to `tensors` / `optional`) and its unit."""
+    C, H, D, F = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
+    p, a = f"transformer.layers.{l}", f"transformer.layers.{l}.dec_attn"
+    tensors.update({
+        f"{a}.qkv_net.weight": (3 * H * D, C), f"{a}.o_net.weight": (C, H * D),
+        f"{a}.r_net.weight": (H * D, C),
+        f"{a}.layer_norm.weight": (C,), f"{a}.layer_norm.bias": (C,),
+        f"{p}.pos_ff.CoreNet.0.weight": (F, C), f"{p}.pos_ff.CoreNet.0.bias": (F,),
+        f"{p}.pos_ff.CoreNet.3.weight": (C, F), f"{p}.pos_ff.CoreNet.3.bias": (C,),
+        f"{p}.pos_ff.layer_norm.weight": (C,), f"{p}.pos_ff.layer_norm.bias": (C,),
+    })
+    # the u / v biases: per layer, or one pair shared by all (a .bin save keeps per-layer copies)
+    for bias in ("r_w_bias", "r_r_bias"):
+        (tensors if cfg.untie_r else optional)[f"{a}.{bias}"] = (H, D)
+    r_src = a if cfg.untie_r else "transformer"
+    return {
+        "w_qkv": Linear((f"{a}.qkv_net.weight",)),                    # (C, 3HD)
+        "w_o": Linear((f"{a}.o_net.weight",)),                        # (HD, C)
+        "w_r": Linear((f"{a}.r_net.weight",)),                        # (C, HD)
+        "w1": Linear((f"{p}.pos_ff.CoreNet.0.weight",)),              # (C, F)
+        "w2": Linear((f"{p}.pos_ff.CoreNet.3.weight",)),              # (F, C)
+        "r_w_bias": Tensor(f"{r_src}.r_w_bias"),                      # (H, D): "u"
+        "r_r_bias": Tensor(f"{r_src}.r_r_bias"),                      # (H, D): "v"
+        "b1": Tensor(f"{p}.pos_ff.CoreNet.0.bias"), "b2": Tensor(f"{p}.pos_ff.CoreNet.3.bias"),
+        "ln_attn_w": Tensor(f"{a}.layer_norm.weight"), "ln_attn_b": Tensor(f"{a}.layer_norm.bias"),
+        "ln_ff_w": Tensor(f"{p}.pos_ff.layer_norm.weight"),
+        "ln_ff_b": Tensor(f"{p}.pos_ff.layer_norm.bias"),
+    }
+
+
+def weight_table(cfg: XLConfig) -> WeightTable:
+    """Every tensor a TransfoXL checkpoint holds and every parameter minfer builds from it.
+
+    Fixed parameters: `emb_table.i` (n_i, d_i) and `emb_proj.i` (d_i, C) of the adaptive input;
+    `inv_freq` (host); `r_table.l` (distances, HD) per layer; per output cluster `cluster.i.w`
+    (d_i, n_i) (cluster 0 also scores the tail clusters: their logit rows are appended),
+    `cluster.i.b` and `cluster.i.proj` (C, d_i)."""
+    C, V, n = cfg.d_model, cfg.vocab_size, cfg.n_clusters
+    ends, emb = cfg.cluster_ends, "transformer.word_emb"
+    single = cfg.div_val == 1                   # one embedding table for the whole vocabulary
+    tensors: dict[str, tuple[int, ...]] = {INV_FREQ: (C // 2,)}
+    optional: dict[str, tuple[int, ...]] = {}
+    fixed: dict[str, Any] = {}
+    for i in range(1 if single else n):
+        rows = V if single else ends[i + 1] - ends[i]
+        tensors[f"{emb}.emb_layers.{i}.weight"] = (rows, cfg.emb_dim(i))
+        fixed[f"emb_table.{i}"] = Tensor(f"{emb}.emb_layers.{i}.weight")
+        if not single or C != cfg.d_embed:
+            tensors[f"{emb}.emb_projs.{i}"] = (C, cfg.emb_dim(i))
+            fixed[f"emb_proj.{i}"] = Tensor(f"{emb}.emb_projs.{i}", transpose=True)
+    fixed["inv_freq"] = Tensor(INV_FREQ, host=True)
+    layers = [_layer(cfg, l, tensors, optional) for l in range(cfg.n_layer)]
+    if not cfg.untie_r:
+        tensors["transformer.r_w_bias"] = tensors["transformer.r_r_bias"] = (cfg.n_head, cfg.d_head)
+    # r = sinusoid(distance) @ W_r depends on nothing but the distance: one table per layer,
+    # projected once at load instead of K rows at every call (row j: distance rows-1-j)
+    rows, HD = r_table_rows(cfg), cfg.n_head * cfg.d_head
+    for l in range(cfg.n_layer):
+        w_r = f"transformer.layers.{l}.dec_attn.r_net.weight"
+        fixed[f"r_table.{l}"] = Derived((rows, HD), lambda read, w_r=w_r: (
+            sinusoids(cfg, read(INV_FREQ), rows) @ read(w_r).T))
+    # the head: cluster i's logits are (h @ proj_i) @ W_i + b_i
+    if n > 1:
+        tensors["crit.cluster_weight"] = (n - 1, cfg.d_embed)
+        tensors["crit.cluster_bias"] = (n - 1,)
+    for i in range(1 if single else n):
+        out = f"crit.out_layers.{i}"
+        shape = (V if single else ends[i + 1] - ends[i], cfg.emb_dim(i))
+        (optional if cfg.tie_word_embeddings else tensors)[f"{out}.weight"] = shape
+        tensors[f"{out}.bias"] = shape[:1]
+    for i in range(n):
+        span = (ends[i], ends[i + 1]) if single else None
+        out = f"crit.out_layers.{0 if single else i}"
+        weight = f"{emb}.emb_layers.{0 if single else i}.weight" if cfg.tie_word_embeddings \
+            else f"{out}.weight"
+        tail = i == 0 and n > 1
+        fixed[f"cluster.{i}.w"] = Tensor(weight, transpose=True, rows=span,
+                                         append=("crit.cluster_weight",) if tail else ())
+        fixed[f"cluster.{i}.b"] = Tensor(f"{out}.bias", rows=span,
+                                         append=("crit.cluster_bias",) if tail else ())
+        if single and C == cfg.d_embed:
+            continue                             # no projections at all
+        proj = f"crit.out_projs.{i}"
+        if cfg.tie_projs[i]:
+            source = f"{emb}.emb_projs.{0 if single else i}"
+            optional[proj] = tensors[source]
+        else:
+            source = proj
+            tensors[proj] = (C, cfg.emb_dim(i))
+        fixed[f"cluster.{i}.proj"] = Tensor(source)
+    return WeightTable(tensors=tensors, fixed=fixed, stacks={"layers": layers},
+                       optional=optional, buffers=(INV_FREQ,))
+
+
+# =====================================================================================================
+# Arena buffers of a run
+# =====================================================================================================
+@dataclass
+class MemoryBuffers(BufferSet):
+    """The segment memory of B rows: each layer's input over the last mem_len positions and,
+    beside it, that input's key/value projections, so a call projects only its new positions."""
+    states: Any   # (L, B, M, C)
+    kv: Any       # (L, B, M, 2, H, D)
+
+    @classmethod
+    def specs(cls, cfg: XLConfig, B: int, dtype: Any) -> BufferSpec:
+        L, M = cfg.n_layer, cfg.mem_len
+        return {"states": ((L, B, M, cfg.d_model), dtype),
+                "kv": ((L, B, M, 2, cfg.n_head, cfg.d_head), dtype)}
+
+
+@dataclass
+class LayerScratch(BufferSet):
+    """One forward call's scratch over T new positions and K keys, reused by every layer."""
+    qkv: Any      # (B, T, 3HD) the new positions' projections
+    kv: Any       # (B, K, 2, H, D) the memory's cached keys/values, then the new ones
+    scores: Any   # (B, H, T, K)
+    bd: Any       # (B, H, T, K) the position term before rel_shift
+    ctx: Any      # (B, T, HD)
+    ff: Any       # (B, T, F)
+
+    @classmethod
+    def specs(cls, cfg: XLConfig, B: int, T: int, K: int, dtype: Any) -> BufferSpec:
+        H, D = cfg.n_head, cfg.d_head
+        return {"qkv": ((B, T, 3 * H * D), dtype), "kv": ((B, K, 2, H, D), dtype),
+                "scores": ((B, H, T, K), dtype), "bd": ((B, H, T, K), dtype),
+                "ctx": ((B, T, H * D), dtype), "ff": ((B, T, cfg.d_inner), dtype)}
+
+
+def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
+              max_new_tokens: int | None = None) -> dict[str, int]:
+    """Arena bytes of a run: the segment memory plus one segment's scratch (segments of
+    `input_len`, default tgt_len; generation steps need less)."""
+    T = input_len or cfg.tgt_len
+    memory = MemoryBuffers.nbytes(cfg, batch, dtype)
+    scratch = LayerScratch.nbytes(cfg, batch, T, cfg.mem_len + T, dtype)
+    return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}

@@ -1,0 +1,175 @@
+"""The one loader every family goes through: check -> fuse and fold -> format -> plan -> place.
+
+Given a family's `WeightTable` (params/spec.py) and a `Checkpoint`:
+1. `check` rejects missing, unexpected and mis-shaped tensors by name before anything is read;
+2. `plan_placement` sizes every layer in its weight format and decides, under a memory limit,
+   which layers stay resident (pure: `minfer info` prints it without reading weights);
+3. `load_params` reads the fixed parameters and then one layer at a time (so host memory stays
+   bounded by a layer), fuses, folds and formats each layer, and hands it to the runtime, which
+   keeps it resident or streams it.
+The result is the parameter dict the family's math reads: fixed arrays by name, and each stack as
+a `LayerStack` to iterate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..arena import align_up
+from ..errors import CheckpointError
+from ..io.checkpoint import Checkpoint
+from .formats import WeightFormat
+from .layout import Layout
+from .planner import WeightPlan, plan_weights
+from .runtime import LayerStack, WeightRuntime
+from .spec import Derived, Linear, Tensor, Unit, View, WeightTable
+
+BLOCK_BYTES = 16 << 20  # large fixed matrices are read and placed in row blocks of this size
+
+
+# =====================================================================================================
+# Names and shapes
+# =====================================================================================================
+def _more(names: list[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def check(table: WeightTable, ckpt: Checkpoint) -> dict[str, str]:
+    """Every name and shape of `ckpt` against `table`, before anything is read. Returns the
+    aliases in use: {tensor the table names: the checkpoint name that stands in for it}."""
+    present = set(ckpt.names())
+    stand_in = {}
+    for name, alternatives in table.aliases.items():
+        if name not in present:
+            found = next((a for a in alternatives if a in present), None)
+            if found is not None:
+                stand_in[name] = found
+    missing = sorted(n for n in table.tensors if n not in present and n not in stand_in)
+    if missing:
+        raise CheckpointError(f"{ckpt.folder}: tensor '{missing[0]}' is missing{_more(missing)}")
+    unexpected = sorted(present - set(table.tensors) - set(table.optional))
+    if unexpected:
+        where = ckpt.info(unexpected[0]).file.name
+        raise CheckpointError(f"{ckpt.folder / where}: unexpected tensor "
+                              f"'{unexpected[0]}'{_more(unexpected)}")
+    want = {**table.optional, **table.tensors,
+            **{alias: table.tensors[name] for name, alias in stand_in.items()}}
+    for name in dict.fromkeys([*table.tensors, *table.optional, *stand_in.values()]):
+        if name not in present:
+            continue
+        got = ckpt.info(name).shape
+        if got != want[name]:
+            raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}' has shape {list(got)}, "
+                                  f"config implies {list(want[name])}")
+    return stand_in
+
+
+# =====================================================================================================
+# Sizes and the plan (pure)
+# =====================================================================================================
+def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat) -> Layout:
+    """A layer's packed layout: linear slots in `fmt`, everything else in the compute `dtype`."""
+    arrays: dict[str, tuple[tuple[int, ...], Any]] = {}
+    linear = {}
+    for name, entry in unit.items():
+        if isinstance(entry, Linear):
+            arrays.update(fmt.stored(name, table.shape(entry)))
+            linear[name] = fmt
+        else:
+            arrays[name] = (table.shape(entry), dtype)
+    return Layout(arrays, linear)
+
+
+def fixed_bytes(table: WeightTable, dtype: Any) -> int:
+    """Device bytes of the always-resident parameters, as the runtime allocates them."""
+    item = np.dtype(dtype).itemsize
+    return sum(align_up(int(np.prod(table.shape(e))) * item) for e in table.fixed.values()
+               if not isinstance(e, View) and not (isinstance(e, Tensor) and e.host))
+
+
+def plan_placement(table: WeightTable, dtype: Any, fmt: WeightFormat, limit: int | None,
+                   workspace: int) -> WeightPlan:
+    """Which layers stay resident under `limit` (nothing is read or allocated)."""
+    units, scratch = {}, 0
+    for name, unit in table.units():
+        layout = unit_layout(table, unit, dtype, fmt)
+        units[name] = layout.nbytes
+        scratch = max(scratch, layout.scratch_bytes(dtype))
+    return plan_weights(units, fixed_bytes(table, dtype), workspace, limit, scratch,
+                        priority=lambda name: table.priority.get(name.partition(".")[0], 0))
+
+
+# =====================================================================================================
+# Reading and placing
+# =====================================================================================================
+class _Reader:
+    """Checkpoint reads under the table's names (aliases resolved)."""
+
+    def __init__(self, ckpt: Checkpoint, stand_in: dict[str, str]):
+        self.ckpt, self.stand_in = ckpt, stand_in
+
+    def __call__(self, name: str, dtype: Any = np.float32, rows: tuple[int, int] | None = None):
+        return self.ckpt.read(self.stand_in.get(name, name), dtype, rows)
+
+    def linear(self, entry: Linear) -> np.ndarray:
+        """(in, out) float32: the sources fused along out, transposed, the norm folded in."""
+        w = np.ascontiguousarray(np.concatenate([self(s) for s in entry.sources], axis=0).T)
+        if entry.fold is not None:
+            w *= self(entry.fold)[:, None]
+        return w
+
+    def tensor(self, entry: Tensor, dtype: Any) -> np.ndarray:
+        a = self(entry.source, dtype, entry.rows)
+        if entry.append:
+            a = np.concatenate([a, *(self(s, dtype) for s in entry.append)], axis=0)
+        return np.ascontiguousarray(a.T) if entry.transpose else a
+
+
+def _place_fixed(runtime: WeightRuntime, read: _Reader, name: str, entry: Tensor | Derived,
+                 shape: tuple[int, ...], dtype: Any) -> Any:
+    if isinstance(entry, Derived):
+        return runtime.place_fixed(entry.build(read).astype(dtype, copy=False), name)
+    n_rows = read.ckpt.info(read.stand_in.get(entry.source, entry.source)).shape[0]
+    big = int(np.prod(shape)) * np.dtype(dtype).itemsize > BLOCK_BYTES
+    if not big or entry.rows is not None or entry.append:
+        return runtime.place_fixed(read.tensor(entry, dtype), name)
+    # a large matrix (an mT5 embedding is 1 GB in float32) in blocks of source rows: loading
+    # never holds a second whole copy
+    out = runtime.alloc_fixed(shape, dtype, name)
+    step = max(1, BLOCK_BYTES // (int(np.prod(shape)) // n_rows * np.dtype(dtype).itemsize))
+    for a in range(0, n_rows, step):
+        b = min(n_rows, a + step)
+        rows = read(entry.source, dtype, (a, b))
+        runtime.be.upload(out[:, a:b] if entry.transpose else out[a:b],
+                          rows.T if entry.transpose else rows)
+    return out
+
+
+def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFormat,
+                runtime: WeightRuntime) -> dict[str, Any]:
+    """Check the checkpoint, then place every parameter per the runtime's plan: fixed ones
+    resident, each layer resident or streamed, read one layer at a time."""
+    read = _Reader(ckpt, check(table, ckpt))
+    params: dict[str, Any] = {}
+    for name, entry in table.fixed.items():
+        if isinstance(entry, View):
+            params[name] = params[entry.of].T
+        elif isinstance(entry, Tensor) and entry.host:
+            params[name] = read.tensor(entry, np.float32)
+        else:
+            params[name] = _place_fixed(runtime, read, name, entry, table.shape(entry), dtype)
+    for stack, layers in table.stacks.items():
+        units = []
+        for i, unit in enumerate(layers):
+            layout = unit_layout(table, unit, dtype, fmt)
+            arrays: dict[str, np.ndarray] = {}
+            for name, entry in unit.items():
+                if isinstance(entry, Linear):  # formats start from float32, never a rounded copy
+                    arrays.update(fmt.encode(name, read.linear(entry)))
+                else:
+                    arrays[name] = read.tensor(entry, dtype)
+            units.append(runtime.place_unit(f"{stack}.{i}", layout, arrays))
+        params[stack] = LayerStack(runtime, units)
+    return params

@@ -1,0 +1,85 @@
+"""A model folder (io/checkpoint.py): shards and their index, missing pieces, weights only, int8 files."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from minfer.errors import CheckpointError
+from minfer.io.checkpoint import Checkpoint
+
+
+def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None):
+    blob = json.dumps(header).encode()
+    n = len(blob) if header_len is None else header_len
+    path.write_bytes(struct.pack("<Q", n) + blob + data)
+    return path
+
+
+def folder_with(tmp_path, tensors=None, raw=None):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    if tensors is not None:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_sharded_index(tmp_path):
+    folder_with(tmp_path)
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    save_file({"b": np.ones(3, np.float32)}, str(tmp_path / "s2.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ckpt = Checkpoint(tmp_path)
+    assert sorted(ckpt.names()) == ["a", "b"]
+    np.testing.assert_array_equal(ckpt.read("b"), np.ones(3))
+
+
+@pytest.mark.parametrize("weight_map,needle", [
+    ({"a": "../escape.safetensors"}, "not a file name inside"),
+    ({"a": "missing.safetensors"}, "missing.safetensors is missing"),
+    ({"a": "s1.safetensors", "zzz": "s1.safetensors"}, "'zzz' is not in its shard"),
+    ({}, "weight_map"),
+])
+def test_bad_index_is_named(tmp_path, weight_map, needle):
+    folder_with(tmp_path)
+    save_file({"a": np.zeros(2, np.float32)}, str(tmp_path / "s1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=needle):
+        Checkpoint(tmp_path)
+
+
+def test_missing_pieces_are_named(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: file is missing"):
+        Checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        Checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")   # read by legacy.py when no safetensors
+    with pytest.raises(CheckpointError, match="pytorch_model.bin: empty file"):
+        Checkpoint(tmp_path)
+
+
+def test_integer_tensor_is_not_a_weight(tmp_path):
+    folder_with(tmp_path, {"i": np.arange(3, dtype=np.int64)})
+    with pytest.raises(CheckpointError, match="integer dtype I64"):
+        Checkpoint(tmp_path).read("i")
+
+
+def test_checkpoint_prefers_safetensors(tmp_path):
+    from safetensors.numpy import save_file
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    assert Checkpoint(tmp_path).names() == ["w"]
+
+
+def test_other_legacy_names_still_get_the_hint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="found model.pt: only safetensors and "
+                                              "pytorch_model.bin are read"):
+        Checkpoint(tmp_path)

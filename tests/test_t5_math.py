@@ -1,0 +1,59 @@
+"""T5's math (models/t5/math.py): position buckets, the causal table, one block for every pass."""
+import numpy as np
+import pytest
+from t5_factory import BASE, write_t5
+
+import minfer
+from minfer.models.t5 import math as t5
+from minfer.models.t5.spec import T5Config
+
+
+@pytest.mark.parametrize("rel,bucket", [(0, 0), (-1, 1), (-8, 8), (-16, 10), (-32, 12), (-64, 14),
+                                        (-128, 15), (-1000, 15), (1, 17), (8, 24), (16, 26),
+                                        (32, 28), (64, 30), (128, 31), (5000, 31)])
+def test_encoder_buckets(rel, bucket):
+    assert t5.relative_bucket(np.array([rel]), True, 32, 128)[0] == bucket
+
+
+@pytest.mark.parametrize("rel,bucket", [(-15, 15), (-16, 16), (-32, 21), (-64, 26), (-128, 31),
+                                        (-4000, 31), (0, 0), (1, 0), (300, 0)])
+def test_decoder_buckets(rel, bucket):
+    assert t5.relative_bucket(np.array([rel]), False, 32, 128)[0] == bucket
+
+
+def test_buckets_are_monotone_in_distance_and_in_range():
+    rel = np.arange(-300, 301)
+    for bidirectional in (True, False):
+        for nb, md in ((32, 128), (8, 12), (16, 9)):
+            b = t5.relative_bucket(rel, bidirectional, nb, md)
+            assert b.min() >= 0 and b.max() < nb
+            neg = b[rel <= 0][::-1]  # distance 0, 1, 2, ... to the past
+            assert (np.diff(neg) >= 0).all()
+
+
+def test_causal_table_by_distance_gives_each_step_its_row():
+    cfg = T5Config.from_hf(BASE)
+    rng = np.random.default_rng(0)
+    rel_bias = rng.standard_normal((cfg.num_buckets, cfg.num_heads)).astype(np.float32)
+    max_len = 40
+    table = t5.causal_bias_by_distance(cfg, rel_bias, max_len)
+    full = t5.position_bias(cfg, rel_bias, max_len, max_len, bidirectional=False)  # (H, T, T)
+    for t in (0, 1, 7, 39):
+        np.testing.assert_array_equal(table[:, max_len - 1 - t:], full[:, t, :t + 1])
+
+
+@pytest.mark.parametrize("overrides", [{}, {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+                                       {"num_layers": 3, "num_decoder_layers": 1, "d_kv": 5}])
+def test_incremental_steps_equal_the_full_forward(tmp_path, overrides):
+    model = minfer.load(write_t5(tmp_path / "m", seed=1, **overrides))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, 64, (2, 11))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    dec = rng.integers(2, 64, (2, 20))
+    dec[:, 0] = 0
+    full = model.forward(ids, dec, mask)  # (B, T, V)
+    with model.start_decoding(ids, mask, max_len=20) as state:
+        for t in range(20):
+            step = np.array(state.step(dec[:, t]))
+            np.testing.assert_allclose(step, full[:, t], rtol=1e-5, atol=1e-5 * np.abs(full).max())

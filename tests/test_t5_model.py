@@ -1,0 +1,55 @@
+"""T5's public class (models/t5/model.py): decode states in the arena, generation defaults."""
+import json
+
+import numpy as np
+import pytest
+from t5_factory import write_t5
+
+import minfer
+from minfer.errors import InputError
+from minfer.models.t5 import math as t5
+
+
+def test_generation_uses_the_arena_and_gives_it_back(tmp_path, monkeypatch):
+    model = minfer.load(write_t5(tmp_path / "m", seed=2), workspace="4MiB")
+    arena = model.backend.arena
+    calls = []
+    real_cross_kv = t5.cross_kv
+    monkeypatch.setattr(t5, "cross_kv", lambda *a, **k: (calls.append(1), real_cross_kv(*a, **k)))
+    arena.reset_peak()
+    before = arena.stats()
+    out = model.generate([[3, 4, 5, 6, 1], [7, 8, 1]], max_new_tokens=30, min_new_tokens=30)
+    after = arena.stats()
+    assert [len(r) for r in out] == [31, 31]
+    assert after.used == before.used  # everything released
+    plan = model.plan(batch=2, input_len=5, max_new_tokens=30)
+    assert after.peak >= plan["decode_state"]  # the KV caches and cross K/V lived in the arena
+    assert after.peak <= plan["peak"]
+    assert len(calls) == 1  # cross K/V computed once per encode, not per step
+
+
+def test_decode_steps_do_not_grow_the_arena(tmp_path):
+    model = minfer.load(write_t5(tmp_path / "m"))
+    ids, mask = np.array([[3, 4, 5, 1]]), np.ones((1, 4), int)
+    with model.start_decoding(ids, mask, max_len=8) as state:
+        used = model.backend.arena.used
+        for t in range(8):
+            state.step(np.array([t + 2]))
+            assert model.backend.arena.used == used
+
+
+@pytest.mark.parametrize("options,needle", [({"max_new_tokens": 0}, "max_new_tokens"),
+                                            ({"max_new_tokens": 2.5}, "max_new_tokens"),
+                                            ({"min_new_tokens": -1}, "min_new_tokens")])
+def test_bad_generation_options_are_named(tmp_path, options, needle):
+    model = minfer.load(write_t5(tmp_path / "m"))
+    with pytest.raises(InputError, match=needle):
+        model.generate([[3, 4, 1]], **options)
+
+
+def test_generation_config_sets_the_default_length(tmp_path):
+    folder = write_t5(tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4}))
+    model = minfer.load(folder)
+    out = model.generate([[3, 4, 1]], min_new_tokens=4)
+    assert len(out[0]) == 5
