@@ -403,7 +403,7 @@ def profile_minfer(model_dir: Path, runs: int) -> int:
 
     import minfer
     from minfer import ops
-    from minfer.models import transfo_xl as xl
+    from minfer.models.transfo_xl import math as xl
 
     model = minfer.load(model_dir)
     ids = score_ids()
@@ -443,24 +443,27 @@ def profile_minfer(model_dir: Path, runs: int) -> int:
         "probs @ v": lambda: probs @ v,
         "o_net": lambda: x @ p["w_o"],
         "feed-forward (2 products, relu)": lambda: ops.relu_(np, x @ p["w1"] + p["b1"]) @ p["w2"],
-        "layer norms (2)": lambda: (ops.layer_norm(np, x, *p["ln_attn"], cfg.eps),
-                                    ops.layer_norm(np, x, *p["ln_ff"], cfg.eps)),
+        "layer norms (2)": lambda: (ops.layer_norm(np, x, p["ln_attn_w"], p["ln_attn_b"], cfg.eps),
+                                    ops.layer_norm(np, x, p["ln_ff_w"], p["ln_ff_b"], cfg.eps)),
     }
     h = rand(T, C)
     head = {"log_probs (whole adaptive softmax)": lambda: xl.log_probs(be, cfg, params, h)}
-    for i, c in enumerate(params["clusters"]):
-        def logits(c=c):
-            z = h @ c["proj"] if c["proj"] is not None else h
-            return z @ c["w"] + c["b"]
-        head[f"  cluster {i} logits ({c['w'].shape[1]} columns)"] = logits
+    for i in range(cfg.n_clusters):
+        def logits(i=i):
+            return xl.cluster_logits(params, i, h)
+        head[f"  cluster {i} logits ({params[f'cluster.{i}.w'].shape[1]} columns)"] = logits
         z = logits()
-        head[f"  cluster {i} log_softmax"] = lambda z=z: ops.log_softmax(np, z)
+        head[f"  cluster {i} log_softmax"] = lambda z=z: ops.log_softmax_(np, z.copy())
 
     memory = model.new_memory(1)
     seg = np.asarray([ids[:T]])
+    def segment():
+        with be.arena.scope():
+            xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
+            memory.advance(T)
     for _ in range(M // T):
-        xl.forward_hidden(be, cfg, params, seg, memory)  # fill the memory
-    whole = best_seconds(lambda: xl.forward_hidden(be, cfg, params, seg, memory))
+        segment()  # fill the memory
+    whole = best_seconds(segment)
     memory.release()
     per_segment = wall / runs / SCORE_SEGMENTS
     print(f"one segment of {T} tokens with {M} in memory, timed in isolation "

@@ -49,9 +49,9 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     out.mkdir(parents=True, exist_ok=True)
     linear = {}  # tensor feeding a linear slot -> the norm folded into it (or None)
     if dtype == "int8":
-        family = family_of(ckpt.config, str(ckpt.folder / "config.json"))
-        config = family.config_class.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-        linear = family.weight_table(config).linear_sources()
+        spec = family_of(ckpt.config, str(ckpt.folder / "config.json")).spec
+        config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        linear = spec.weight_table(config).linear_sources()
     folded_norm_names = {norm for norm in linear.values() if norm is not None}
     tensors = {}
     for name in ckpt.names():

@@ -57,7 +57,7 @@ def make_text_model_folder(folder, seed=5, **overrides):
     task_specific_params like t5-small's."""
     import shutil
 
-    from t5_factory import write_t5
+    from factories import write_t5
     params = {"translation_en_to_de": {"prefix": "translate English to German: ", "num_beams": 2,
                                        "max_length": 9, "early_stopping": True},
               "summarization": {"prefix": "summarize: ", "min_length": 4, "max_length": 7,
@@ -78,3 +78,19 @@ def text_model_folder(tmp_path_factory):
 def text_model(text_model_folder):
     import minfer
     return minfer.load(text_model_folder)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """factories.SHAPE's random T5 (module scope: tests that stream or convert it)."""
+    from factories import SHAPE, write_t5
+    return write_t5(tmp_path_factory.mktemp("t5") / "m", seed=3, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """That model's unlimited float32 forward logits and 12-token greedy ids."""
+    import minfer
+    from factories import DEC, IDS
+    m = minfer.load(folder)
+    return m.forward(IDS, DEC), m.generate(IDS, max_new_tokens=12, min_new_tokens=12)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 from conftest import XL_FIXTURES, load_xl_reference, needs_xl_fixtures, rel_err
-from t5_factory import write_t5
+from factories import DEC, IDS
 
 import minfer
 
@@ -23,25 +23,14 @@ def test_convert_bin_to_safetensors(tmp_path):
     assert rel_err(lp, ref["log_probs_0"]) < TOL
 
 
-SHAPE = dict(d_model=64, d_kv=16, num_heads=4, d_ff=256, num_layers=4, num_decoder_layers=3,
-             vocab_size=200)
 
 
-IDS = [[5, 6, 7, 8, 1], [9, 10, 1]]
 
 
-DEC = [[0, 3, 4, 9], [0, 5, 6, 7]]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_t5(tmp_path_factory.mktemp("t5") / "m", seed=3, **SHAPE)
 
 
-@pytest.fixture(scope="module")
-def reference(folder):
-    m = minfer.load(folder)
-    return m.forward(IDS, DEC), m.generate(IDS, max_new_tokens=12, min_new_tokens=12)
 
 
 def test_convert_int8_file_loads_as_int8_with_the_same_outputs(folder, reference, tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from t5_factory import write_t5  # noqa: E402
+from factories import write_t5  # noqa: E402
 
 import minfer
 from minfer.arena import Arena

@@ -1,6 +1,6 @@
 """Building a backend from user options (devices.py, backend.py): device names, dtypes, budgets."""
 import pytest
-from t5_factory import write_t5  # noqa: E402
+from factories import write_t5  # noqa: E402
 
 import minfer
 from minfer.devices import cuda_available, make_backend

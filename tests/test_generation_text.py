@@ -86,7 +86,7 @@ def test_task_applies_prefix_and_settings(text_model):
 
 
 def test_text_input_needs_a_tokenizer(tmp_path):
-    from t5_factory import write_t5
+    from factories import write_t5
 
     import minfer
     model = minfer.load(write_t5(tmp_path / "m"))

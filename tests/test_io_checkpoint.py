@@ -2,28 +2,18 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from factories import folder_with
 from minfer.errors import CheckpointError
 from minfer.io.checkpoint import Checkpoint
 
 
-def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None):
-    blob = json.dumps(header).encode()
-    n = len(blob) if header_len is None else header_len
-    path.write_bytes(struct.pack("<Q", n) + blob + data)
-    return path
 
 
-def folder_with(tmp_path, tensors=None, raw=None):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    if tensors is not None:
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-    return tmp_path
 
 
 def test_sharded_index(tmp_path):

@@ -1,29 +1,18 @@
 """One safetensors file (io/safetensors.py, io/tensors.py): header validation, dtypes, bounded reads."""
-import json
 import struct
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
+from factories import folder_with, write_raw
 from minfer.errors import CheckpointError
 from minfer.io.checkpoint import Checkpoint
 from minfer.io.safetensors import SafetensorsFile
 from minfer.io.tensors import bf16_to_float32
 
 
-def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None):
-    blob = json.dumps(header).encode()
-    n = len(blob) if header_len is None else header_len
-    path.write_bytes(struct.pack("<Q", n) + blob + data)
-    return path
 
 
-def folder_with(tmp_path, tensors=None, raw=None):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    if tensors is not None:
-        save_file(tensors, str(tmp_path / "model.safetensors"))
-    return tmp_path
 
 
 def test_reads_f32_f16_and_widens_bf16_exactly(tmp_path):

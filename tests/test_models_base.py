@@ -1,6 +1,6 @@
 """The shared façade (models/base.py): input batches, sizes, the decoding protocol."""
 import pytest
-from t5_factory import write_t5
+from factories import write_t5
 
 import minfer
 from minfer.errors import ArenaExhausted, InputError

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import XL_FIXTURES, needs_xl_fixtures
 from safetensors.numpy import save_file
-from t5_factory import write_t5
+from factories import write_t5
 
 import minfer
 from minfer.errors import CheckpointError

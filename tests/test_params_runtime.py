@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from t5_factory import write_t5  # noqa: E402
+from factories import DEC, IDS, write_t5
 
 import minfer
 from minfer.arena import Arena
@@ -29,25 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "weights" / "tiny-t5-dates"
 
 
-SHAPE = dict(d_model=64, d_kv=16, num_heads=4, d_ff=256, num_layers=4, num_decoder_layers=3,
-             vocab_size=200)
 
 
-IDS = [[5, 6, 7, 8, 1], [9, 10, 1]]
 
 
-DEC = [[0, 3, 4, 9], [0, 5, 6, 7]]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_t5(tmp_path_factory.mktemp("t5") / "m", seed=3, **SHAPE)
 
 
-@pytest.fixture(scope="module")
-def reference(folder):
-    m = minfer.load(folder)
-    return m.forward(IDS, DEC), m.generate(IDS, max_new_tokens=12, min_new_tokens=12)
 
 
 class CountingTransfers(Transfers):

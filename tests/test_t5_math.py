@@ -1,7 +1,7 @@
 """T5's math (models/t5/math.py): position buckets, the causal table, one block for every pass."""
 import numpy as np
 import pytest
-from t5_factory import BASE, write_t5
+from factories import BASE, write_t5
 
 import minfer
 from minfer.models.t5 import math as t5

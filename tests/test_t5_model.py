@@ -3,7 +3,7 @@ import json
 
 import numpy as np
 import pytest
-from t5_factory import write_t5
+from factories import write_t5
 
 import minfer
 from minfer.errors import InputError

@@ -1,6 +1,6 @@
 """T5's declaration (models/t5/spec.py): config parsing."""
 import pytest
-from t5_factory import BASE
+from factories import BASE
 
 from minfer.errors import ConfigError
 from minfer.models import t5

@@ -1,10 +1,11 @@
 """What every model family shares: the public façade, how it is loaded, and input batches.
 
 A family is a declaration plus math (models/<family>/spec.py and math.py). Its public class
-subclasses `Model` and supplies only what differs: the config class, the weight table, the run
-sizes, the token ids and `start_decoding`. Everything else is written here once: loading (check ->
-plan -> place, through params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the
-context manager, `batch`, `generate` and `repr`. `Model` implements generation's
+subclasses `Model`, points `spec` at the family's declaration (`family.Family`: config class,
+weight table, run sizes) and adds only what differs: `start_decoding` and the family's own API.
+Everything else is written here once: loading (check -> plan -> place, through
+params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the context manager,
+`batch`, `generate` and `repr`. `Model` implements generation's
 `DecodingModel` protocol explicitly, so generation never imports a model.
 """
 
@@ -21,17 +22,13 @@ from ..io.checkpoint import Checkpoint
 from ..params.formats import weight_format
 from ..params.loader import load_params, plan_placement
 from ..params.runtime import OwnsWeights, WeightRuntime
-from ..params.spec import WeightTable
+from .family import Family
 
 
 class Model(OwnsWeights, DecodingModel):
     """A loaded model: config, parameters placed on a backend, tokenizer, and the public API."""
 
-    family: ClassVar[str]                  # "t5", "transfo-xl"
-    model_types: ClassVar[tuple[str, ...]]  # config.json model_type values this family reads
-    config_class: ClassVar[Any]            # has from_hf(dict, source), describe(), summary()
-    is_encoder_decoder: ClassVar[bool]
-    add_eos_to_prompt: ClassVar[bool]
+    spec: ClassVar[Family]  # the family's declaration
 
     def __init__(self, config: Any, params: dict, backend: Backend, folder: str,
                  hf_config: dict | None = None, generation_config: dict | None = None,
@@ -43,22 +40,19 @@ class Model(OwnsWeights, DecodingModel):
         self.hf_config = hf_config or {}                  # config.json as read (task params, ...)
         self.generation_config = generation_config or {}  # generation_config.json, if any
         self.tokenizer = tokenizer
-        self.token_ids: TokenIds = self.make_token_ids(config)
+        self.token_ids: TokenIds = config.token_ids()
 
-    # -- what a family supplies -----------------------------------------------------------------------
-    @staticmethod
-    def weight_table(config: Any) -> WeightTable:
-        raise NotImplementedError
+    @property
+    def family(self) -> str:
+        return self.spec.name
 
-    @staticmethod
-    def run_bytes(config: Any, dtype: Any, batch: int, input_len: int | None,
-                  max_new_tokens: int | None) -> dict[str, int]:
-        """Arena bytes of one run of this shape: named parts and their "peak"."""
-        raise NotImplementedError
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.spec.is_encoder_decoder
 
-    @staticmethod
-    def make_token_ids(config: Any) -> TokenIds:
-        raise NotImplementedError
+    @property
+    def add_eos_to_prompt(self) -> bool:
+        return self.spec.add_eos_to_prompt
 
     def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """A family's own conditions on a validated batch (none by default)."""
@@ -69,10 +63,10 @@ class Model(OwnsWeights, DecodingModel):
              tokenizer: Any = None, recorder: Any = None) -> "Model":
         """Parse the config, plan where the weights go (all resident without a memory limit),
         then read them layer by layer into place."""
-        config = cls.config_class.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-        table = cls.weight_table(config)
+        config = cls.spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        table = cls.spec.weight_table(config)
         fmt = weight_format(backend.weight_format)
-        planned = cls.run_bytes(config, backend.dtype, 1, None, None)["peak"]
+        planned = cls.spec.run_bytes(config, backend.dtype, 1, None, None)["peak"]
         plan = plan_placement(table, backend.dtype, fmt, backend.memory_limit,
                               backend.workspace_reserve(planned))
         runtime = WeightRuntime(backend, plan, recorder)
@@ -98,10 +92,11 @@ class Model(OwnsWeights, DecodingModel):
              max_new_tokens: int | None = None) -> dict[str, int]:
         """Arena bytes a run of this shape needs (pure: nothing is allocated): named parts and
         their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
-        return self.run_bytes(self.config, self.backend.dtype, batch, input_len, max_new_tokens)
+        return self.spec.run_bytes(self.config, self.backend.dtype, batch, input_len,
+                                   max_new_tokens)
 
     def parameter_count(self) -> int:
-        return self.weight_table(self.config).parameter_count()
+        return self.spec.weight_table(self.config).parameter_count()
 
     def describe(self) -> list[tuple[str, str]]:
         """Architecture facts for `minfer info`."""

@@ -11,7 +11,7 @@ from .t5 import T5Model
 from .transfo_xl import XLModel
 
 FAMILIES: tuple[type[Model], ...] = (T5Model, XLModel)
-MODEL_TYPES: dict[str, type[Model]] = {t: f for f in FAMILIES for t in f.model_types}
+MODEL_TYPES: dict[str, type[Model]] = {t: f for f in FAMILIES for t in f.spec.model_types}
 
 
 def family_of(config: dict, source: str) -> type[Model]:

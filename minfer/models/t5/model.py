@@ -8,10 +8,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...errors import InputError
-from ...generation.protocol import DecodeState, TokenIds
+from ...generation.protocol import DecodeState
 from ..base import Model, as_batch
 from . import math as t5
-from .spec import DecodeBuffers, T5Config, run_bytes, weight_table
+from .spec import FAMILY, DecodeBuffers
 
 
 class T5DecodeState(DecodeState):
@@ -51,18 +51,7 @@ class T5DecodeState(DecodeState):
 class T5Model(Model):
     """A loaded T5 (v1.0, v1.1 / flan-t5, mT5): encode, forward, generate."""
 
-    family = "t5"
-    model_types = ("t5", "mt5")
-    config_class = T5Config
-    is_encoder_decoder = True
-    add_eos_to_prompt = True
-    weight_table = staticmethod(weight_table)
-    run_bytes = staticmethod(run_bytes)
-
-    @staticmethod
-    def make_token_ids(config: T5Config) -> TokenIds:
-        return TokenIds(eos=config.eos_token_ids, pad=config.pad_token_id,
-                        start=config.decoder_start_token_id)
+    spec = FAMILY
 
     def encode(self, input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""

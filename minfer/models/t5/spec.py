@@ -19,8 +19,10 @@ from typing import Any
 from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
+from ...generation.protocol import TokenIds
 from ...params.spec import Linear, Tensor, View, WeightTable
 from ..config import ConfigReader
+from ..family import Family
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
 # to this many tokens generating up to this many.
@@ -75,6 +77,10 @@ class T5Config:
     def summary(self) -> str:
         return (f"layers={self.num_layers}/{self.num_decoder_layers}, d_model={self.d_model}, "
                 f"vocab={self.vocab_size}")
+
+    def token_ids(self) -> TokenIds:
+        return TokenIds(eos=self.eos_token_ids, pad=self.pad_token_id,
+                        start=self.decoder_start_token_id)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "T5Config":
@@ -301,3 +307,7 @@ def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
     cross = bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
     return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
             "peak": state + max(encoder, cross)}
+
+
+FAMILY = Family(name="t5", model_types=("t5", "mt5"), config=T5Config, weight_table=weight_table,
+                run_bytes=run_bytes, is_encoder_decoder=True, add_eos_to_prompt=True)

@@ -13,11 +13,11 @@ import numpy as np
 
 from ...errors import InputError
 from ...generation.options import resolve_options
-from ...generation.protocol import DecodeState, TokenIds
+from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import MemoryBuffers, XLConfig, run_bytes, weight_table
+from .spec import FAMILY, MemoryBuffers, XLConfig
 
 PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
 
@@ -98,19 +98,7 @@ class XLDecodeState(DecodeState):
 class XLModel(Model):
     """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
 
-    family = "transfo-xl"
-    model_types = ("transfo-xl",)
-    config_class = XLConfig
-    is_encoder_decoder = False
-    add_eos_to_prompt = False
-    weight_table = staticmethod(weight_table)
-    run_bytes = staticmethod(run_bytes)
-
-    @staticmethod
-    def make_token_ids(config: XLConfig) -> TokenIds:
-        # <eos> ends a WT103 line, not a document: generation continues past it (it prints as a
-        # newline); use stop=["\n"] to end at a line break.
-        return TokenIds(eos=(), pad=config.eos_token_id)
+    spec = FAMILY
 
     def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
         if not mask.all():

@@ -19,8 +19,10 @@ import numpy as np
 
 from ...arena import BufferSet, BufferSpec
 from ...errors import ConfigError
+from ...generation.protocol import TokenIds
 from ...params.spec import Derived, Linear, Tensor, WeightTable
 from ..config import ConfigReader
+from ..family import Family
 
 
 # =====================================================================================================
@@ -77,6 +79,11 @@ class XLConfig:
     def summary(self) -> str:
         return (f"layers={self.n_layer}, d_model={self.d_model}, vocab={self.vocab_size}, "
                 f"mem_len={self.mem_len}")
+
+    def token_ids(self) -> TokenIds:
+        # <eos> ends a WT103 line, not a document: generation continues past it (it prints as a
+        # newline); use stop=["\n"] to end at a line break.
+        return TokenIds(eos=(), pad=self.eos_token_id)
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "XLConfig":
@@ -290,3 +297,8 @@ def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
     memory = MemoryBuffers.nbytes(cfg, batch, dtype)
     scratch = LayerScratch.nbytes(cfg, batch, T, cfg.mem_len + T, dtype)
     return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
+
+
+FAMILY = Family(name="transfo-xl", model_types=("transfo-xl",), config=XLConfig,
+                weight_table=weight_table, run_bytes=run_bytes, is_encoder_decoder=False,
+                add_eos_to_prompt=False)

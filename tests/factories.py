@@ -1,5 +1,7 @@
-"""Random T5 checkpoints in the HF layout, written with NumPy (no torch) for structural tests."""
+"""Test inputs written with NumPy (no torch): random T5 checkpoints in the HF layout, and raw
+safetensors files with whatever header a test needs."""
 import json
+import struct
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -31,3 +33,26 @@ def write_t5(folder, seed=0, extra_tensors=None, drop=(), **overrides):
     tensors.update(extra_tensors or {})
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+# A T5 with 4 + 3 layers, big enough to stream (tests of params/ and convert)
+SHAPE = dict(d_model=64, d_kv=16, num_heads=4, d_ff=256, num_layers=4, num_decoder_layers=3,
+             vocab_size=200)
+IDS = [[5, 6, 7, 8, 1], [9, 10, 1]]
+DEC = [[0, 3, 4, 9], [0, 5, 6, 7]]
+
+
+def write_raw(path, header: dict, data: bytes = b"", header_len: int | None = None):
+    """A safetensors file with exactly this header (and header length) and data."""
+    blob = json.dumps(header).encode()
+    n = len(blob) if header_len is None else header_len
+    path.write_bytes(struct.pack("<Q", n) + blob + data)
+    return path
+
+
+def folder_with(tmp_path, tensors=None):
+    """A model folder with a minimal config.json and, given tensors, a model.safetensors."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    if tensors is not None:
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path
