@@ -43,3 +43,21 @@ def test_finished_rows_leave_the_batch(text_model, monkeypatch):
     assert len(sizes) == lengths[-1]
     if lengths[0] < lengths[-1]:
         assert sizes[-1] < 4
+
+
+def test_sampled_beam_search_is_seeded_ranked_and_differs_from_plain_beams(text_model):
+    """do_sample with num_beams: the 2*num_beams candidates are drawn (Gumbel top-k), not taken."""
+    opts = dict(num_beams=3, num_return_sequences=3, max_new_tokens=8)
+
+    def run(**extra):
+        row = text_model.generate([[5, 6, 7, 1]], return_details=True, **opts, **extra)[0]
+        return [(r.token_ids, r.score) for r in row]
+
+    first = run(do_sample=True, seed=1)
+    assert first == run(do_sample=True, seed=1)                    # the seed fixes the draws
+    scores = [s for _, s in first]
+    assert scores == sorted(scores, reverse=True)                   # best first
+    assert all(ids[0] == 0 and len(ids) <= 9 for ids, _ in first)  # start token, length limit
+    draws = [run(do_sample=True, seed=s) for s in range(2, 8)]
+    assert any(d != first for d in draws)
+    assert any(d != run() for d in draws)                            # plain beam search differs

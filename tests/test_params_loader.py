@@ -64,3 +64,32 @@ def test_missing_and_misshaped_tensors_are_named(tmp_path):
     save_file({**tensors, name: np.zeros(3, np.float32)}, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointError, match=f"'{name}' has shape"):
         minfer.load(folder)
+
+
+@pytest.mark.parametrize("folder_name,dtype", [("weights/tiny-t5-dates", None),
+                                                ("weights/tiny-t5-dates", "int8"),
+                                                ("weights/t5/v1_1_gated_untied", None),
+                                                ("weights/transfo_xl/adaptive_div4", None),
+                                                ("weights/transfo_xl/adaptive_div1_proj", "int8")])
+def test_the_plan_counts_exactly_what_placement_allocates(folder_name, dtype):
+    """Under a limit every weight lives in the arena: the plan's bytes are the arena's use."""
+    from conftest import ROOT
+    m = minfer.load(ROOT / folder_name, dtype=dtype, memory_limit="1GiB")
+    plan = m.weight_plan
+    assert not plan.streamed
+    assert m.backend.arena.used == plan.fixed + sum(plan.unit_bytes.values()) + plan.scratch_bytes
+
+
+def test_fused_and_folded_slots_compute_what_the_checkpoint_says(tmp_path):
+    """w_qkv of a layer is (g * [q; k; v]).T: the norm's weight folded into the fused matrix."""
+    from minfer.io.checkpoint import Checkpoint
+    folder = write_t5(tmp_path / "m", seed=4, feed_forward_proj="gated-gelu")
+    ckpt = Checkpoint(folder)
+    blk = next(iter(minfer.load(folder).params["decoder"]))
+    p = "decoder.block.0.layer"
+    g = ckpt.read(f"{p}.0.layer_norm.weight")
+    qkv = np.concatenate([ckpt.read(f"{p}.0.SelfAttention.{w}.weight") for w in "qkv"])
+    np.testing.assert_allclose(blk["w_qkv"], (qkv * g[None, :]).T, rtol=1e-6)
+    g2 = ckpt.read(f"{p}.2.layer_norm.weight")
+    wi = np.concatenate([ckpt.read(f"{p}.2.DenseReluDense.wi_{j}.weight") for j in (0, 1)])
+    np.testing.assert_allclose(blk["w_in"], (wi * g2[None, :]).T, rtol=1e-6)

@@ -43,6 +43,7 @@ def test_causal_table_by_distance_gives_each_step_its_row():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+                                       {"feed_forward_proj": "gated-silu"},
                                        {"num_layers": 3, "num_decoder_layers": 1, "d_kv": 5}])
 def test_incremental_steps_equal_the_full_forward(tmp_path, overrides):
     model = minfer.load(write_t5(tmp_path / "m", seed=1, **overrides))

@@ -1,4 +1,5 @@
 """T5's declaration (models/t5/spec.py): config parsing."""
+import numpy as np
 import pytest
 from factories import BASE
 
@@ -26,3 +27,59 @@ def test_config_variants():
 def test_config_errors_name_the_key(change, needle):
     with pytest.raises(ConfigError, match=needle):
         t5.T5Config.from_hf({**BASE, **change})
+
+
+def test_weight_table_fuses_folds_and_splits_the_cross_projections():
+    from minfer.models.t5.spec import weight_table
+    from minfer.params.spec import Linear, Tensor, View
+    cfg = t5.T5Config.from_hf({**BASE, "feed_forward_proj": "gated-gelu"})
+    table = weight_table(cfg)
+    C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size
+    assert list(table.stacks) == ["encoder", "cross", "decoder"]
+    assert [len(s) for s in table.stacks.values()] == [2, 2, 2]
+    dec = table.stacks["decoder"][1]
+    assert dec["w_qkv"] == Linear(tuple(f"decoder.block.1.layer.0.SelfAttention.{w}.weight"
+                                        for w in "qkv"), fold="decoder.block.1.layer.0.layer_norm.weight")
+    assert {n: table.shape(e) for n, e in dec.items()} == {
+        "w_qkv": (C, 3 * I), "w_o": (I, C), "w_cross_q": (C, I), "w_cross_o": (I, C),
+        "w_in": (C, 2 * F), "w_out": (F, C)}
+    assert table.shape(table.stacks["cross"][0]["w_cross_kv"]) == (C, 2 * I)
+    # a tied head: one (C, V) array, the embedding its transposed view
+    assert table.fixed["lm_head"] == Tensor("shared.weight", transpose=True)
+    assert table.fixed["embedding"] == View("lm_head") and table.shape(table.fixed["embedding"]) == (V, C)
+    # every norm but the final ones is folded into the slots it feeds
+    folded = {n for n in table.linear_sources().values() if n}
+    norms = {n for n in table.tensors if n.endswith("layer_norm.weight")}
+    assert folded == norms - {"encoder.final_layer_norm.weight", "decoder.final_layer_norm.weight"}
+    assert table.priority == {"decoder": 1}
+
+
+def test_parameter_count_is_every_checkpoint_tensor():
+    from minfer.models.t5.spec import weight_table
+    cfg = t5.T5Config.from_hf(BASE)
+    C, I, F, V, L = 16, 16, 32, 64, 2
+    per_enc = 4 * C * I + 2 * C * F + 2 * C
+    per_dec = 8 * C * I + 2 * C * F + 3 * C
+    want = V * C + L * (per_enc + per_dec) + 2 * (8 * 4 + C)
+    assert weight_table(cfg).parameter_count() == want
+
+
+def test_buffer_sets_allocate_exactly_what_they_count():
+    from minfer.arena import Arena, align_up
+    from minfer.models.t5.spec import DecodeBuffers, DecoderScratch, EncoderScratch, run_bytes
+    cfg = t5.T5Config.from_hf(BASE)
+    arena = Arena("8MiB")
+    for cls, args in ((EncoderScratch, (cfg, 2, 7, np.float32)),
+                      (DecoderScratch, (cfg, 2, 5, 7, np.float32)),
+                      (DecodeBuffers, (cfg, 3, 7, 20, np.float32))):
+        with arena.scope():
+            buf = cls.allocate(arena, *args)
+            assert align_up(arena.used) == cls.nbytes(*args)  # the last block is not padded
+            assert set(cls.specs(*args)) == {k for k, v in vars(buf).items() if v is not None}
+    buf = DecodeBuffers.allocate(arena, cfg, 3, 7, 20, np.float32)
+    live = buf.rows(2)  # views of the first two rows, sharing memory
+    assert live.self_k.shape == (2, 2, 4, 20, 4) and live.x.shape == (2, 1, 16)
+    assert np.shares_memory(live.self_k, buf.self_k) and live.scores is buf.scores
+    plan = run_bytes(cfg, np.float32, 3, 7, 20)
+    assert plan["decode_state"] == DecodeBuffers.nbytes(cfg, 3, 7, 20, np.float32)
+    assert plan["peak"] == plan["decode_state"] + max(plan["encoder_scratch"], plan["cross_kv_scratch"])
