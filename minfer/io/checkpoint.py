@@ -161,9 +161,6 @@ class Checkpoint:
     def stored_dtypes(self) -> set[str]:
         return {f.tensors[n].dtype for n, f in self._where.items()}
 
-    def total_bytes(self) -> int:
-        return sum(i.end - i.start for f in self.files for i in f.tensors.values())
-
 
 def _open_weights(path: Path) -> SafetensorsFile:
     """A weights file: safetensors, or a torch pickle file (torch_pickle.TorchFile, same interface)."""
