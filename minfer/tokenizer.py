@@ -11,6 +11,29 @@
    `vocab.bin` (pickles, read by `io.torch_pickle.load_pickled_vocab`'s restricted unpickler), else
    `vocab.json`, else `vocab.txt`. Its rules are in the `WordTokenizer` docstring.
 
+A tokenizer.json is run as `transformers`' plain `AutoTokenizer.from_pretrained(folder)(text)` runs
+it (checked against transformers 4.57 with tests/test_tokenizer.py's fixtures; see
+weights/make_tokenizer_fixtures.py):
+- the padding and truncation a tokenizer.json may have been saved with are switched off: a prompt
+  is never padded, and never cut (nor by tokenizer_config.json's `model_max_length`, which
+  transformers only warns about);
+- tokens that tokenizer_config.json declares but tokenizer.json lacks are added the way
+  transformers adds them (`_config_tokens`): the `added_tokens_decoder` entries, then the special
+  tokens it names (`eos_token`..., `additional_special_tokens`; special_tokens_map.json's only where
+  the config has no `added_tokens_decoder`, as transformers reads it), for a T5 tokenizer class
+  with its `<extra_id_N>` sentinels filled in the way T5Tokenizer does;
+- `split_special_tokens: true` in tokenizer_config.json: special-token strings in the text are
+  tokenized as text.
+(spiece.model, read when there is no tokenizer.json, gets none of this: it has no saved padding,
+and the tokens a config adds to it are not added.)
+Not followed: tokenizer_config.json's `add_prefix_space` (transformers 4.57 then rebuilds the
+tokenizer from spiece.model with protobuf, 5.x ignores it) and a tokenizer.json without a
+post-processor (4.57's fast tokenizer then appends nothing; we append `</s>`, as 4.57's slow
+T5Tokenizer and 5.x's T5Tokenizer do). transformers 5 builds T5-class tokenizers from scratch out of the file's vocabulary
+(no byte fallback, its own pre-tokenizer): for files other than the canonical T5 one we follow
+the file as written, as transformers 4.57, `tokenizers` and `sentencepiece` do (tests/test_tokenizer.py,
+`test_tiny_matches_transformers`, says what 5.x does instead).
+
 For T5, both sources give the same ids for the same text (checked on T5's vocabulary: the tests compare
 them with each other and with `transformers`) and the same text for the same ids. Decoding
 follows the `tokenizers` library, i.e. `transformers`' fast tokenizers with
@@ -44,6 +67,13 @@ from typing import Any, Iterable
 from .errors import InputError, TokenizerError
 
 SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
+# What transformers' tokenizers call their special tokens, in the order it adds missing ones.
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+_LISTED_SPECIALS = ("additional_special_tokens", "extra_special_tokens")
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+_T5_CLASSES = ("T5Tokenizer", "T5TokenizerFast", "MT5Tokenizer", "MT5TokenizerFast")
+_T5_MODEL_TYPES = ("t5", "mt5", "umt5")
 DEFAULT_EXTRA_IDS = 100                     # T5's sentinels, if tokenizer_config.json is silent
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _METASPACE = "\u2581"                       # "▁", SentencePiece's word-start mark
@@ -69,17 +99,109 @@ def _read_json_text(path: Path) -> tuple[Any, str]:
         raise TokenizerError(f"{path}: not valid JSON ({_first_line(e)})") from None
 
 
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} if there is no such file."""
+    if not path.is_file():
+        return {}
+    data, _ = _read_json_text(path)
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: not a JSON object")
+    return data
+
+
 def _read_settings(folder: Path) -> dict[str, Any]:
     """tokenizer_config.json overlaid with special_tokens_map.json (both optional)."""
     settings: dict[str, Any] = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = folder / name
-        if path.is_file():
-            data, _ = _read_json_text(path)
-            if not isinstance(data, dict):
-                raise TokenizerError(f"{path}: not a JSON object")
-            settings.update(data)
+        settings.update(_read_object(folder / name))
     return settings
+
+
+def _config_tokens(folder: Path, added_token: type) -> tuple[list[Any], list[Any]]:
+    """What transformers adds to a tokenizer.json when it loads `folder`, as `added_token`
+    (`tokenizers.AddedToken`) objects: (the `added_tokens_decoder` entries of
+    tokenizer_config.json, by id; the special tokens the config names, in transformers' order).
+
+    transformers (4.57 `PreTrainedTokenizerFast.__init__`, 5.x `TokenizersBackend.__init__`, same
+    rule) passes to the library's `add_tokens` the decoder entries whose content or flags differ
+    from all of the file's added tokens (for a content already there the library keeps its id),
+    then each named special token whose content is neither an added token nor a decoder entry,
+    flagged special. The
+    special tokens come from tokenizer_config.json, overlaid with special_tokens_map.json only where
+    the config has no `added_tokens_decoder` (transformers' legacy path reads the map only then).
+    """
+    config = _read_object(folder / "tokenizer_config.json")
+    decoder = config.get("added_tokens_decoder")
+    names = dict(config)
+    if not isinstance(decoder, dict):
+        decoder = {}
+        for key, value in _read_object(folder / "special_tokens_map.json").items():
+            if isinstance(value, dict):
+                value = {**value, "special": True}
+            elif isinstance(value, list):
+                value = [{**v, "special": True} if isinstance(v, dict) else v for v in value]
+            names[key] = value
+    if _is_t5_class(folder, config):
+        names["additional_special_tokens"] = _t5_sentinels(names)
+
+    def make(value: Any, special: bool) -> Any:
+        if isinstance(value, str):
+            return added_token(value, special=True) if special else added_token(value)
+        if isinstance(value, dict) and isinstance(value.get("content"), str) and value["content"]:
+            fields = {k: value[k] for k in _ADDED_TOKEN_FIELDS[1:] if isinstance(value.get(k), bool)}
+            fields["content"] = value["content"]
+            token = added_token(**fields)
+            if special:
+                token.special = True
+            return token
+        return None
+
+    specials: list[Any] = [names.get(key) for key in _NAMED_SPECIALS]
+    for key in _LISTED_SPECIALS:
+        listed = names.get(key)
+        specials += list(listed.values()) if isinstance(listed, dict) else \
+            list(listed) if isinstance(listed, list) else []
+    special_names = {_token_name(v) for v in specials} - {None}
+
+    out: list[Any] = []
+    for key in sorted((k for k in decoder if k.lstrip("-").isdigit()), key=int):
+        token = make(decoder[key], False)
+        if token is not None:
+            token.special = bool(token.special or token.content in special_names)
+            out.append(token)
+    return out, [t for t in (make(v, True) for v in specials) if t is not None]
+
+
+def _token_state(token: Any) -> tuple:
+    """An AddedToken's content and flags (what transformers compares, through its repr)."""
+    return tuple(getattr(token, k) for k in _ADDED_TOKEN_FIELDS)
+
+
+def _is_t5_class(folder: Path, config: dict[str, Any]) -> bool:
+    """Whether AutoTokenizer loads the folder with a T5 tokenizer class: the config's
+    `tokenizer_class`, else (as AutoTokenizer) config.json's `model_type`."""
+    name = config.get("tokenizer_class")
+    if isinstance(name, str):
+        return name in _T5_CLASSES
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return model_type in _T5_MODEL_TYPES
+
+
+def _t5_sentinels(names: dict[str, Any]) -> list[Any]:
+    """additional_special_tokens as T5Tokenizer completes it: `extra_ids` sentinels
+    <extra_id_0>.. when the list is absent, or appended when it holds none."""
+    listed = names.get("additional_special_tokens")
+    extra = names.get("extra_ids", DEFAULT_EXTRA_IDS)
+    extra = extra if isinstance(extra, int) and not isinstance(extra, bool) and extra >= 0 else 0
+    sentinels = [f"<extra_id_{i}>" for i in range(extra)]
+    if not isinstance(listed, list):
+        return sentinels
+    if not any("<extra_id_" in str(_token_name(v)) for v in listed):
+        return listed + sentinels
+    return listed
 
 
 def _token_name(value: Any) -> str | None:
@@ -181,7 +303,7 @@ class JsonTokenizer(Tokenizer):
 
     def __init__(self, path: Path, settings: dict[str, Any]):
         try:
-            from tokenizers import Tokenizer as RustTokenizer
+            from tokenizers import AddedToken, Tokenizer as RustTokenizer
         except ImportError:
             raise _MissingLibrary(f"{path}: reading it needs the 'tokenizers' package "
                                   "(pip install tokenizers)") from None
@@ -195,6 +317,15 @@ class JsonTokenizer(Tokenizer):
             raise TokenizerError(f"{path}: not a usable tokenizer.json "
                                  f"({_first_line(e)})") from None
 
+        # A prompt is never padded or cut: transformers' plain `tok(text)` switches off the padding
+        # and truncation a tokenizer.json may have been saved with (fine-tuned repositories often
+        # are), whatever `model_max_length` says.
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self._add_config_tokens(AddedToken)
+        if settings.get("split_special_tokens") is True:       # transformers' tok.split_special_tokens
+            self._tok.encode_special_tokens = True
+
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         added = self._tok.get_added_tokens_decoder()                       # {id: AddedToken}
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
@@ -204,6 +335,28 @@ class JsonTokenizer(Tokenizer):
         self._resolve_specials(settings, {
             "eos_token": self.token_to_id("</s>"), "pad_token": self.token_to_id("<pad>"),
             "unk_token": unk if isinstance(unk, int) else self.token_to_id("<unk>")})
+
+    def _add_config_tokens(self, added_token: type) -> None:
+        """Add what tokenizer_config.json declares and tokenizer.json lacks (see `_config_tokens`)."""
+        decoder_tokens, special_tokens = _config_tokens(self.path.parent, added_token)
+        present = list(self._tok.get_added_tokens_decoder().values())
+        states = {_token_state(t) for t in present}
+        todo = [t for t in decoder_tokens if _token_state(t) not in states]
+        known = {t.content for t in present} | {t.content for t in decoder_tokens}
+        for token in special_tokens:
+            if token.content not in known:
+                known.add(token.content)
+                todo.append(token)
+        # transformers hands them all to `add_tokens` with their `special` flag set, which recent
+        # `tokenizers` honour (0.22, 0.23 checked); 0.19's `add_tokens` makes every token it adds
+        # non-special, so special ones go through `add_special_tokens` (in order: the same ids).
+        while todo:
+            special = todo[0].special
+            run = 1
+            while run < len(todo) and todo[run].special == special:
+                run += 1
+            (self._tok.add_special_tokens if special else self._tok.add_tokens)(todo[:run])
+            todo = todo[run:]
 
     def _encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)

@@ -7,6 +7,8 @@ comparisons with `transformers` when it is not installed.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import random
 import shutil
@@ -24,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "weights" / "tokenizers" / "tiny-t5"
 REAL = Path(__file__).resolve().parents[2] / "shared" / "t5-tokenizer"
 CONFIGS = ("tokenizer_config.json", "special_tokens_map.json")
+VARIANTS_SCRIPT = ROOT / "weights" / "make_tokenizer_fixtures.py"
+VARIANTS_FILE = ROOT / "weights" / "tokenizers" / "hf-variants.json"
 
 KNOWN_TEXT = "translate English to German: The house is wonderful."
 KNOWN_IDS = [13959, 1566, 12, 2968, 10, 37, 629, 19, 1627, 5, 1]
@@ -343,16 +347,177 @@ def test_matches_transformers(real, real_sp, hf):
     assert set(fast.all_special_ids) == set(real.special_ids) == set(real_sp.special_ids)
 
 
-def test_tiny_matches_transformers(tiny):
+def _transformers_major(transformers) -> int:
+    return int(transformers.__version__.split(".")[0])
+
+
+def _byte_runs_as_unk(tok, ids: list[int]) -> list[int]:
+    """ids with each run of byte-fallback pieces replaced by one <unk> (a Unigram model without
+    byte fallback fuses the unknown characters of a word into one <unk>)."""
+    out: list[int] = []
+    for i in ids:
+        if i in tok.byte_ids:
+            if not out or out[-1] != tok.unk_id:
+                out.append(tok.unk_id)
+        else:
+            out.append(i)
+    return out
+
+
+def test_tiny_matches_transformers(tiny, tiny_sp):
+    """The oracle for the tiny vocabulary is its tokenizer.json as written: byte fallback (characters
+    outside the vocabulary become their UTF-8 byte pieces), its whitespace normaliser, its
+    Metaspace pre-tokenizer. transformers 4.57 (the pinned dev version) runs exactly that, as the
+    `tokenizers` library does, and `sentencepiece` gives the same ids from spiece.model; it is also
+    what the tiny checkpoints were trained with (weights/train_tiny_t5.py encodes with `tokenizers`).
+
+    transformers 5 is different by design: a tokenizer class with its own `__init__` (T5Tokenizer,
+    which AutoTokenizer picks from tokenizer_class) takes only the vocabulary, the scores and a
+    Precompiled normaliser from tokenizer.json and builds its fixed T5 pipeline around them
+    (transformers/models/t5/tokenization_t5.py: `Unigram(..., byte_fallback=False)`, WhitespaceSplit +
+    Metaspace, a Metaspace decoder without ByteFallback). On the tiny file that turns each byte-
+    fallback run into one <unk> (and tabs/newlines into word breaks). The canonical T5 file has no
+    byte fallback and a Precompiled normaliser, so there 5.x agrees (test_matches_transformers,
+    test_variants_match_transformers_live). Loading the file as written, PreTrainedTokenizerFast
+    (5.x: TokenizersBackend), agrees with us in both versions, and that is checked here too.
+    """
     transformers = pytest.importorskip("transformers")
-    fast = transformers.T5TokenizerFast.from_pretrained(str(TINY))
-    slow = transformers.T5Tokenizer.from_pretrained(str(TINY), legacy=True)
-    for text in ["March 5, 2021 is a Friday.", "one hundred <extra_id_0> three", "Café 日本 😀"]:
+    texts = ["March 5, 2021 is a Friday.", "one hundred <extra_id_0> three", "Café 日本 😀",
+             "tabs\tand\nnewlines", "  a  b  "]
+    as_written = transformers.PreTrainedTokenizerFast.from_pretrained(str(TINY))
+    for text in texts:
         ids = tiny.encode(text)
-        assert fast(text).input_ids == slow(text).input_ids == ids
-        assert fast.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) \
-            == tiny.decode(ids)
-    assert set(fast.all_special_ids) == set(tiny.special_ids)
+        assert as_written(text).input_ids == tiny_sp.encode(text) == ids, text
+        for skip in (True, False):
+            assert as_written.decode(ids, skip_special_tokens=skip,
+                                     clean_up_tokenization_spaces=False) == tiny.decode(ids, skip)
+    auto = transformers.AutoTokenizer.from_pretrained(str(TINY))
+    assert set(auto.all_special_ids) == set(tiny.special_ids)
+    if _transformers_major(transformers) < 5:
+        slow = transformers.T5Tokenizer.from_pretrained(str(TINY), legacy=True)
+        for text in texts:
+            ids = tiny.encode(text)
+            assert auto(text).input_ids == slow(text).input_ids == ids, text
+            assert auto.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) \
+                == tiny.decode(ids)
+        return
+    # transformers 5: the rebuilt pipeline, and what it gives instead
+    assert json.loads(auto.backend_tokenizer.to_str())["model"]["byte_fallback"] is False
+    for text in texts[:2]:                           # words of the vocabulary: the same ids
+        assert auto(text).input_ids == tiny.encode(text), text
+    ids = tiny.encode("Café 日本 😀")
+    assert set(ids) & tiny.byte_ids
+    assert auto("Café 日本 😀").input_ids == _byte_runs_as_unk(tiny, ids)
+
+
+# -- tokenizer.json / tokenizer_config.json as hub repositories save them ----------------------
+
+def _variants_module():
+    spec = importlib.util.spec_from_file_location("make_tokenizer_fixtures", VARIANTS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)                  # its top level needs no transformers
+    return module
+
+
+@pytest.fixture(scope="module")
+def variants():
+    module = _variants_module()
+    data = json.loads(VARIANTS_FILE.read_text(encoding="utf-8"))
+    return module, data
+
+
+def _source(kind: str) -> Path:
+    src = TINY if kind == "tiny" else REAL
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip(f"real T5 tokenizer not found at {REAL}")
+    return src
+
+
+def test_variant_fixtures_are_current_and_small(variants):
+    module, data = variants
+    assert VARIANTS_FILE.stat().st_size < 64 * 1024
+    assert data["variants"] == module.VARIANTS and data["texts"] == module.TEXTS
+    assert data["transformers"] == "4.57.6"
+    assert set(data["ids"]) == {"tiny", "real"}
+    for by_variant in data["ids"].values():
+        assert set(by_variant) == set(module.VARIANTS)
+        assert all(len(rows) == len(module.TEXTS) for rows in by_variant.values())
+
+
+@pytest.mark.parametrize("kind", ["tiny", "real"])
+def test_variants_match_committed_transformers_ids(kind, variants, tmp_path):
+    """Token ids equal transformers' `AutoTokenizer.from_pretrained(folder)(text)` (4.57.6,
+    committed by weights/make_tokenizer_fixtures.py) for folders saved with padding, truncation,
+    added tokens and config-declared tokens: a prompt is never padded or cut."""
+    module, data = variants
+    src = _source(kind)
+    for name, spec in data["variants"].items():
+        tok = load_tokenizer(module.build_variant(src, tmp_path / name, spec))
+        want = data["ids"][kind][name]
+        for text, ids in zip(data["texts"], want):
+            assert tok.encode(text) == ids, (name, text)
+            assert tok.encode(text, add_eos=False) == ids[:-1]
+            assert "".join(stream(tok, ids)) == tok.decode(ids)
+        assert tok.encode_batch(data["texts"]) == want, name
+
+
+def test_saved_padding_and_truncation_are_ignored(variants, tmp_path):
+    module, data = variants
+    long = data["texts"][1]
+    for name in ("padding-fixed", "truncation", "truncation-left-and-padding", "model-max-length"):
+        tok = load_tokenizer(module.build_variant(TINY, tmp_path / name, data["variants"][name]))
+        assert tok.encode(long) == load_tokenizer(TINY).encode(long), name
+        assert len(tok.encode(long)) > 24                           # past every saved length
+        assert tok.encode("") == [tok.eos_id]                       # not padded
+        short, longer = tok.encode_batch(["March", long])
+        assert short == [tok.token_to_id("▁March"), tok.eos_id] and len(longer) > 24
+
+
+def test_config_declared_tokens_are_added(variants, tmp_path):
+    module, data = variants
+    tok = load_tokenizer(module.build_variant(TINY, tmp_path / "c", data["variants"]["config-only-tokens"]))
+    assert [tok.token_to_id(t) for t in ("<cfg>", "<cfg2>", "<mapx>")] == [600, 601, 602]
+    assert tok.vocab_size == 603
+    assert {600, 602} <= tok.special_ids and 601 not in tok.special_ids
+    ids = tok.encode("a<cfg>b<cfg2>c <mapx>", add_eos=False)
+    assert [i for i in ids if i >= 600] == [600, 601, 602]
+    assert tok.decode(ids, skip_special_tokens=False) == "a<cfg> b<cfg2> c<mapx>"
+    # T5Tokenizer's sentinels when the config names none: <extra_id_0..99>, the 90 missing appended
+    tok = load_tokenizer(module.build_variant(TINY, tmp_path / "s", data["variants"]["t5-default-sentinels"]))
+    assert tok.vocab_size == 690
+    assert [tok.token_to_id(f"<extra_id_{n}>") for n in (0, 9, 10, 99)] == [599, 590, 600, 689]
+    assert set(range(590, 690)) <= tok.special_ids
+
+
+@pytest.mark.parametrize("kind", ["tiny", "real"])
+def test_variants_match_transformers_live(kind, variants, tmp_path):
+    """The same folders against the installed transformers. Under transformers 5 the tiny
+    vocabulary's T5-class folders are rebuilt without byte fallback (see
+    test_tiny_matches_transformers): there only the folder loaded as written (`generic-class`) and
+    the texts of plain ASCII words are compared; the real T5 vocabulary is compared in full."""
+    transformers = pytest.importorskip("transformers")
+    module, data = variants
+    src = _source(kind)
+    v5 = _transformers_major(transformers) >= 5
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()   # "longer than model_max_length": a warning only
+    try:
+        for name, spec in data["variants"].items():
+            folder = module.build_variant(src, tmp_path / name, spec)
+            tok, hf = load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+            rebuilt = v5 and kind == "tiny" and name != "generic-class"
+            for text in data["texts"]:
+                if rebuilt and ("add" in spec or not (text.isascii() and text.isprintable())):
+                    continue
+                ids = tok.encode(text)
+                assert hf(text)["input_ids"] == ids, (name, text)
+                if not rebuilt:
+                    for skip in (True, False):
+                        assert tok.decode(ids, skip) == hf.decode(
+                            ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), \
+                            (name, text)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 # -- errors -----------------------------------------------------------------------------------
