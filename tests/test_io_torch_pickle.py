@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import needs_xl_oracle
 
 from minfer.errors import CheckpointError, TokenizerError
 from minfer.io.checkpoint import Checkpoint
@@ -591,6 +592,7 @@ def test_torch_save_round_trip(tmp_path, zip_format):
         assert np.array_equal(got[name], want), name
 
 
+@needs_xl_oracle
 def test_transformers_transfo_xl_bin(tmp_path):
     """A tiny random TransfoXLLMHeadModel saved by transformers as pytorch_model.bin."""
     torch = pytest.importorskip("torch")

@@ -5,7 +5,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from conftest import ROOT, XL_CASES, XL_FIXTURES, needs_xl_fixtures, rel_err
+from conftest import ROOT, XL_CASES, XL_FIXTURES, needs_xl_fixtures, needs_xl_oracle, rel_err
 from conftest import load_xl_reference as reference
 
 import minfer
@@ -203,9 +203,7 @@ def test_stream_ids_and_beam_search_run(xl_models):
     assert len(beams[0][0].token_ids) == 5 and beams[0][0].score is not None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None
-                    or importlib.util.find_spec("transformers") is None,
-                    reason="torch + transformers (the [dev] extra) not installed")
+@needs_xl_oracle
 @pytest.mark.parametrize("case", XL_CASES)
 def test_live_oracle_agrees_with_committed_references(case):
     spec = importlib.util.spec_from_file_location("make_transfo_xl_fixtures",
