@@ -450,7 +450,7 @@ def profile_minfer(model_dir: Path, runs: int) -> int:
     head = {"log_probs (whole adaptive softmax)": lambda: xl.log_probs(be, cfg, params, h)}
     for i in range(cfg.n_clusters):
         def logits(i=i):
-            return xl.cluster_logits(params, i, h)
+            return xl.cluster_logits(np, params, i, h)
         head[f"  cluster {i} logits ({params[f'cluster.{i}.w'].shape[1]} columns)"] = logits
         z = logits()
         head[f"  cluster {i} log_softmax"] = lambda z=z: ops.log_softmax_(np, z.copy())

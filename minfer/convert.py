@@ -29,12 +29,6 @@ COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 _DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.float32}
 
 
-def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """HF (out, in) float -> int8 (out, in) and float32 scales (out,), one per output channel."""
-    q, scale = quantize_int8(np.ascontiguousarray(w.T))
-    return np.ascontiguousarray(q.T), scale
-
-
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
     """Write `output`/model.safetensors (+ copied side files). Returns a summary dict."""
     from safetensors.numpy import save_file
@@ -59,7 +53,7 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
         if name in linear:
             if linear[name] is not None:  # (out, in) * g over `in`
                 w = w * ckpt.read(linear[name], np.float32)[None, :]
-            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_rows(w)
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8(w)
         elif name in folded_norm_names:
             tensors[name] = np.ones_like(w)  # folded into the matrices it feeds
         else:

@@ -20,13 +20,14 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
-    """x (..., I) @ w (I, O) into `out` (..., O) (allocated when None) as one 2-D product.
+    """x (..., I) @ w.T into `out` (..., O) (allocated when None) as one 2-D product; w is a
+    linear slot (O, I), one row per output channel (params/formats.py), or a `PackedWeight`
+    (another storage format, or the compiled kernels), which multiplies itself.
 
-    Why: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading all of w,
-    so a batch of 16 decoding rows would stream every weight matrix 16 times per step. `w` may be
-    a `PackedWeight` (e.g. int8), which multiplies itself."""
+    One 2-D product: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading
+    all of w, so a batch of 16 decoding rows would stream every weight matrix 16 times a step."""
     if out is None:
-        out = xp.empty((*x.shape[:-1], w.shape[1]), dtype=x.dtype)
+        out = xp.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
     if not out.flags.c_contiguous:
         out[...] = linear(xp, x, w)
         return out
@@ -34,18 +35,17 @@ def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
     if isinstance(w, PackedWeight):
         w.matmul(xp, x2, o2)
     else:
-        xp.matmul(x2, w, out=o2)
+        xp.matmul(x2, w.T, out=o2)
     return out
 
 
 def embed(xp: Any, table: Any, ids: Any, out: Any) -> Any:
-    """Rows `ids` (...) of `table` (V, C) into `out` (..., C). `take` would first copy a
-    non-contiguous table (T5's tied embedding is a transposed view of its head) whole; fancy
-    indexing gathers just the rows."""
-    if table.flags.c_contiguous:
-        return xp.take(table, ids, axis=0, out=out)
-    out[...] = table[ids]
-    return out
+    """Rows `ids` (...) of `table` (V, C) into `out` (..., C): a plain array, or a linear slot
+    in any weight format (a tied embedding is its head)."""
+    if isinstance(table, PackedWeight):
+        table.rows(xp, ids.reshape(-1), out.reshape(-1, out.shape[-1]))
+        return out
+    return xp.take(table, ids, axis=0, out=out)
 
 
 def _sum_of_squares(xp: Any, x: Any) -> Any:

@@ -6,7 +6,7 @@ import pytest
 
 from minfer import ops
 from minfer.errors import ConfigError
-from minfer.params.formats import Int8Weight, quantize_int8
+from minfer.params.formats import FORMATS, PackedWeight
 
 rng = np.random.default_rng(0)
 
@@ -76,24 +76,22 @@ def test_unknown_activation_is_named():
 
 
 def test_linear_is_one_product_over_all_leading_axes():
-    x, w = rand(3, 4, 8), rand(8, 5)
-    want = np.einsum("btc,co->bto", x, w)
+    x, w = rand(3, 4, 8), rand(5, 8)                       # w: (out, in)
+    want = np.einsum("btc,oc->bto", x, w)
     np.testing.assert_allclose(ops.linear(np, x, w), want, rtol=1e-5, atol=1e-6)
     out = np.empty((3, 4, 10), np.float32)[..., :5]       # a strided destination
     ops.linear(np, x, w, out=out)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
-def test_linear_with_an_int8_weight_widens_blocks_of_columns():
-    x, w = rand(5, 16), rand(16, 40)
-    q, scale = quantize_int8(w)
-    packed = Int8Weight(q, scale, np.empty(16 * 7, np.float32))  # 7 columns per block
-    assert packed.block == 7
-    np.testing.assert_allclose(ops.linear(np, x, packed), x @ (q * scale), rtol=1e-5, atol=1e-5)
-
-
-def test_embed_gathers_rows_of_a_transposed_table():
-    head = rand(8, 30)                                    # (C, V): a tied head, row-major
-    ids = np.array([[3, 29, 0]])
-    out = np.empty((1, 3, 8), np.float32)
-    np.testing.assert_array_equal(ops.embed(np, head.T, ids, out), head.T[ids])
+def test_linear_and_embed_take_packed_weights():
+    x, w = rand(2, 20, 16), rand(40, 16)
+    arrays = FORMATS["int8"].encode("w", w)
+    packed = FORMATS["int8"].wrap("w", arrays, np.float32, np.empty(16 * 7, np.float32), None)
+    assert isinstance(packed, PackedWeight) and packed.block == 7   # 7 rows widened at a time
+    stored = arrays["w"] * arrays["w_scale"][:, None]
+    np.testing.assert_allclose(ops.linear(np, x, packed), x @ stored.T, rtol=1e-5, atol=1e-5)
+    ids = np.array([[3, 39, 0]])
+    out = np.empty((1, 3, 16), np.float32)
+    np.testing.assert_allclose(ops.embed(np, packed, ids, out), stored[ids], rtol=1e-6)
+    np.testing.assert_array_equal(ops.embed(np, w, ids, np.empty_like(out)), w[ids])

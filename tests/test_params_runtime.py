@@ -147,7 +147,7 @@ def test_prefetch_really_overlaps_compute(folder):
     streamed = [n for n in names if n in m.weight_plan.streamed]
     assert len(streamed) >= 2
     for k, params in enumerate(stack):
-        assert params["w_qkv"].shape == (64, 3 * 64)
+        assert params["w_qkv"].shape == (3 * 64, 64)
         if names[k] in streamed and streamed.index(names[k]) + 1 < len(streamed):
             following = streamed[streamed.index(names[k]) + 1]
             assert following in be.transfers.issued
@@ -242,6 +242,9 @@ def status(key):  # VmHWM, not ru_maxrss: the latter survives exec with the pare
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+minfer.kernels.warm_up()  # the compiled kernels' code is the engine's, not the model's
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")          # reset VmHWM: compiling the kernels (a cold cache) is not the model's
 base = status("VmRSS")
 m = minfer.load(sys.argv[1], memory_limit=int(sys.argv[2]), workspace=int(sys.argv[3]))
 logits = m.forward([[5, 6, 7, 8, 9, 1]], [[0, 3, 4]])
@@ -276,7 +279,7 @@ XL_CASE = ROOT / "weights" / "transfo_xl" / "adaptive_div4"
 @pytest.mark.skipif(not XL_CASE.is_dir(), reason="XL fixture missing")
 def test_xl_layers_stream_with_identical_log_probs_and_memory():
     full = minfer.load(XL_CASE)
-    limited = minfer.load(XL_CASE, memory_limit=280_000, workspace=60_000)
+    limited = minfer.load(XL_CASE, memory_limit=230_000, workspace=60_000)
     assert limited.weight_plan.streamed == ["layers.0", "layers.1", "layers.2"]
     ids = np.arange(3, 27).reshape(2, 12) % full.config.vocab_size
     mem_a, mem_b = full.new_memory(2), limited.new_memory(2)
@@ -287,4 +290,4 @@ def test_xl_layers_stream_with_identical_log_probs_and_memory():
     np.testing.assert_array_equal(mem_b.to_host(), mem_a.to_host())
     assert limited.score(list(range(3, 60)))["log_likelihood"] == \
         full.score(list(range(3, 60)))["log_likelihood"]
-    assert limited.backend.arena.stats().peak <= 280_000
+    assert limited.backend.arena.stats().peak <= 230_000

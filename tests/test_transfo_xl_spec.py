@@ -3,7 +3,7 @@ import pytest
 
 from minfer.errors import ConfigError
 from minfer.models.transfo_xl.spec import XLConfig, r_table_rows, weight_table
-from minfer.params.spec import Tensor
+from minfer.params.spec import Linear, Tensor, View
 
 BASE = {"model_type": "transfo-xl", "vocab_size": 40, "cutoffs": [10, 20], "d_model": 8,
         "d_embed": 8, "n_head": 2, "d_head": 4, "d_inner": 16, "n_layer": 2, "div_val": 2,
@@ -25,12 +25,15 @@ def test_tied_tensors_are_read_from_their_source_and_their_copies_are_optional()
     cfg = XLConfig.from_hf({**BASE, "tie_projs": [False, True, True], "untie_r": False})
     table = weight_table(cfg)
     assert "crit.out_layers.1.weight" in table.optional                  # tied to the embedding
-    assert table.fixed["cluster.1.w"] == Tensor("transformer.word_emb.emb_layers.1.weight",
-                                                transpose=True)
-    assert table.fixed["cluster.1.proj"] == Tensor("transformer.word_emb.emb_projs.1")
-    assert table.fixed["cluster.0.proj"] == Tensor("crit.out_projs.0")   # untied
+    assert table.fixed["cluster.1.w"] == Linear(("transformer.word_emb.emb_layers.1.weight",))
+    assert table.fixed["emb_table.1"] == View("cluster.1.w")             # one slot, both uses
+    assert table.fixed["cluster.1.proj"] == Linear(("transformer.word_emb.emb_projs.1",),
+                                                   transpose=True)
+    assert table.fixed["cluster.0.proj"] == Linear(("crit.out_projs.0",), transpose=True)
+    assert table.shape(table.fixed["cluster.1.proj"]) == (4, 8)           # (d_1, C)
+    assert table.shape(table.fixed["emb_proj.1"]) == (8, 4)               # (C, d_1)
     # cluster 0 also scores the tail clusters: their logit rows come after its own
-    assert table.shape(table.fixed["cluster.0.w"]) == (8, 10 + 2)
+    assert table.shape(table.fixed["cluster.0.w"]) == (10 + 2, 8)
     assert table.shape(table.fixed["cluster.0.b"]) == (12,)
     layer = table.stacks["layers"][1]
     assert layer["r_w_bias"] == Tensor("transformer.r_w_bias")           # one pair for all layers

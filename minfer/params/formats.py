@@ -1,89 +1,147 @@
-"""Weight formats of the linear slots: how a layer's matrices are stored and multiplied.
+"""Weight formats of the linear slots: how a matrix is stored, multiplied and looked up.
 
-A family's weight table marks which matrices are *linear slots* (`spec.Linear`); only those take
-a format other than the compute dtype. A format says, for one matrix of shape (in, out), which
-arrays it is stored as (`stored`), how a float32 matrix becomes them (`encode`), and what object
-the math multiplies by (`wrap`: a plain array, or a `PackedWeight` that `ops.linear` calls).
+A family's weight table marks which matrices are *linear slots* (`spec.Linear`): every layer
+matrix, the output heads and the embedding tables. Only those take a format other than the
+compute dtype, and every format stores a slot the same way round: (out, in), one row per output
+channel, as Hugging Face stores it and as a dot-product kernel reads it fastest (one contiguous
+row per output). The math multiplies with `ops.linear` (y = x @ w.T) and looks rows up with
+`ops.embed` (a tied embedding is its head's rows).
 
-Formats today: "float32" and "float16" (plain arrays; float16 only on CUDA) and "int8" (weight-only,
-symmetric, one float32 scale per output channel, as BMInf and CTranslate2 quantise). An int8
-matrix `w` is stored with its scales as `w` + SCALE_SUFFIX, in packed layers and in files alike.
+Formats: "float32" and "float16" (on CUDA float16 is also the compute dtype), "bfloat16" (the
+top half of a float32, stored as its uint16 bits: NumPy has no bfloat16) and "int8" (weight-only,
+symmetric, one float32 scale per output channel, as BMInf and CTranslate2 quantise). A matrix
+`w` in int8 is stored as `w` plus its scales `w` + SCALE_SUFFIX, in packed layers and in files.
+
+A slot whose stored dtype is not the compute dtype becomes a `PackedWeight`: on the CPU its
+small-M products (decoding: one row per sequence) run in the compiled kernels (kernels.py), which
+read the stored bytes and widen them in registers; larger products (the encoder, a prompt) widen
+blocks of rows into a float scratch that stays in cache and call BLAS, so no float copy of a
+whole matrix is ever written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ..arena import align_up
 from ..errors import ConfigError
 
-SCALE_SUFFIX = "_scale"       # an int8 matrix `w` travels with its float32 scales `w_scale`
-INT8_SCRATCH_BYTES = 1 << 20  # column blocks of int8 matrices are widened here: about an L2 cache
+SCALE_SUFFIX = "_scale"         # an int8 matrix `w` travels with its float32 scales `w_scale`
+WIDEN_SCRATCH_BYTES = 1 << 20   # blocks of packed rows are widened here: about an L2 cache
+KERNEL_MAX_ROWS = 16            # products of up to this many rows go to the compiled kernels
 
 
 # =====================================================================================================
-# int8 quantisation (per output channel)
+# int8 quantisation (per output channel) and the widening of stored bits
 # =====================================================================================================
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(in, out) float -> int8 (in, out) and float32 scales (out,): w ~= q * scale.
+    """(out, in) float -> int8 (out, in) and float32 scales (out,): w ~= q * scale[:, None].
 
     Symmetric, one scale per output channel (absmax / 127), round to nearest. A zero channel gets
     scale 1 (its q is all zero anyway)."""
     w = np.asarray(w, dtype=np.float32)
-    scale = np.abs(w).max(axis=0) / 127.0
+    scale = np.abs(w).max(axis=1) / 127.0 if w.shape[1] else np.ones(w.shape[0], np.float32)
     scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
     return q, scale.astype(np.float32)
 
 
 def dequantize_int8(xp: Any, q: Any, scale: Any, out: Any) -> Any:
-    """int8 q * scale into the float buffer `out` of q's shape. `scale` broadcasts: (out,) for
-    an (in, out) matrix, (rows, 1) for the (out, in) matrices of a file."""
+    """int8 q (out, in) * scale (out,) per row, into the float buffer `out` of q's shape."""
     # Two simple passes (widen, then scale in place) run several times faster in NumPy than one
     # mixed-type multiply, whose int8 * float32 loop casts element by element.
     out[...] = q
-    out *= scale
+    out *= scale[:, None]
     return out
+
+
+def to_bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(w)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def _widen_cast(src: Any, dst: Any) -> None:     # float16 / int8 / float32 -> float
+    dst[...] = src
+
+
+def _widen_bfloat16(src: Any, dst: Any) -> None:  # the bits are the high half of a float32
+    bits = dst.view(np.uint32)
+    bits[...] = src
+    bits <<= 16
 
 
 # =====================================================================================================
 # What the math multiplies by
 # =====================================================================================================
 class PackedWeight:
-    """A linear slot stored in a form `xp.matmul` cannot take directly; `ops.linear` calls its
-    `matmul(xp, x, out)` instead. `shape` is the logical (in, out)."""
+    """A linear slot stored in a form `xp.matmul` cannot take as it is. `ops.linear` calls its
+    `matmul(xp, x, out)` and `ops.embed` its `rows(xp, ids, out)`.
 
-    shape: tuple[int, int]
+    stored: (out, in) array of the format's storage dtype; scale: (out,) float32 or None;
+    widen(src, dst): stored rows -> float rows; kernel(x, bits, [scale,] out): the compiled
+    small-M product over `bits` (the stored array, float16 viewed as its uint16 bits), or None
+    (off, or not on the CPU); scratch: the runtime's shared flat float buffer (one product at a
+    time)."""
 
-    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        raise NotImplementedError
-
-
-class Int8Weight(PackedWeight):
-    """An int8 (in, out) matrix with float32 per-output-channel scales, multiplied in column
-    blocks: each block is widened into a small float scratch that stays in cache and fed to BLAS,
-    and the product is scaled per output channel afterwards. Only int8 bytes come from memory,
-    and no float copy of the whole matrix is ever written."""
-
-    def __init__(self, q: Any, scale: Any, scratch: Any):
-        self.q, self.scale, self.scratch = q, scale, scratch  # scratch: flat float buffer
-        self.shape, self.dtype = q.shape, scratch.dtype
-        K = q.shape[0]
-        self.block = max(1, min(q.shape[1], scratch.size // max(K, 1)))
+    def __init__(self, stored: Any, scale: Any, widen: Callable[[Any, Any], None],
+                 kernel: Callable | None, scratch: Any):
+        self.stored, self.scale, self.widen, self.kernel = stored, scale, widen, kernel
+        self.bits = stored.view(np.uint16) if stored.dtype == np.float16 else stored
+        self.scratch = scratch
+        self.shape = stored.shape
+        N, K = stored.shape
+        self.block = max(1, min(N, scratch.size // max(K, 1))) if scratch is not None else N
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        """x (M, K) @ self -> out (M, N)."""
-        K, N = self.shape
-        for j in range(0, N, self.block):
+        """x (M, K) @ self.T -> out (M, N), float."""
+        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            if self.scale is None:
+                self.kernel(x, self.bits, out)
+            else:
+                self.kernel(x, self.bits, self.scale, out)
+            return out
+        N, K = self.shape
+        for j in range(0, N, self.block):          # widen a block of rows, multiply it with BLAS
             e = min(N, j + self.block)
-            w = self.scratch[:K * (e - j)].reshape(K, e - j)
-            w[...] = self.q[:, j:e]                       # widen int8 -> float (cached block)
-            xp.matmul(x, w, out=out[:, j:e])
-        out *= self.scale
+            w = self.scratch[:(e - j) * K].reshape(e - j, K)
+            self.widen(self.stored[j:e], w)
+            xp.matmul(x, w.T, out=out[:, j:e])
+        if self.scale is not None:
+            out *= self.scale
         return out
+
+    def rows(self, xp: Any, ids: Any, out: Any) -> Any:
+        """Rows `ids` (n,) as floats into out (n, K): embedding lookups."""
+        self.widen(self.stored[ids], out)
+        if self.scale is not None:
+            out *= self.scale[ids][:, None]
+        return out
+
+
+class KernelWeight(PackedWeight):
+    """A float32 slot on the CPU: small-M products in the compiled kernel, the rest in BLAS."""
+
+    def __init__(self, w: Any, kernel: Callable):
+        super().__init__(w, None, _widen_cast, kernel, None)
+
+    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
+        if x.shape[0] <= KERNEL_MAX_ROWS:
+            self.kernel(x, self.stored, out)
+        else:
+            xp.matmul(x, self.stored.T, out=out)
+        return out
+
+    def rows(self, xp: Any, ids: Any, out: Any) -> Any:
+        return xp.take(self.stored, ids, axis=0, out=out)
 
 
 # =====================================================================================================
@@ -91,56 +149,59 @@ class Int8Weight(PackedWeight):
 # =====================================================================================================
 @dataclass(frozen=True)
 class WeightFormat:
-    """How one linear slot (in, out) is stored; the base is a plain array of dtype `name`."""
+    """How a linear slot (out, in) is stored: as a plain array of `storage` dtype (plus, for
+    int8, its per-output-channel scales)."""
     name: str
+    storage: Any                               # numpy dtype of the stored array
+    scaled: bool = False                       # int8: scales beside the matrix
+    widen: Callable[[Any, Any], None] = _widen_cast
+    kernel_name: str = ""                      # the kernels.py product for this storage
 
     def array_names(self, name: str) -> tuple[str, ...]:
         """The names of the arrays a matrix `name` is stored as."""
-        return (name,)
+        return (name, name + SCALE_SUFFIX) if self.scaled else (name,)
 
     def stored(self, name: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], Any]]:
-        """The arrays a matrix `name` of logical `shape` is stored as: {array name: (shape, dtype)}."""
-        return {name: (tuple(shape), np.dtype(self.name))}
+        """The arrays a matrix `name` of logical `shape` (out, in) is stored as:
+        {array name: (shape, dtype)}."""
+        out = {name: (tuple(shape), np.dtype(self.storage))}
+        if self.scaled:
+            out[name + SCALE_SUFFIX] = ((shape[0],), np.dtype(np.float32))
+        return out
 
     def encode(self, name: str, w: np.ndarray) -> dict[str, np.ndarray]:
-        """A float32 (in, out) matrix -> its stored arrays (host)."""
-        return {name: w.astype(self.name, copy=False)}
+        """A float32 (out, in) matrix (or a block of its rows) -> its stored arrays (host)."""
+        if self.scaled:
+            q, scale = quantize_int8(w)
+            return {name: q, name + SCALE_SUFFIX: scale}
+        if self.name == "bfloat16":
+            return {name: to_bfloat16_bits(w)}
+        return {name: w.astype(self.storage, copy=False)}
 
-    def wrap(self, name: str, arrays: dict[str, Any], scratch: Any) -> Any:
-        """The stored arrays (on the device) -> what `ops.linear` multiplies by."""
-        return arrays[name]
+    def wrap(self, name: str, arrays: dict[str, Any], compute_dtype: Any, scratch: Any,
+             kernels: Any) -> Any:
+        """The stored arrays (on the device) -> what `ops.linear` multiplies by: the array itself
+        when it is already in the compute dtype (and no kernel runs it), else a PackedWeight.
+        `kernels` is the compiled-kernel module on the CPU, or None."""
+        w = arrays[name]
+        if np.dtype(self.storage) == np.dtype(compute_dtype) and not self.scaled:
+            return w if kernels is None else KernelWeight(w, getattr(kernels, self.kernel_name))
+        kernel = getattr(kernels, self.kernel_name) if kernels is not None else None
+        return PackedWeight(w, arrays.get(name + SCALE_SUFFIX), self.widen, kernel, scratch)
 
     def scratch_bytes(self, shape: tuple[int, int], compute_dtype: Any) -> int:
-        """Float scratch a product with this matrix needs (shared by all slots of a model)."""
-        return 0
-
-
-@dataclass(frozen=True)
-class Int8Format(WeightFormat):
-    name: str = "int8"
-
-    def array_names(self, name):
-        return (name, name + SCALE_SUFFIX)
-
-    def stored(self, name, shape):
-        return {name: (tuple(shape), np.dtype(np.int8)),
-                name + SCALE_SUFFIX: ((shape[1],), np.dtype(np.float32))}
-
-    def encode(self, name, w):
-        q, scale = quantize_int8(w)
-        return {name: q, name + SCALE_SUFFIX: scale}
-
-    def wrap(self, name, arrays, scratch):
-        return Int8Weight(arrays[name], arrays[name + SCALE_SUFFIX], scratch)
-
-    def scratch_bytes(self, shape, compute_dtype):
-        return align_up(min(INT8_SCRATCH_BYTES, int(np.prod(shape)) * np.dtype(compute_dtype).itemsize))
+        """Float scratch a block-widened product with this matrix needs (0 for plain arrays)."""
+        if np.dtype(self.storage) == np.dtype(compute_dtype) and not self.scaled:
+            return 0
+        return align_up(min(WIDEN_SCRATCH_BYTES, int(np.prod(shape)) * np.dtype(compute_dtype).itemsize))
 
 
 FORMATS: dict[str, WeightFormat] = {
-    "float32": WeightFormat("float32"),
-    "float16": WeightFormat("float16"),
-    "int8": Int8Format(),
+    "float32": WeightFormat("float32", np.float32, kernel_name="matmul_f32"),
+    "float16": WeightFormat("float16", np.float16, kernel_name="matmul_f16"),
+    "bfloat16": WeightFormat("bfloat16", np.uint16, widen=_widen_bfloat16,
+                             kernel_name="matmul_bf16"),
+    "int8": WeightFormat("int8", np.int8, scaled=True, kernel_name="matmul_i8"),
 }
 
 

@@ -8,7 +8,7 @@ the block (an arena hold, a streaming slot) without copying.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -58,15 +58,15 @@ class Layout:
     def views(self, block: Any) -> dict[str, Any]:
         return {name: self.view(block, name) for name in self.entries}
 
-    def params(self, arrays: Mapping[str, Any], scratch: Any) -> dict[str, Any]:
+    def params(self, arrays: Mapping[str, Any],
+               wrap: Callable[[WeightFormat, str, Mapping[str, Any]], Any]) -> dict[str, Any]:
         """The stored arrays -> what the math receives: each linear slot wrapped by its format
-        (e.g. int8 + scales -> an `Int8Weight` over the shared `scratch`), the rest as they are."""
-        if not self.linear:
-            return dict(arrays)
+        (`wrap(fmt, name, arrays)`, e.g. int8 + scales -> one `PackedWeight`), the rest as they
+        are."""
         packed = {a for p, f in self.linear.items() for a in f.array_names(p)}
         out = {name: value for name, value in arrays.items() if name not in packed}
         for name, fmt in self.linear.items():
-            out[name] = fmt.wrap(name, arrays, scratch)
+            out[name] = wrap(fmt, name, arrays)
         return out
 
     def scratch_bytes(self, compute_dtype: Any) -> int:

@@ -70,7 +70,8 @@ def check(table: WeightTable, ckpt: Checkpoint) -> dict[str, str]:
 # Sizes and the plan (pure)
 # =====================================================================================================
 def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat) -> Layout:
-    """A layer's packed layout: linear slots in `fmt`, everything else in the compute `dtype`."""
+    """A layer's packed layout: linear slots (out, in) in `fmt`, everything else in the compute
+    `dtype`."""
     arrays: dict[str, tuple[tuple[int, ...], Any]] = {}
     linear = {}
     for name, entry in unit.items():
@@ -82,22 +83,34 @@ def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat) -
     return Layout(arrays, linear)
 
 
-def fixed_bytes(table: WeightTable, dtype: Any) -> int:
+def _fixed_arrays(table: WeightTable, dtype: Any, fmt: WeightFormat) -> list[tuple[tuple, Any]]:
+    """(shape, dtype) of every device array the fixed parameters are placed as."""
+    arrays = []
+    for name, entry in table.fixed.items():
+        if isinstance(entry, Linear):
+            arrays += fmt.stored(name, table.shape(entry)).values()
+        elif not isinstance(entry, View) and not (isinstance(entry, Tensor) and entry.host):
+            arrays.append((table.shape(entry), dtype))
+    return arrays
+
+
+def fixed_bytes(table: WeightTable, dtype: Any, fmt: WeightFormat) -> int:
     """Device bytes of the always-resident parameters, as the runtime allocates them."""
-    item = np.dtype(dtype).itemsize
-    return sum(align_up(int(np.prod(table.shape(e))) * item) for e in table.fixed.values()
-               if not isinstance(e, View) and not (isinstance(e, Tensor) and e.host))
+    return sum(align_up(int(np.prod(shape)) * np.dtype(dt).itemsize)
+               for shape, dt in _fixed_arrays(table, dtype, fmt))
 
 
 def plan_placement(table: WeightTable, dtype: Any, fmt: WeightFormat, limit: int | None,
                    workspace: int) -> WeightPlan:
     """Which layers stay resident under `limit` (nothing is read or allocated)."""
-    units, scratch = {}, 0
+    units = {}
+    scratch = max((fmt.scratch_bytes(table.shape(e), dtype) for e in table.fixed.values()
+                   if isinstance(e, Linear)), default=0)
     for name, unit in table.units():
         layout = unit_layout(table, unit, dtype, fmt)
         units[name] = layout.nbytes
         scratch = max(scratch, layout.scratch_bytes(dtype))
-    return plan_weights(units, fixed_bytes(table, dtype), workspace, limit, scratch,
+    return plan_weights(units, fixed_bytes(table, dtype, fmt), workspace, limit, scratch,
                         priority=lambda name: table.priority.get(name.partition(".")[0], 0))
 
 
@@ -113,38 +126,45 @@ class _Reader:
     def __call__(self, name: str, dtype: Any = np.float32, rows: tuple[int, int] | None = None):
         return self.ckpt.read(self.stand_in.get(name, name), dtype, rows)
 
-    def linear(self, entry: Linear) -> np.ndarray:
-        """(in, out) float32: the sources fused along out, transposed, the norm folded in."""
-        w = np.ascontiguousarray(np.concatenate([self(s) for s in entry.sources], axis=0).T)
+    def linear(self, entry: Linear, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """(out, in) float32, C-contiguous: the sources fused along out (of a source stored
+        (in, out): transposed), the norm folded into the columns. `rows`: only these rows of a
+        single-source slot (reading a large one in blocks)."""
+        if rows is not None:
+            w = self(entry.sources[0], np.float32, rows)
+        else:
+            parts = [self(s, np.float32, entry.rows if i == 0 else None)
+                     for i, s in enumerate(entry.sources)]
+            w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            if entry.transpose:
+                w = np.ascontiguousarray(w.T)
         if entry.fold is not None:
-            w *= self(entry.fold)[:, None]
+            w *= self(entry.fold)[None, :]
         return w
 
     def tensor(self, entry: Tensor, dtype: Any) -> np.ndarray:
         a = self(entry.source, dtype, entry.rows)
         if entry.append:
             a = np.concatenate([a, *(self(s, dtype) for s in entry.append)], axis=0)
-        return np.ascontiguousarray(a.T) if entry.transpose else a
+        return a
 
 
-def _place_fixed(runtime: WeightRuntime, read: _Reader, name: str, entry: Tensor | Derived,
-                 shape: tuple[int, ...], dtype: Any) -> Any:
-    if isinstance(entry, Derived):
-        return runtime.place_fixed(entry.build(read).astype(dtype, copy=False), name)
-    n_rows = read.ckpt.info(read.stand_in.get(entry.source, entry.source)).shape[0]
-    big = int(np.prod(shape)) * np.dtype(dtype).itemsize > BLOCK_BYTES
-    if not big or entry.rows is not None or entry.append:
-        return runtime.place_fixed(read.tensor(entry, dtype), name)
-    # a large matrix (an mT5 embedding is 1 GB in float32) in blocks of source rows: loading
-    # never holds a second whole copy
-    out = runtime.alloc_fixed(shape, dtype, name)
-    step = max(1, BLOCK_BYTES // (int(np.prod(shape)) // n_rows * np.dtype(dtype).itemsize))
-    for a in range(0, n_rows, step):
-        b = min(n_rows, a + step)
-        rows = read(entry.source, dtype, (a, b))
-        runtime.be.upload(out[:, a:b] if entry.transpose else out[a:b],
-                          rows.T if entry.transpose else rows)
-    return out
+def _place_linear(runtime: WeightRuntime, read: _Reader, name: str, entry: Linear,
+                  shape: tuple[int, int], fmt: WeightFormat) -> Any:
+    """A fixed linear slot (a head, an embedding table) in the weight format, wrapped."""
+    whole_rows = len(entry.sources) == 1 and entry.rows is None and not entry.transpose
+    if not whole_rows or int(np.prod(shape)) * 4 <= BLOCK_BYTES:
+        placed = {k: runtime.place_fixed(v, k) for k, v in fmt.encode(name, read.linear(entry)).items()}
+        return runtime.wrap(fmt, name, placed)
+    # a large matrix (an mT5 embedding is 1 GB in float32) in blocks of rows: loading never
+    # holds a second whole copy, and every format encodes row by row
+    placed = {k: runtime.alloc_fixed(s, dt, k) for k, (s, dt) in fmt.stored(name, shape).items()}
+    step = max(1, BLOCK_BYTES // (shape[1] * 4))
+    for a in range(0, shape[0], step):
+        b = min(shape[0], a + step)
+        for k, block in fmt.encode(name, read.linear(entry, (a, b))).items():
+            runtime.be.upload(placed[k][a:b], block)
+    return runtime.wrap(fmt, name, placed)
 
 
 def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFormat,
@@ -155,11 +175,15 @@ def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFor
     params: dict[str, Any] = {}
     for name, entry in table.fixed.items():
         if isinstance(entry, View):
-            params[name] = params[entry.of].T
-        elif isinstance(entry, Tensor) and entry.host:
+            params[name] = params[entry.of]
+        elif isinstance(entry, Linear):
+            params[name] = _place_linear(runtime, read, name, entry, table.shape(entry), fmt)
+        elif isinstance(entry, Derived):
+            params[name] = runtime.place_fixed(entry.build(read).astype(dtype, copy=False), name)
+        elif entry.host:
             params[name] = read.tensor(entry, np.float32)
         else:
-            params[name] = _place_fixed(runtime, read, name, entry, table.shape(entry), dtype)
+            params[name] = runtime.place_fixed(read.tensor(entry, dtype), name)
     for stack, layers in table.stacks.items():
         units = []
         for i, unit in enumerate(layers):

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import kernels
 from ..arena import Arena
 from ..errors import ConfigError, InputError
 from .layout import Layout
@@ -135,17 +136,26 @@ class WeightRuntime:
             block = self.be.arena.hold({name: ((layout.nbytes,), np.uint8)}).buffers[name]
             self.be.upload(block, layout.pack(arrays))
             resident = layout.views(block)
-        return Unit(name, layout, resident=resident, params=layout.params(resident, self._scratch()))
+        return Unit(name, layout, resident=resident, params=layout.params(resident, self.wrap))
+
+    @property
+    def _kernel_eligible(self) -> bool:
+        """The compiled kernels run NumPy float32 math (the CPU, or its stand-ins in tests)."""
+        return self.be.xp is np and self.float_dtype == np.float32
+
+    def wrap(self, fmt: Any, name: str, arrays: Any) -> Any:
+        """A placed linear slot -> what the math multiplies by (params/formats.py): on the CPU
+        with the compiled kernels when they are selected; packed forms widen blocks into the
+        shared scratch (one product at a time)."""
+        scratch = None if self.scratch is None else self.scratch.view(self.float_dtype)
+        return fmt.wrap(name, arrays, self.float_dtype, scratch,
+                        kernels.active() if self._kernel_eligible else None)
 
     # -- running a stack --------------------------------------------------------------------------
-    def _scratch(self) -> Any:
-        """The float scratch packed products widen blocks into (shared: one product at a time)."""
-        return None if self.scratch is None else self.scratch.view(self.float_dtype)
-
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:
         if slot not in unit.slot_params:
             views = unit.layout.views(self.slots[slot])
-            unit.slot_params[slot] = unit.layout.params(views, self._scratch())
+            unit.slot_params[slot] = unit.layout.params(views, self.wrap)
         return unit.slot_params[slot]
 
     def run(self, units: list[Unit]) -> Iterator[dict[str, Any]]:

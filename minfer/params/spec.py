@@ -4,15 +4,18 @@ parameters is built from it.
 A family declares one `WeightTable` per config (models/*/spec.py): the checkpoint's tensor names
 and shapes, and for every parameter the math reads, an entry saying where it comes from:
 
-- `Linear`: a linear slot, used as `x @ w` with w (in, out). Built from Hugging Face (out, in)
-  tensors fused along `out` (q|k|v, or a gated FF's wi_0|wi_1), transposed once, with the weight
-  of an RMS norm that feeds it optionally folded into its rows ((x/rms * g) @ W == (x/rms) @ (g W)).
-  Only linear slots take a compressed weight format (params/formats.py).
-- `Tensor`: any other array (vectors, biases, embeddings, position tables): a checkpoint tensor as
-  stored, optionally a range of its rows, with tensors appended along axis 0, or transposed.
+- `Linear`: a linear slot (out, in), one row per output channel, used as `x @ w.T` (and, for
+  embedding tables, by row). Built from Hugging Face (out, in) tensors fused along `out` (q|k|v,
+  or a gated FF's wi_0|wi_1), optionally a range of the first source's rows, optionally from a
+  source stored (in, out) (transposed once), with the weight of an RMS norm that feeds it
+  optionally folded into its columns ((x/rms * g) @ W.T == (x/rms) @ (W * g).T). Only linear
+  slots take a compressed weight format (params/formats.py).
+- `Tensor`: any other array (vectors, biases, norm weights, position tables): a checkpoint tensor
+  as stored, optionally a range of its rows, with tensors appended along axis 0.
 - `Derived`: an array computed at load from checkpoint tensors (Transformer-XL's projected
   sinusoid tables).
-- `View`: the transpose of another fixed parameter, sharing its memory (a tied embedding).
+- `View`: another fixed parameter, the same object under a second name (a tied embedding is its
+  head's rows).
 
 Everything generic is then written once over this table: the name and shape checks, the fusing
 and folding, the formats, the memory plan and the placement (params/loader.py), and `convert`.
@@ -33,13 +36,14 @@ Read = Callable[[str], np.ndarray]  # checkpoint name -> float32 host array
 @dataclass(frozen=True)
 class Linear:
     sources: tuple[str, ...]       # HF (out_i, in) tensors, fused along out in this order
-    fold: str | None = None        # an RMS norm weight (in,) folded into the rows of (in, out)
+    fold: str | None = None        # an RMS norm weight (in,) folded into the columns
+    rows: tuple[int, int] | None = None   # only rows [a, b) of the first source
+    transpose: bool = False        # the (single) source is stored (in, out)
 
 
 @dataclass(frozen=True)
 class Tensor:
     source: str
-    transpose: bool = False               # HF (out, in) -> (in, out)
     rows: tuple[int, int] | None = None   # only rows [a, b) of the source
     append: tuple[str, ...] = ()          # tensors concatenated after it along axis 0
     host: bool = False                    # stays a float32 host array (gathered on the host)
@@ -53,7 +57,7 @@ class Derived:
 
 @dataclass(frozen=True)
 class View:
-    of: str                               # the transpose of this fixed parameter, no copy
+    of: str                               # the same object as this fixed parameter
 
 
 Entry = Union[Linear, Tensor, Derived, View]
@@ -74,17 +78,20 @@ class WeightTable:
         """The shape of a parameter as the math sees it."""
         if isinstance(entry, Linear):
             first = self.tensors[entry.sources[0]]
-            return (first[1], sum(self.tensors[s][0] for s in entry.sources))
+            if entry.transpose:
+                first = tuple(reversed(first))
+            out = entry.rows[1] - entry.rows[0] if entry.rows is not None else first[0]
+            return (out + sum(self.tensors[s][0] for s in entry.sources[1:]), first[1])
         if isinstance(entry, Derived):
             return entry.shape
         if isinstance(entry, View):
-            return tuple(reversed(self.shape(self.fixed[entry.of])))
+            return self.shape(self.fixed[entry.of])
         shape = self.tensors[entry.source]
         if entry.rows is not None:
             shape = (entry.rows[1] - entry.rows[0], *shape[1:])
         if entry.append:
             shape = (shape[0] + sum(self.tensors[s][0] for s in entry.append), *shape[1:])
-        return tuple(reversed(shape)) if entry.transpose else shape
+        return shape
 
     def units(self) -> list[tuple[str, Unit]]:
         """("stack.i", layer) for every layer of every stack, in execution order."""
@@ -92,9 +99,12 @@ class WeightTable:
                 for i, unit in enumerate(layers)]
 
     def linear_sources(self) -> dict[str, str | None]:
-        """Every checkpoint tensor that feeds a linear slot -> the norm folded into it (or None)."""
-        return {s: e.fold for _, unit in self.units() for e in unit.values()
-                if isinstance(e, Linear) for s in e.sources}
+        """Every checkpoint tensor that feeds a linear slot (layers, heads, embeddings) -> the
+        norm folded into it (or None). Sources stored (in, out) are left out: a file keeps
+        per-row scales, and their rows are not output channels."""
+        entries = [*self.fixed.values(), *(e for _, unit in self.units() for e in unit.values())]
+        return {s: e.fold for e in entries if isinstance(e, Linear) and not e.transpose
+                for s in e.sources}
 
     def parameter_count(self) -> int:
         return sum(math.prod(s) for n, s in self.tensors.items() if n not in self.buffers)

@@ -185,14 +185,11 @@ def weight_table(cfg: T5Config) -> WeightTable:
     }
     if cfg.tie_word_embeddings:
         optional["lm_head.weight"] = (V, C)     # a saved copy of the tied head
-        # One copy serves both uses, stored as the head wants it: (C, V) row-major. BLAS reads a
-        # row-major head 25-40% faster than the transposed (V, C) view, and the embedding lookup
-        # (a few rows per step) does not mind gathering from the transposed view.
-        head = {"lm_head": Tensor("shared.weight", transpose=True), "embedding": View("lm_head")}
+        # one (V, C) slot serves both uses: the head's output channels are the embedding's rows
+        head = {"lm_head": Linear(("shared.weight",)), "embedding": View("lm_head")}
     else:
         tensors["lm_head.weight"] = (V, C)
-        head = {"embedding": Tensor("shared.weight"),
-                "lm_head": Tensor("lm_head.weight", transpose=True)}
+        head = {"embedding": Linear(("shared.weight",)), "lm_head": Linear(("lm_head.weight",))}
     fixed = {**head}
     for stack in ("encoder", "decoder"):
         fixed[f"{stack}.rel_bias"] = Tensor(

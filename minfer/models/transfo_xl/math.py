@@ -34,9 +34,10 @@ def embed(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray) -> Any:
     xp = be.xp
     B, T = ids.shape
     if cfg.div_val == 1:
-        out = xp.take(params["emb_table.0"], be.asarray(ids), axis=0)         # (B, T, d)
+        out = ops.embed(xp, params["emb_table.0"], be.asarray(ids),
+                        xp.empty((B, T, cfg.d_embed), be.dtype))               # (B, T, d)
         if "emb_proj.0" in params:
-            out = out @ params["emb_proj.0"]                                   # (B, T, C)
+            out = ops.linear(xp, out, params["emb_proj.0"])                    # (B, T, C)
     else:
         flat = ids.reshape(-1)
         out = xp.zeros((flat.size, cfg.d_model), dtype=be.dtype)
@@ -45,8 +46,9 @@ def embed(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray) -> Any:
             rows = np.flatnonzero((flat >= ends[i]) & (flat < ends[i + 1]))
             if rows.size == 0:
                 continue
-            vec = xp.take(params[f"emb_table.{i}"], be.asarray(flat[rows] - ends[i]), axis=0)
-            out[be.asarray(rows)] = vec @ params[f"emb_proj.{i}"]              # (n, C)
+            vec = ops.embed(xp, params[f"emb_table.{i}"], be.asarray(flat[rows] - ends[i]),
+                            xp.empty((rows.size, cfg.emb_dim(i)), be.dtype))   # (n, d_i)
+            out[be.asarray(rows)] = ops.linear(xp, vec, params[f"emb_proj.{i}"])  # (n, C)
         out = out.reshape(B, T, cfg.d_model)
     out *= math.sqrt(cfg.d_model)
     return out
@@ -100,12 +102,12 @@ def attention_mask(cfg: XLConfig, qlen: int, mlen: int) -> np.ndarray:
     return blocked
 
 
-def cluster_logits(params: dict, i: int, h: Any) -> Any:
-    """Output cluster i's logits: (h @ proj_i) @ W_i + b_i. h (N, C) -> (N, n_i)."""
+def cluster_logits(xp: Any, params: dict, i: int, h: Any) -> Any:
+    """Output cluster i's logits: (h @ proj_i.T) @ W_i.T + b_i. h (N, C) -> (N, n_i)."""
     proj = params.get(f"cluster.{i}.proj")
     if proj is not None:
-        h = h @ proj                                                           # (N, d_i)
-    out = h @ params[f"cluster.{i}.w"]
+        h = ops.linear(xp, h, proj)                                            # (N, d_i)
+    out = ops.linear(xp, h, params[f"cluster.{i}.w"])
     out += params[f"cluster.{i}.b"]
     return out
 
@@ -115,14 +117,14 @@ def log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any) -> Any:
     xp = be.xp
     n = cfg.n_clusters
     ends = cfg.cluster_ends
-    head = ops.log_softmax_(xp, cluster_logits(params, 0, hidden).astype(np.float32, copy=False))
+    head = ops.log_softmax_(xp, cluster_logits(xp, params, 0, hidden).astype(np.float32, copy=False))
     if n == 1:
         return head                                                            # (N, V)
     out = xp.empty((hidden.shape[0], cfg.vocab_size), dtype=np.float32)
     out[:, :ends[1]] = head[:, :ends[1]]
     for i in range(1, n):
         tail = out[:, ends[i]:ends[i + 1]]
-        tail[...] = cluster_logits(params, i, hidden)
+        tail[...] = cluster_logits(xp, params, i, hidden)
         ops.log_softmax_(xp, tail)
         tail += head[:, ends[1] + i - 1:ends[1] + i]  # + log p(cluster i)
     return out
@@ -138,7 +140,7 @@ def target_log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any,
     xp = be.xp
     ends = cfg.cluster_ends
     targets = np.asarray(targets, np.int64)
-    head = ops.log_softmax_(xp, cluster_logits(params, 0, hidden).astype(np.float32, copy=False))
+    head = ops.log_softmax_(xp, cluster_logits(xp, params, 0, hidden).astype(np.float32, copy=False))
     out = np.zeros(len(targets), np.float64)
     rows = np.nonzero(targets < ends[1])[0]
     out[rows] = be.to_host(head[be.asarray(rows), be.asarray(targets[rows])])
@@ -147,7 +149,7 @@ def target_log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any,
         if len(rows) == 0:
             continue
         r = be.asarray(rows)
-        tail = ops.log_softmax_(xp, cluster_logits(params, i, hidden[r]).astype(np.float32,
+        tail = ops.log_softmax_(xp, cluster_logits(xp, params, i, hidden[r]).astype(np.float32,
                                                                                copy=False))
         picked = tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])]
         out[rows] = be.to_host(picked + head[r, ends[1] + i - 1])

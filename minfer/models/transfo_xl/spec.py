@@ -20,7 +20,7 @@ import numpy as np
 from ...arena import BufferSet, BufferSpec
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
-from ...params.spec import Derived, Linear, Tensor, WeightTable
+from ...params.spec import Derived, Linear, Tensor, View, WeightTable
 from ..config import ConfigReader
 from ..family import Family
 
@@ -176,11 +176,11 @@ def _layer(cfg: XLConfig, l: int, tensors: dict, optional: dict) -> dict:
         (tensors if cfg.untie_r else optional)[f"{a}.{bias}"] = (H, D)
     r_src = a if cfg.untie_r else "transformer"
     return {
-        "w_qkv": Linear((f"{a}.qkv_net.weight",)),                    # (C, 3HD)
-        "w_o": Linear((f"{a}.o_net.weight",)),                        # (HD, C)
-        "w_r": Linear((f"{a}.r_net.weight",)),                        # (C, HD)
-        "w1": Linear((f"{p}.pos_ff.CoreNet.0.weight",)),              # (C, F)
-        "w2": Linear((f"{p}.pos_ff.CoreNet.3.weight",)),              # (F, C)
+        "w_qkv": Linear((f"{a}.qkv_net.weight",)),                    # (3HD, C)
+        "w_o": Linear((f"{a}.o_net.weight",)),                        # (C, HD)
+        "w_r": Linear((f"{a}.r_net.weight",)),                        # (HD, C)
+        "w1": Linear((f"{p}.pos_ff.CoreNet.0.weight",)),              # (F, C)
+        "w2": Linear((f"{p}.pos_ff.CoreNet.3.weight",)),              # (C, F)
         "r_w_bias": Tensor(f"{r_src}.r_w_bias"),                      # (H, D): "u"
         "r_r_bias": Tensor(f"{r_src}.r_r_bias"),                      # (H, D): "v"
         "b1": Tensor(f"{p}.pos_ff.CoreNet.0.bias"), "b2": Tensor(f"{p}.pos_ff.CoreNet.3.bias"),
@@ -193,10 +193,11 @@ def _layer(cfg: XLConfig, l: int, tensors: dict, optional: dict) -> dict:
 def weight_table(cfg: XLConfig) -> WeightTable:
     """Every tensor a TransfoXL checkpoint holds and every parameter minfer builds from it.
 
-    Fixed parameters: `emb_table.i` (n_i, d_i) and `emb_proj.i` (d_i, C) of the adaptive input;
-    `inv_freq` (host); `r_table.l` (distances, HD) per layer; per output cluster `cluster.i.w`
-    (d_i, n_i) (cluster 0 also scores the tail clusters: their logit rows are appended),
-    `cluster.i.b` and `cluster.i.proj` (C, d_i)."""
+    Fixed parameters: per output cluster `cluster.i.w` (n_i, d_i) (cluster 0 also scores the
+    tail clusters: their logit rows are appended), `cluster.i.b` and `cluster.i.proj` (d_i, C);
+    `emb_table.i` (n_i, d_i) and `emb_proj.i` (C, d_i) of the adaptive input (a tied table is
+    the same slot as its cluster's weight: only its first n_i rows are ever looked up);
+    `inv_freq` (host); `r_table.l` (distances, HD) per layer."""
     C, V, n = cfg.d_model, cfg.vocab_size, cfg.n_clusters
     ends, emb = cfg.cluster_ends, "transformer.word_emb"
     single = cfg.div_val == 1                   # one embedding table for the whole vocabulary
@@ -204,24 +205,11 @@ def weight_table(cfg: XLConfig) -> WeightTable:
     optional: dict[str, tuple[int, ...]] = {}
     fixed: dict[str, Any] = {}
     for i in range(1 if single else n):
-        rows = V if single else ends[i + 1] - ends[i]
-        tensors[f"{emb}.emb_layers.{i}.weight"] = (rows, cfg.emb_dim(i))
-        fixed[f"emb_table.{i}"] = Tensor(f"{emb}.emb_layers.{i}.weight")
+        tensors[f"{emb}.emb_layers.{i}.weight"] = (V if single else ends[i + 1] - ends[i],
+                                                    cfg.emb_dim(i))
         if not single or C != cfg.d_embed:
             tensors[f"{emb}.emb_projs.{i}"] = (C, cfg.emb_dim(i))
-            fixed[f"emb_proj.{i}"] = Tensor(f"{emb}.emb_projs.{i}", transpose=True)
-    fixed["inv_freq"] = Tensor(INV_FREQ, host=True)
-    layers = [_layer(cfg, l, tensors, optional) for l in range(cfg.n_layer)]
-    if not cfg.untie_r:
-        tensors["transformer.r_w_bias"] = tensors["transformer.r_r_bias"] = (cfg.n_head, cfg.d_head)
-    # r = sinusoid(distance) @ W_r depends on nothing but the distance: one table per layer,
-    # projected once at load instead of K rows at every call (row j: distance rows-1-j)
-    rows, HD = r_table_rows(cfg), cfg.n_head * cfg.d_head
-    for l in range(cfg.n_layer):
-        w_r = f"transformer.layers.{l}.dec_attn.r_net.weight"
-        fixed[f"r_table.{l}"] = Derived((rows, HD), lambda read, w_r=w_r: (
-            sinusoids(cfg, read(INV_FREQ), rows) @ read(w_r).T))
-    # the head: cluster i's logits are (h @ proj_i) @ W_i + b_i
+    # the head: cluster i's logits are (h @ proj_i.T) @ W_i.T + b_i
     if n > 1:
         tensors["crit.cluster_weight"] = (n - 1, cfg.d_embed)
         tensors["crit.cluster_bias"] = (n - 1,)
@@ -235,9 +223,8 @@ def weight_table(cfg: XLConfig) -> WeightTable:
         out = f"crit.out_layers.{0 if single else i}"
         weight = f"{emb}.emb_layers.{0 if single else i}.weight" if cfg.tie_word_embeddings \
             else f"{out}.weight"
-        tail = i == 0 and n > 1
-        fixed[f"cluster.{i}.w"] = Tensor(weight, transpose=True, rows=span,
-                                         append=("crit.cluster_weight",) if tail else ())
+        tail = ("crit.cluster_weight",) if i == 0 and n > 1 else ()
+        fixed[f"cluster.{i}.w"] = Linear((weight, *tail), rows=span)
         fixed[f"cluster.{i}.b"] = Tensor(f"{out}.bias", rows=span,
                                          append=("crit.cluster_bias",) if tail else ())
         if single and C == cfg.d_embed:
@@ -249,7 +236,24 @@ def weight_table(cfg: XLConfig) -> WeightTable:
         else:
             source = proj
             tensors[proj] = (C, cfg.emb_dim(i))
-        fixed[f"cluster.{i}.proj"] = Tensor(source)
+        fixed[f"cluster.{i}.proj"] = Linear((source,), transpose=True)  # stored (C, d_i)
+    for i in range(1 if single else n):
+        tied = cfg.tie_word_embeddings and not single
+        fixed[f"emb_table.{i}"] = (View(f"cluster.{i}.w") if tied
+                                   else Linear((f"{emb}.emb_layers.{i}.weight",)))
+        if not single or C != cfg.d_embed:
+            fixed[f"emb_proj.{i}"] = Linear((f"{emb}.emb_projs.{i}",))  # (C, d_i) as F.linear
+    fixed["inv_freq"] = Tensor(INV_FREQ, host=True)
+    layers = [_layer(cfg, l, tensors, optional) for l in range(cfg.n_layer)]
+    if not cfg.untie_r:
+        tensors["transformer.r_w_bias"] = tensors["transformer.r_r_bias"] = (cfg.n_head, cfg.d_head)
+    # r = sinusoid(distance) @ W_r.T depends on nothing but the distance: one table per layer,
+    # projected once at load instead of K rows at every call (row j: distance rows-1-j)
+    rows, HD = r_table_rows(cfg), cfg.n_head * cfg.d_head
+    for l in range(cfg.n_layer):
+        w_r = f"transformer.layers.{l}.dec_attn.r_net.weight"
+        fixed[f"r_table.{l}"] = Derived((rows, HD), lambda read, w_r=w_r: (
+            sinusoids(cfg, read(INV_FREQ), rows) @ read(w_r).T))
     return WeightTable(tensors=tensors, fixed=fixed, stacks={"layers": layers},
                        optional=optional, buffers=(INV_FREQ,))
 
