@@ -8,8 +8,9 @@
 # The hub changed its HTTP client twice (requests below 1.0, httpx in 1.x, httpx2 from 2.0) and
 # its error classes with it; minfer/hub.py maps all of them. The defaults are the oldest release
 # minfer supports, the first and last of each major line after it (1.0.0 and 2.0.0 are where the
-# client changed) and the newest. Needs PyPI access; nothing is installed outside the temporary
-# folder, which is removed at the end. Exit status: 0 when every version passes.
+# client changed) and the newest. Needs PyPI access. The venvs live in a temporary folder removed
+# at the end; building minfer leaves setuptools' build/ and minfer.egg-info/ (git-ignored) in the
+# checkout. Exit status: 0 when every version passes.
 set -euo pipefail
 
 VERSIONS=("$@")
