@@ -52,6 +52,35 @@ OTHER_FILES = (
 )
 BIN_FILE = "pytorch_model.bin"
 
+# The HTTP client under the hub: requests below huggingface_hub 1.0, httpx in 1.x, httpx2 (a fork
+# that keeps httpx's exception names) from 2.0. requests' errors are OSErrors; httpx's are not, so
+# a timeout or a dropped connection that the hub lets through would escape `except OSError`.
+# Per client: (exception class, what it means), most specific first (requests' ConnectTimeout is
+# also a ConnectionError; its ProxyError and SSLError are ConnectionErrors too). The base class
+# comes last, caught but not explained: it also covers the hub's own HTTP errors below 1.0.
+_TIMED_OUT = "the connection timed out"
+_HTTPX_FAILURES = (
+    ("TimeoutException", _TIMED_OUT),                  # connect, read, write or pool timeout
+    ("ProxyError", "the proxy failed"),
+    ("ConnectError", "could not connect"),             # refused, name lookup, TLS handshake
+    ("RemoteProtocolError", "the connection was dropped"),  # closed before/while answering
+    ("NetworkError", "the connection was dropped"),    # ReadError (reset by peer), WriteError...
+    ("TransportError", "a network error"),             # e.g. an unsupported protocol in HF_ENDPOINT
+    ("HTTPError", None),
+)
+_HTTP_CLIENT_FAILURES = {
+    "requests.exceptions": (
+        ("Timeout", _TIMED_OUT),
+        ("ProxyError", "the proxy failed"),
+        ("SSLError", "the TLS handshake failed"),
+        ("ChunkedEncodingError", "the connection was dropped"),  # mid-download
+        ("ConnectionError", "the connection failed"),  # refused, unreachable, dropped, read timeout
+        ("RequestException", None),
+    ),
+    "httpx": _HTTPX_FAILURES,
+    "httpx2": _HTTPX_FAILURES,
+}
+
 # The hub's repo-id rule (huggingface_hub.utils.validate_repo_id), ASCII only: an optional
 # namespace and a name, each starting and ending with a letter, digit or "_".
 _PART = r"\w(?:[\w.-]{0,94}\w)?"
@@ -108,7 +137,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
             path = hf.snapshot_download(repo_id, revision=rev, cache_dir=cache_dir, token=token,
                                         allow_patterns=allow_patterns(include_bin),
                                         local_files_only=offline)
-    except (OSError, ValueError, hf_errors.HfHubHTTPError) as e:
+    except (OSError, ValueError, hf_errors.HfHubHTTPError, *_http_client_errors()) as e:
         cache = cache_dir or hf.constants.HF_HUB_CACHE
         raise _explain(e, hf_errors, what, repo_id, rev, offline, cache) from None
 
@@ -188,12 +217,16 @@ def _stderr_is_tty() -> bool:
 def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: bool,
              cache) -> Exception:
     """One line saying what went wrong and what to do, for an exception from snapshot_download."""
-    # Order matters: LocalEntryNotFoundError and GatedRepoError subclass the HTTP errors below.
+    # Order matters: GatedRepoError subclasses RepositoryNotFoundError, and below hub 1.0
+    # LocalEntryNotFoundError subclasses the HTTP errors too.
     if isinstance(e, errs.LocalEntryNotFoundError):
-        why = ("offline mode is on" if offline or isinstance(e.__cause__, errs.OfflineModeIsEnabled)
-               else "the hub could not be reached")
-        return ModelNotFoundError(f"{what} is not in the local cache ({cache}) and {why}: "
-                                  "connect once to download it, or pass a local folder")
+        # IncompleteSnapshotError (added during hub 1.x): a download that stopped half way.
+        partial = isinstance(e, getattr(errs, "IncompleteSnapshotError", ()))
+        where = "only partly in" if partial else "not in"
+        todo = "finish the download" if partial else "download it"
+        return ModelNotFoundError(f"{what} is {where} the local cache ({cache}) and "
+                                  f"{_why_unreachable(e, errs, offline)}: connect once to {todo}, "
+                                  "or pass a local folder")
     if isinstance(e, errs.GatedRepoError):
         return ModelNotFoundError(f"hub repo '{repo_id}' is gated: accept its terms on "
                                   "huggingface.co and set HF_TOKEN to a token of that account")
@@ -208,15 +241,74 @@ def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: boo
                                   "folder")
     if isinstance(e, errs.HFValidationError):
         return ConfigError(f"cannot fetch {what}: {_first_line(e)}")
-    status = getattr(getattr(e, "response", None), "status_code", None)
+    status = _http_status(e)
     if status in (401, 403):
         return ModelNotFoundError(f"the hub refused access to '{repo_id}' (HTTP {status}): "
                                   "set HF_TOKEN to a token that can read it")
+    network = _network_failure(e)
+    if network is not None:
+        slow = (" (HF_HUB_DOWNLOAD_TIMEOUT sets the limit in seconds)"
+                if network.startswith(_TIMED_OUT) else "")
+        return ModelNotFoundError(f"cannot fetch {what} from the hub: {network}; check the "
+                                  f"network and try again{slow}, set HF_HUB_OFFLINE=1 to use only "
+                                  "the local cache, or pass a local folder")
     code = f" (HTTP {status})" if status else ""
     return ModelNotFoundError(f"cannot fetch {what} from the hub{code}: {_first_line(e)} (try "
                               "again, check the network and disk space, or pass a local folder)")
 
 
-def _first_line(e: Exception) -> str:
+def _why_unreachable(e: Exception, errs, offline: bool) -> str:
+    """Why the hub was not asked, for a LocalEntryNotFoundError: the hub chains the cause to it."""
+    if offline or any(isinstance(c, errs.OfflineModeIsEnabled) for c in _causes(e)):
+        return "offline mode is on"
+    network = _network_failure(e)
+    status = next((s for s in map(_http_status, _causes(e)) if s), None)
+    detail = network or (f"HTTP {status}" if status else None)
+    return "the hub could not be reached" + (f" ({detail})" if detail else "")
+
+
+def _http_client_errors() -> tuple[type[BaseException], ...]:
+    """The error classes of the HTTP clients loaded, for an `except` clause."""
+    return tuple(cls for cls, _ in _http_client_failures())
+
+
+def _http_client_failures() -> Iterator[tuple[type[BaseException], str | None]]:
+    """(exception class, what it means or None) for each HTTP client that is loaded."""
+    for module_name, failures in _HTTP_CLIENT_FAILURES.items():
+        # Looked up, never imported: the hub has imported its client before anything can fail,
+        # and importing httpx beside httpx2 would make httpx2.alias_httpx() fail later.
+        module = sys.modules.get(module_name)
+        for class_name, meaning in failures:
+            cls = getattr(module, class_name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                yield cls, meaning
+
+
+def _network_failure(e: BaseException) -> str | None:
+    """'what went wrong (detail)' for a transport error in `e` or its causes; None without one."""
+    for cause in _causes(e):
+        for cls, meaning in _http_client_failures():
+            if meaning is not None and isinstance(cause, cls):
+                return f"{meaning} ({_first_line(cause)})"
+    return None
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """`e`, then the errors a traceback would show above it: the hub raises its
+    LocalEntryNotFoundError from the network or HTTP error that made it fall back to the cache."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+
+
+def _http_status(e: BaseException) -> int | None:
+    # HfHubHTTPError.response: a requests.Response below hub 1.0, an httpx one after; both have
+    # status_code. Some errors carry response=None.
+    return getattr(getattr(e, "response", None), "status_code", None)
+
+
+def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return lines[0] if lines else type(e).__name__

@@ -1,5 +1,9 @@
 """hub.resolve_model against a fake cache built in huggingface_hub's own layout; never the network.
 
+Network failures are raised by the hub's own HTTP client (requests below 1.0, httpx in 1.x, httpx2
+from 2.0) under a fake of the hub's API. tests/hub_versions.sh runs this file against several hub
+releases, each in a throwaway venv.
+
 Layout (huggingface_hub's file_download.py and _snapshot_download.py;
 https://huggingface.co/docs/hub/local-cache):
 <cache>/models--ORG--NAME/blobs/<hash>             file contents
@@ -9,10 +13,13 @@ https://huggingface.co/docs/hub/local-cache):
 """
 
 import hashlib
+import http.client
+import importlib
 import json
 import os
 import socket
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +31,16 @@ from huggingface_hub.utils import are_progress_bars_disabled, filter_repo_object
 
 from minfer import hub  # noqa: E402
 from minfer.errors import ConfigError, ModelNotFoundError  # noqa: E402
+
+# The HTTP client the hub runs on, whose errors reach resolve_model: requests below 1.0, httpx in
+# 1.x, httpx2 (a fork of httpx keeping its API and exception names) from 2.0.
+HUB_MAJOR = int(hf.__version__.split(".")[0])
+HTTP = importlib.import_module("requests" if HUB_MAJOR < 1 else "httpx" if HUB_MAJOR == 1
+                               else "httpx2")
+on_requests = pytest.mark.skipif(HUB_MAJOR >= 1, reason=f"huggingface_hub {hf.__version__} runs "
+                                 "on httpx: the httpx tests cover it")
+on_httpx = pytest.mark.skipif(HUB_MAJOR < 1, reason=f"huggingface_hub {hf.__version__} runs on "
+                              "requests: the requests tests cover it")
 
 T5_MAIN = "df1b051c49625cf57a3d0d8d3863ed4d13564fe4"
 T5_OLD = "0123456789abcdef0123456789abcdef01234567"
@@ -223,24 +240,69 @@ def test_hf_hub_offline_env_is_respected(cache, monkeypatch):
         hub.resolve_model("t5-large", cache_dir=cache)
 
 
-@pytest.mark.parametrize("error, expected", [
-    (hf_errors.RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found"),
+def http_response(status: int):
+    """A response of the hub's HTTP client, as its HTTP errors carry one (required from 1.0)."""
+    url = "https://huggingface.co/api/models/org/name/revision/x"
+    if HUB_MAJOR < 1:
+        response = HTTP.Response()
+        response.status_code, response.url = status, url
+        return response
+    return HTTP.Response(status, request=HTTP.Request("GET", url))
+
+
+def http_error(cls, message: str, status: int):
+    return lambda: cls(message, response=http_response(status))
+
+
+@pytest.mark.parametrize("make_error, expected", [
+    (http_error(hf_errors.RepositoryNotFoundError, "404 Client Error.\n\nRepository Not Found",
+                404),
      "no hub repo 'org/name' (check the name, or set HF_TOKEN"),
-    (hf_errors.GatedRepoError("403 Client Error.\n\nCannot access gated repo"),
+    (http_error(hf_errors.GatedRepoError, "403 Client Error.\n\nCannot access gated repo", 403),
      "hub repo 'org/name' is gated"),
-    (hf_errors.RevisionNotFoundError("404 Client Error.\n\nRevision Not Found"),
+    (http_error(hf_errors.RevisionNotFoundError, "404 Client Error.\n\nRevision Not Found", 404),
      "revision 'x' not found in org/name"),
-    (hf_errors.LocalEntryNotFoundError("An error happened while trying to locate the files\nmore"),
+    (http_error(hf_errors.HfHubHTTPError, "401 Client Error: Unauthorized for url", 401),
+     "the hub refused access to 'org/name' (HTTP 401): set HF_TOKEN"),
+    (http_error(hf_errors.HfHubHTTPError, "Internal Server Error for url: https://hf.co/api", 500),
+     "cannot fetch model 'org/name' at revision 'x' from the hub (HTTP 500)"),
+    (lambda: hf_errors.LocalEntryNotFoundError("An error happened while trying to locate the "
+                                               "files\nmore"),
      "the hub could not be reached"),
-    (OSError(28, "No space left on device"), "No space left on device"),
-])
-def test_hub_errors_become_one_line(cache, monkeypatch, error, expected):
+    (lambda: chained(hf_errors.LocalEntryNotFoundError("An error happened"),
+                     http_error(hf_errors.HfHubHTTPError, "Service Unavailable", 503)()),
+     "not in the local cache ({cache}) and the hub could not be reached (HTTP 503): connect once"),
+    (lambda: OSError(28, "No space left on device"), "No space left on device"),
+], ids=["not-found", "gated", "revision", "unauthorized", "server-error", "local-entry",
+        "local-entry-hub-down", "disk"])
+def test_hub_errors_become_one_line(cache, monkeypatch, make_error, expected):
+    error = make_error()
+
     def fail(*args, **kwargs):
         raise error
     monkeypatch.setattr(hf, "snapshot_download", fail)
     with pytest.raises(ModelNotFoundError) as err:
         hub.resolve_model("org/name", revision="x", cache_dir=cache, offline=False)
-    assert expected in str(err.value)
+    assert expected.format(cache=cache) in str(err.value)
+    assert_one_line(err)
+
+
+def chained(error, cause):
+    error.__cause__ = cause  # as `raise error from cause` leaves them
+    return error
+
+
+@pytest.mark.skipif(not hasattr(hf_errors, "IncompleteSnapshotError"),
+                    reason=f"huggingface_hub {hf.__version__} has no IncompleteSnapshotError")
+def test_partly_cached_snapshot_says_so(cache, monkeypatch):
+    def fail(*args, **kwargs):
+        raise hf_errors.IncompleteSnapshotError("The cached snapshot for 'org/name' is incomplete",
+                                                snapshot_path=str(cache))
+    monkeypatch.setattr(hf, "snapshot_download", fail)
+    with pytest.raises(ModelNotFoundError, match=r"model 'org/name' is only partly in the local "
+                       r"cache \(.*\) and offline mode is on: connect once to finish the "
+                       "download") as err:
+        hub.resolve_model("org/name", cache_dir=cache, offline=True)
     assert_one_line(err)
 
 
@@ -300,16 +362,286 @@ def test_progress_bars_only_on_a_terminal(cache, monkeypatch, tty, progress, hid
     assert not are_progress_bars_disabled()  # the previous state is back
 
 
-def test_hub_offline_flag_wins_over_offline_false(cache, monkeypatch, request):
+def drop_http_sessions():
+    """Make the hub build its HTTP sessions afresh. Below 1.0 it caches one per thread, built with
+    the offline flag of its time (reset_sessions); from 1.0 one shared client that reads the flag
+    on each request (close_session; reset_sessions is gone)."""
+    if HUB_MAJOR < 1:
+        hf.utils.reset_sessions()
+    else:
+        hf.utils.close_session()
+
+
+@pytest.fixture
+def fresh_http_sessions():
+    drop_http_sessions()
+    yield
+    drop_http_sessions()
+
+
+def test_hub_offline_flag_wins_over_offline_false(cache, monkeypatch, fresh_http_sessions):
     # HF_HUB_OFFLINE read by the hub at import refuses every request, even when offline=False:
     # cached models still resolve, missing ones say offline mode is the reason.
     monkeypatch.delenv("HF_HUB_OFFLINE")
     assert hf.constants.HF_HUB_OFFLINE
-    # The hub caches one HTTP session per thread, built with the offline flag of its time.
-    hf.utils.reset_sessions()
-    request.addfinalizer(hf.utils.reset_sessions)
     assert (hub.resolve_model("t5-small", cache_dir=cache, offline=False)
             == snapshot_of(cache, "google-t5/t5-small", T5_MAIN))
     with pytest.raises(ModelNotFoundError, match="offline mode is on") as err:
         hub.resolve_model("t5-large", cache_dir=cache, offline=False)
     assert_one_line(err)
+
+
+# -- network failures, raised by the hub's own HTTP client -----------------------------------------
+# The hub's HTTP layer is patched at the client library's transport (requests' HTTPAdapter.send,
+# httpx's HTTPTransport.handle_request), below the hub's sessions, retries and error handling: a
+# fake of enough of the hub's API for snapshot_download of every version, which fails one request
+# the way the real client fails it.
+FAKE_COMMIT = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"
+FAKE_FILES = {"config.json": json.dumps({"model_type": "t5"}).encode(),
+              "model.safetensors": weights()}
+
+
+def fake_hub(failure, stage: str, seen: list):
+    """answer(method, url, request) -> (status, headers, body chunks); `failure(request)` replaces
+    the answers to the API calls (stage "api") or to the file downloads (stage "download"): it
+    raises, or returns body chunks that end in the exception a dropped stream raises."""
+    def answer(method, url, request):
+        seen.append((method, url))
+        path = url.split("huggingface.co", 1)[-1].split("?")[0]
+        if (stage == "api" and path.startswith("/api/")) or (
+                stage == "download" and method == "GET" and "/resolve/" in path):
+            chunks = failure(request)
+            if "Range" not in request.headers:
+                return 200, {"Content-Length": "12"}, chunks
+            return 206, {"Content-Length": "6", "Content-Range": "bytes 6-11/12"}, chunks
+        if "/resolve/" in path:
+            data = FAKE_FILES[path.rsplit("/", 1)[-1]]
+            headers = {"X-Repo-Commit": FAKE_COMMIT, "Content-Length": str(len(data)),
+                       "ETag": '"' + hashlib.sha256(data).hexdigest() + '"'}
+            return 200, headers, [] if method == "HEAD" else [data]
+        if "/tree/" in path:  # list_repo_tree (hub >= 1.x lists the files with it)
+            body = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                    for f, d in FAKE_FILES.items()]
+        else:  # model info at a revision
+            body = {"id": "org/name", "sha": FAKE_COMMIT,
+                    "siblings": [{"rfilename": f} for f in FAKE_FILES]}
+        return 200, {"Content-Type": "application/json"}, [json.dumps(body).encode()]
+    return answer
+
+
+@pytest.fixture
+def online(monkeypatch, fresh_http_sessions):
+    """Offline mode off (the sockets stay refused) and no waiting between the hub's retries."""
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hf.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+
+
+def serve_with_requests(monkeypatch, answer):
+    import requests
+    from requests.structures import CaseInsensitiveDict
+
+    class Raw:  # urllib3's HTTPResponse, as far as requests reads it
+        def __init__(self, chunks):
+            self.chunks = chunks
+
+        def stream(self, chunk_size, decode_content=True):
+            for chunk in self.chunks:
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+
+    def send(adapter, request, **kwargs):
+        status, headers, chunks = answer(request.method, request.url, request)
+        response = requests.Response()
+        response.status_code, response.url, response.request = status, request.url, request
+        response.headers, response.raw = CaseInsensitiveDict(headers), Raw(chunks)
+        return response
+    monkeypatch.setattr(requests.adapters.HTTPAdapter, "send", send)
+
+
+def serve_with_httpx(monkeypatch, answer):
+    class Stream(HTTP.SyncByteStream):
+        def __init__(self, chunks):
+            self.chunks = chunks
+
+        def __iter__(self):
+            for chunk in self.chunks:
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+
+    def handle_request(transport, request):
+        status, headers, chunks = answer(request.method, str(request.url), request)
+        return HTTP.Response(status, headers=headers, stream=Stream(chunks), request=request)
+    monkeypatch.setattr(HTTP.HTTPTransport, "handle_request", handle_request)
+
+
+def resolve_failing(monkeypatch, serve, failure, stage, cache) -> str:
+    """The one-line error of resolving an uncached model while the fake hub fails."""
+    seen = []
+    serve(monkeypatch, fake_hub(failure, stage, seen))
+    with pytest.raises(ModelNotFoundError) as err:
+        hub.resolve_model("org/name", cache_dir=cache, offline=False)
+    assert seen, "the hub's HTTP layer was never called"
+    assert_one_line(err)
+    return str(err.value)
+
+
+def raises(error):
+    def fail(request):
+        raise error(request)
+    return fail
+
+
+def drops_after(error):
+    # A 12-byte body cut short: 6 bytes arrive, then the stream fails. The hub resumes (a Range
+    # request) and, as data arrived, starts its retry count afresh: resumed requests get nothing.
+    return lambda request: ([] if "Range" in request.headers else [b"{\"mod\""]) + [error(request)]
+
+
+# httpx (hub >= 1.0). Messages are the ones httpcore gives these failures.
+def httpx_refused(request):
+    return HTTP.ConnectError("[Errno 111] Connection refused", request=request)
+
+
+def httpx_timeout(request):
+    return HTTP.ReadTimeout("The read operation timed out", request=request)
+
+
+def httpx_disconnected(request):
+    return HTTP.RemoteProtocolError("Server disconnected without sending a response.",
+                                    request=request)
+
+
+def httpx_body_cut(request):
+    return HTTP.RemoteProtocolError("peer closed connection without sending complete message "
+                                    "body (received 6 bytes, expected 12)", request=request)
+
+
+def httpx_reset(request):
+    return HTTP.ReadError("[Errno 104] Connection reset by peer", request=request)
+
+
+@on_httpx
+@pytest.mark.parametrize("failure, stage, expected", [
+    # The hub turns refusals and timeouts of its API calls into LocalEntryNotFoundError ...
+    (raises(httpx_refused), "api", "is not in the local cache ({cache}) and the hub could not be "
+     "reached (could not connect ([Errno 111] Connection refused)): connect once"),
+    (raises(httpx_timeout), "api", "is not in the local cache ({cache}) and the hub could not be "
+     "reached (the connection timed out (The read operation timed out))"),
+    # ... but lets a dropped connection through, and the failures of the downloads (after the
+    # retries it makes).
+    (raises(httpx_disconnected), "api", "cannot fetch model 'org/name' from the hub: the "
+     "connection was dropped (Server disconnected without sending a response.); check the network"),
+    (raises(httpx_timeout), "download", "cannot fetch model 'org/name' from the hub: the "
+     "connection timed out (The read operation timed out); check the network and try again "
+     "(HF_HUB_DOWNLOAD_TIMEOUT sets the limit in seconds), set HF_HUB_OFFLINE=1"),
+    (raises(httpx_refused), "download", "the hub: could not connect ([Errno 111] Connection "
+     "refused); check the network"),
+    (drops_after(httpx_body_cut), "download", "the hub: the connection was dropped (peer closed "
+     "connection without sending complete message body (received 6 bytes, expected 12))"),
+    (drops_after(httpx_reset), "download", "the hub: the connection was dropped ([Errno 104] "
+     "Connection reset by peer)"),
+], ids=["refused", "timeout", "disconnected", "download-timeout", "download-refused",
+        "download-cut", "download-reset"])
+def test_httpx_failures_become_one_line(cache, monkeypatch, online, failure, stage, expected):
+    message = resolve_failing(monkeypatch, serve_with_httpx, failure, stage, cache)
+    assert expected.format(cache=cache) in message, message
+
+
+# requests (hub < 1.0): its adapter wraps urllib3's errors, and iter_content those of the body.
+def requests_pool():
+    import urllib3
+    return urllib3.HTTPSConnectionPool("huggingface.co", 443)
+
+
+def requests_refused(request):
+    import requests
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+    reason = NewConnectionError(None, "Failed to establish a new connection: [Errno 111] "
+                                      "Connection refused")
+    return requests.ConnectionError(MaxRetryError(requests_pool(), request.path_url, reason),
+                                    request=request)
+
+
+def requests_timeout(request):
+    import requests
+    from urllib3.exceptions import ReadTimeoutError
+    return requests.ReadTimeout(ReadTimeoutError(requests_pool(), request.url,
+                                                 "Read timed out. (read timeout=10)"),
+                                request=request)
+
+
+def requests_disconnected(request):
+    import requests
+    from urllib3.exceptions import ProtocolError
+    cause = http.client.RemoteDisconnected("Remote end closed connection without response")
+    return requests.ConnectionError(ProtocolError("Connection aborted.", cause), request=request)
+
+
+def requests_body_cut(request):
+    from urllib3.exceptions import ProtocolError
+    cut = http.client.IncompleteRead(b"{\"mod\"", 6)
+    return ProtocolError(f"Connection broken: {cut!r}", cut)  # iter_content: ChunkedEncodingError
+
+
+def requests_body_timeout(request):
+    from urllib3.exceptions import ReadTimeoutError  # iter_content: requests.ConnectionError
+    return ReadTimeoutError(requests_pool(), request.url, "Read timed out.")
+
+
+@on_requests
+@pytest.mark.parametrize("failure, stage, expected", [
+    # The hub turns connection errors and timeouts of its API calls into LocalEntryNotFoundError
+    (raises(requests_refused), "api", "is not in the local cache ({cache}) and the hub could not "
+     "be reached (the connection failed (HTTPSConnectionPool(host='huggingface.co', port=443): "
+     "Max retries exceeded with url: /api/models/org/name/revision/main"),
+    (raises(requests_timeout), "api", "is not in the local cache ({cache}) and the hub could not "
+     "be reached (the connection timed out (HTTPSConnectionPool(host='huggingface.co', "
+     "port=443): Read timed out. (read timeout=10)))"),
+    (raises(requests_disconnected), "api", "the hub could not be reached (the connection failed "
+     "(('Connection aborted.', RemoteDisconnected('Remote end closed connection without "
+     "response'))))"),
+    # ... and lets those of the downloads through, after retrying ConnectionError and ReadTimeout.
+    (raises(requests_timeout), "download", "cannot fetch model 'org/name' from the hub: the "
+     "connection timed out (HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out. "
+     "(read timeout=10)); check the network and try again (HF_HUB_DOWNLOAD_TIMEOUT sets the "
+     "limit in seconds), set HF_HUB_OFFLINE=1"),
+    (raises(requests_refused), "download", "the hub: the connection failed (HTTPSConnectionPool("
+     "host='huggingface.co', port=443): Max retries exceeded with url: /org/name/resolve/"),
+    (drops_after(requests_body_cut), "download", "the hub: the connection was dropped "
+     "(('Connection broken: IncompleteRead(6 bytes read, 6 more expected)', "
+     "IncompleteRead(6 bytes read, 6 more expected)))"),
+    (drops_after(requests_body_timeout), "download", "the hub: the connection failed "
+     "(HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out.)"),
+], ids=["refused", "timeout", "disconnected", "download-timeout", "download-refused",
+        "download-cut", "download-timeout-in-body"])
+def test_requests_failures_become_one_line(cache, monkeypatch, online, failure, stage, expected):
+    message = resolve_failing(monkeypatch, serve_with_requests, failure, stage, cache)
+    assert expected.format(cache=cache) in message, message
+
+
+@pytest.mark.parametrize("serve, refused", [
+    pytest.param(serve_with_httpx, httpx_refused, marks=on_httpx, id="httpx"),
+    pytest.param(serve_with_requests, requests_refused, marks=on_requests, id="requests"),
+])
+def test_unreachable_hub_falls_back_to_the_cache(cache, monkeypatch, online, serve, refused):
+    seen = []
+    serve(monkeypatch, fake_hub(raises(refused), "api", seen))
+    assert (hub.resolve_model("t5-small", cache_dir=cache, offline=False)
+            == snapshot_of(cache, "google-t5/t5-small", T5_MAIN))
+    assert seen
+
+
+@pytest.mark.parametrize("serve", [
+    pytest.param(serve_with_httpx, marks=on_httpx, id="httpx"),
+    pytest.param(serve_with_requests, marks=on_requests, id="requests"),
+])
+def test_fake_hub_downloads_when_nothing_fails(tmp_path, monkeypatch, online, serve):
+    # The fake answers what every hub version asks: without a failure the download completes.
+    seen = []
+    serve(monkeypatch, fake_hub(None, "none", seen))
+    folder = hub.resolve_model("org/name", cache_dir=tmp_path / "hub", offline=False)
+    assert (folder / "model.safetensors").read_bytes() == FAKE_FILES["model.safetensors"]
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "t5"}
