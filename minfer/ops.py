@@ -1,4 +1,5 @@
-"""Shared math over an array namespace `xp` (numpy or cupy): norms, softmax, activations.
+"""Shared math over an array namespace `xp` (numpy or cupy): products, norms, softmax,
+attention, activations.
 
 Functions take the namespace explicitly so one code path serves both backends. Where a function
 has an `out=` argument it may write into a caller-owned (arena) buffer, which is how the models
@@ -6,6 +7,10 @@ keep their large activations inside the allocator; `out` may be the input itself
 Math runs in the dtype of its input, except that norms and softmax of half-precision input
 (CUDA float16) are computed in float32 and written back: float16 sums of squares overflow and
 float16 exponent sums lose the small probabilities.
+
+On the CPU in float32 the fused functions (`add_rms_normalize`, `attention` of one query
+position, `activate`) run as one compiled call each (kernels.py) instead of a dozen NumPy
+calls; with `MINFER_KERNELS=numpy` they run the NumPy code below, which computes the same.
 """
 
 from __future__ import annotations
@@ -13,10 +18,21 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
+from . import kernels
 from .errors import ConfigError
 from .params.formats import PackedWeight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
+
+
+def _compiled(xp: Any, x: Any) -> Any:
+    """The compiled kernels when they apply to x: NumPy float32, kernels selected."""
+    if xp is not np or x.dtype != np.float32:
+        return None
+    return kernels.active()
 
 
 def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
@@ -74,6 +90,20 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     return out
 
 
+def add_rms_normalize(xp: Any, x: Any, delta: Any, eps: float, out: Any) -> Any:
+    """x += delta (a sublayer's output; None: nothing to add), then out = rms_normalize(x): the
+    residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
+    k = _compiled(xp, x)
+    if k is None:
+        if delta is not None:
+            x += delta
+        return rms_normalize(xp, x, eps, out)
+    C = x.shape[-1]
+    d = delta.reshape(-1, C) if delta is not None else np.empty((0, C), np.float32)
+    k.add_rms_normalize(x.reshape(-1, C), d, eps, out.reshape(-1, C))
+    return out
+
+
 def rms_norm(xp: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
     """T5's LayerNorm: w * x / sqrt(mean(x^2) + eps); no mean subtraction, no bias. (..., C)."""
     out = rms_normalize(xp, x, eps, out)
@@ -106,6 +136,39 @@ def log_softmax_(xp: Any, x: Any) -> Any:
     x -= x.max(axis=-1, keepdims=True)
     x -= xp.log(xp.exp(x).sum(axis=-1, keepdims=True))
     return x
+
+
+def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
+    """softmax(q k^T + bias) v into ctx. q (B, H, T, D), k/v (B, H, S, D), bias broadcast to
+    (B, H, T, S), scores a (B, H, T, S) scratch, ctx a (B, T, H, D) output. No scaling: callers
+    that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation)."""
+    B, H, T, D = q.shape
+    kc = _compiled(xp, q) if T == 1 else None
+    if kc is not None:  # one query position (decoding): one compiled pass over the keys
+        S = k.shape[2]
+        bias3 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)[:, :, 0]   # (Bb, Hb, S)
+        run = kc.attend_query_parallel if B * H * S * D > PARALLEL_ATTENTION_WORK else kc.attend_query
+        run(q[:, :, 0], k, v, bias3, ctx[:, 0])
+        return
+    xp.matmul(q, k.swapaxes(-1, -2), out=scores)   # (B, H, T, S)
+    scores += bias
+    softmax_(xp, scores)
+    xp.matmul(scores, v, out=ctx.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+
+
+def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool) -> Any:
+    """The FF's activation in place on hidden (..., F | 2F) -> the (..., F) view to multiply
+    by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF."""
+    k = _compiled(xp, hidden)
+    if k is not None and hidden.flags.c_contiguous:
+        k.activate(hidden.reshape(-1, hidden.shape[-1]), F, k.ACTIVATION_IDS[name], gated)
+        return hidden[..., :F]
+    act = activation(name)
+    if not gated:
+        return act(xp, hidden)
+    gate = act(xp, hidden[..., :F])                 # the first half is the activated one
+    gate *= hidden[..., F:]
+    return gate
 
 
 # -- activations (in place on scratch buffers) --------------------------------------------------------

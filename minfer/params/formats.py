@@ -104,6 +104,7 @@ class PackedWeight:
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
         if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+            x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
                 self.kernel(x, self.bits, out)
             else:
@@ -135,7 +136,7 @@ class KernelWeight(PackedWeight):
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         if x.shape[0] <= KERNEL_MAX_ROWS:
-            self.kernel(x, self.stored, out)
+            self.kernel(x if x.flags.c_contiguous else np.ascontiguousarray(x), self.stored, out)
         else:
             xp.matmul(x, self.stored.T, out=out)
         return out

@@ -101,14 +101,16 @@ def clamp_half(xp: Any, x: Any) -> None:
         xp.clip(x, -FP16_CLAMP, FP16_CLAMP, out=x)
 
 
-def attend(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
-    """softmax(q k^T + bias) v into ctx. q (B,H,T,D), k/v (B,H,S,D), bias broadcast to
-    (B,H,T,S), scores a (B,H,T,S) scratch, ctx a (B,T,H,D) output. No 1/sqrt(D): T5 folds it
-    into its initialisation."""
-    xp.matmul(q, k.swapaxes(-1, -2), out=scores)   # (B, H, T, S)
-    scores += bias
-    ops.softmax_(xp, scores)
-    xp.matmul(scores, v, out=ctx.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, h: Any) -> Any:
+    """x += delta (the previous sublayer's output; None at the start of a pass), then
+    h = x / rms(x): the norm in front of the next sublayer, whose weight is folded into the
+    next matrix. One compiled pass on the CPU; float16 clamps the stream between the two."""
+    if x.dtype != np.float16:
+        return ops.add_rms_normalize(xp, x, delta, cfg.eps, h)
+    if delta is not None:
+        x += delta
+        clamp_half(xp, x)
+    return ops.rms_normalize(xp, x, cfg.eps, out=h)
 
 
 def self_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, bias: Any, ws: PassScratch,
@@ -125,7 +127,7 @@ def self_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, bias: Any, ws: Pas
         k_cache[:, :, t0:t0 + T] = k
         v_cache[:, :, t0:t0 + T] = v
         k, v = k_cache[:, :, :t0 + T], v_cache[:, :, :t0 + T]
-    attend(xp, q, k, v, bias, ws.scores_as(B, H, T, k.shape[2]), ws.ctx.reshape(B, T, H, D))
+    ops.attention(xp, q, k, v, bias, ws.scores_as(B, H, T, k.shape[2]), ws.ctx.reshape(B, T, H, D))
     return ops.linear(xp, ws.ctx, blk["w_o"], out=ws.proj)
 
 
@@ -136,45 +138,41 @@ def cross_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, k: Any, v: Any, b
     B, T, _ = h.shape
     H, D = cfg.num_heads, cfg.d_kv
     q = ops.linear(xp, h, blk["w_cross_q"], out=ws.q).reshape(B, T, H, D)
-    attend(xp, q.transpose(0, 2, 1, 3), k, v, bias, ws.scores_as(B, H, T, k.shape[2]),
-           ws.ctx.reshape(B, T, H, D))
+    ops.attention(xp, q.transpose(0, 2, 1, 3), k, v, bias, ws.scores_as(B, H, T, k.shape[2]),
+                  ws.ctx.reshape(B, T, H, D))
     return ops.linear(xp, ws.ctx, blk["w_cross_o"], out=ws.proj)
 
 
 def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> Any:
     """h (B, T, C) -> ws.proj (B, T, C): act(h W_in) W_out, or gated (v1.1):
-    (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (C, 2F) product."""
+    (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (2F, C) product."""
     hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                    # (B, T, F | 2F)
-    act = ops.activation(cfg.act)
-    if cfg.gated:
-        F = cfg.d_ff
-        gate = act(xp, hidden[..., :F])                 # the wi_0 branch is the activated one
-        gate *= hidden[..., F:]
-        return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
-    return ops.linear(xp, act(xp, hidden), blk["w_out"], out=ws.proj)
+    gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated)         # (B, T, F)
+    return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
 
 
 def block(xp: Any, cfg: T5Config, blk: dict, x: Any, ws: PassScratch, self_bias: Any,
-          cache: tuple[Any, Any] | None = None, t0: int = 0,
-          cross: tuple[Any, Any, Any] | None = None) -> None:
-    """One layer over x (B, T, C), updated in place: self-attention (over the layer's KV cache
-    from position t0 when `cache` is given), cross-attention to the encoder's (k, v, mask bias)
-    when `cross` is given (decoder layers), then the feed-forward; each a pre-norm residual."""
-    h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
-    x += self_attention(xp, cfg, blk, h, self_bias, ws, cache, t0)
-    clamp_half(xp, x)
+          pending: Any, cache: tuple[Any, Any] | None = None, t0: int = 0,
+          cross: tuple[Any, Any, Any] | None = None) -> Any:
+    """One layer over the residual stream x (B, T, C), updated in place: self-attention (over the
+    layer's KV cache from position t0 when `cache` is given), cross-attention to the encoder's
+    (k, v, mask bias) when `cross` is given (decoder layers), then the feed-forward; each a
+    pre-norm residual. `pending`: the previous layer's last output, not yet added to x (its add
+    is fused with this layer's first norm). Returns this layer's last output, pending likewise."""
+    h = residual_norm(xp, cfg, x, pending, ws.h)
+    attn = self_attention(xp, cfg, blk, h, self_bias, ws, cache, t0)
+    h = residual_norm(xp, cfg, x, attn, ws.h)
     if cross is not None:
-        h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
-        x += cross_attention(xp, cfg, blk, h, *cross, ws)
-        clamp_half(xp, x)
-    h = ops.rms_normalize(xp, x, cfg.eps, out=ws.h)
-    x += feed_forward(xp, cfg, blk, h, ws)
-    clamp_half(xp, x)
+        attn = cross_attention(xp, cfg, blk, h, *cross, ws)
+        h = residual_norm(xp, cfg, x, attn, ws.h)
+    return feed_forward(xp, cfg, blk, h, ws)
 
 
-def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, out: Any, h: Any = None) -> Any:
-    """Decoder states (..., C) -> final norm -> logits (..., V) in `out` (h: optional scratch)."""
-    h = ops.rms_norm(xp, x, params["decoder.final_ln"], cfg.eps, out=h)
+def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, pending: Any, out: Any, h: Any) -> Any:
+    """Decoder states (..., C) + the last layer's pending output -> final norm -> logits (..., V)
+    in `out` (h: scratch for the normed states)."""
+    h = residual_norm(xp, cfg, x, pending, h)
+    h *= params["decoder.final_ln"]
     if cfg.tie_word_embeddings:
         h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
     return ops.linear(xp, h, params["lm_head"], out)
@@ -195,9 +193,11 @@ def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
         ws.bias[...] = be.asarray(position_bias(cfg, params["encoder.rel_bias"], T, T,
                                                 bidirectional=True))
         ws.bias += mask_bias(be, attention_mask)
+        pending = None
         for blk in params["encoder"]:
-            block(xp, cfg, blk, ws.x, ws, ws.bias)
-        out[...] = ops.rms_norm(xp, ws.x, params["encoder.final_ln"], cfg.eps, out=ws.h)
+            pending = block(xp, cfg, blk, ws.x, ws, ws.bias, pending)
+        out[...] = residual_norm(xp, cfg, ws.x, pending, ws.h)
+        out *= params["encoder.final_ln"]
     return out
 
 
@@ -231,10 +231,11 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
                                                    bidirectional=False))
         ws.self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
         cross_bias = mask_bias(be, attention_mask)
+        pending = None
         for i, blk in enumerate(params["decoder"]):
-            block(xp, cfg, blk, ws.x, ws, ws.self_bias,
-                  cross=(ws.cross_k[i], ws.cross_v[i], cross_bias))
-        logits = lm_head(xp, cfg, params, ws.x, ws.logits)
+            pending = block(xp, cfg, blk, ws.x, ws, ws.self_bias, pending,
+                            cross=(ws.cross_k[i], ws.cross_v[i], cross_bias))
+        logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws.h)
         return np.array(be.to_host(logits), dtype=np.float32)
 
 
@@ -262,10 +263,12 @@ def decode_step(be: Any, cfg: T5Config, params: dict, buf: DecodeBuffers, token_
     H, N = cfg.num_heads, buf.self_bias.shape[1]
     ops.embed(xp, params["embedding"], be.asarray(token_ids).reshape(b, 1), buf.x)  # (b, 1, C)
     self_bias = buf.self_bias[:, N - 1 - t:].reshape(1, H, 1, t + 1)
+    pending = None
     for i, blk in enumerate(params["decoder"]):
-        block(xp, cfg, blk, buf.x, buf, self_bias, cache=(buf.self_k[i], buf.self_v[i]), t0=t,
-              cross=(buf.cross_k[i], buf.cross_v[i], buf.cross_bias))
-    return lm_head(xp, cfg, params, buf.x, buf.logits, buf.h)[:, 0]        # (b, V)
+        pending = block(xp, cfg, blk, buf.x, buf, self_bias, pending,
+                        cache=(buf.self_k[i], buf.self_v[i]), t0=t,
+                        cross=(buf.cross_k[i], buf.cross_v[i], buf.cross_bias))
+    return lm_head(xp, cfg, params, buf.x, pending, buf.logits, buf.h)[:, 0]  # (b, V)
 
 
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
