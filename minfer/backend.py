@@ -25,7 +25,9 @@ from .params.transfers import Transfers
 
 # dtype option -> (compute dtype, weight format of the linear layers) per device kind
 _DTYPES = {
-    "cpu": {"float32": ("float32", "float32"), "int8": ("float32", "int8")},
+    # on the CPU every format computes in float32: only the stored weights shrink
+    "cpu": {"float32": ("float32", "float32"), "float16": ("float32", "float16"),
+            "bfloat16": ("float32", "bfloat16"), "int8": ("float32", "int8")},
     "cuda": {"float16": ("float16", "float16"), "float32": ("float32", "float32"),
              "int8": ("float16", "int8")},
 }
@@ -77,7 +79,8 @@ def resolve_dtype(device_kind: str, dtype: Any) -> tuple[np.dtype, str]:
             name = np.dtype(dtype).name
         except TypeError:
             name = str(dtype)
-    name = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32"}.get(name, name)
+    name = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32",
+            "bf16": "bfloat16"}.get(name, name)
     table = _DTYPES[device_kind]
     if name not in table:
         raise ConfigError(f"dtype {dtype!r} is not supported on device '{device_kind}' "
