@@ -55,15 +55,40 @@ def trim_hf_ids(row, pad: int = 0, eos: int = 1) -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def t5_models():
+def _loaded_models():
+    return {}
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def kernel_mode(request, monkeypatch):
+    """Run the test with the compiled CPU kernels and again with the pure NumPy path
+    (MINFER_KERNELS=numpy): both are held to the same references."""
+    from minfer import kernels
+    monkeypatch.setattr(kernels, "_mode", request.param)
+    return request.param
+
+
+def _models(folder, cache, mode):
     import minfer
-    cache = {}
 
     def get(case: str):
-        if case not in cache:
-            cache[case] = minfer.load(T5_FIXTURES / case)
-        return cache[case]
+        key = (str(folder), case, mode)  # weights are wrapped for the kernel mode at load
+        if key not in cache:
+            cache[key] = minfer.load(folder / case)
+        return cache[key]
     return get
+
+
+@pytest.fixture
+def t5_models(kernel_mode, _loaded_models):
+    """case -> the loaded weights/t5 fixture model, in both kernel modes."""
+    return _models(T5_FIXTURES, _loaded_models, kernel_mode)
+
+
+@pytest.fixture
+def xl_models(kernel_mode, _loaded_models):
+    """case -> the loaded weights/transfo_xl fixture model, in both kernel modes."""
+    return _models(XL_FIXTURES, _loaded_models, kernel_mode)
 
 
 TINY_TOKENIZER = ROOT / "weights" / "tokenizers" / "tiny-t5"

@@ -13,7 +13,7 @@ def test_device_selection_errors_are_clear():
     with pytest.raises(ConfigError, match="cuda:N"):
         make_backend("cuda:x")
     with pytest.raises(ConfigError, match="not supported on device 'cpu'"):
-        make_backend("cpu", "float16")
+        make_backend("cpu", "int4")
     if not cuda_available():
         with pytest.raises(ConfigError, match="CuPy is not installed|no CUDA device"):
             make_backend("cuda")
@@ -24,8 +24,8 @@ def test_load_rejects_bad_options(tmp_path):
     folder = write_t5(tmp_path / "m")
     with pytest.raises(ConfigError, match="device 'tpu'"):
         minfer.load(folder, device="tpu")
-    with pytest.raises(ConfigError, match="dtype 'float16'"):
-        minfer.load(folder, dtype="float16")
+    with pytest.raises(ConfigError, match="dtype 'int4'"):
+        minfer.load(folder, dtype="int4")
     with pytest.raises(ConfigError, match="unknown option 'colour'"):
         minfer.load(folder, colour="red")
     with pytest.raises(minfer.errors.ModelNotFoundError, match="no such folder"):

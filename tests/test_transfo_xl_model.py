@@ -16,17 +16,6 @@ from minfer.models.transfo_xl import spec as xl_spec
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def xl_models():
-    cache = {}
-
-    def get(case):
-        if case not in cache:
-            cache[case] = minfer.load(XL_FIXTURES / case)
-        return cache[case]
-    return get
-
-
 @needs_xl_fixtures
 def test_fixture_set_covers_the_required_cases():
     assert {"adaptive_div4", "plain_softmax", "adaptive_div1_proj"} <= set(XL_CASES)
