@@ -14,6 +14,7 @@ from .devices import make_backend
 from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
                      ModelNotFoundError, StreamingError, TokenizerError)
 from .io.checkpoint import Checkpoint, read_json
+from .kernels import set_threads
 from .models.registry import family_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
@@ -29,7 +30,8 @@ TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
-         *, memory_limit: int | str | None = None, revision: str | None = None, offline: bool | None = None, token: str | None = None,
+         *, memory_limit: int | str | None = None, num_threads: int | None = None,
+         revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, **options: Any) -> T5Model | XLModel:
     """Load a model by hub name or from a local folder in the Hugging Face layout.
 
@@ -37,15 +39,19 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         huggingface_hub cache) or a folder with config.json and model.safetensors (or an index and
         shards, or a pytorch_model.bin read without executing pickle code).
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when CuPy finds a device).
-    dtype: "float32" (CPU default; bf16/fp16 checkpoints are widened), "float16" (CUDA default),
-        or "int8": weight-only int8 linear layers with one scale per output channel (the default
-        for a checkpoint that `minfer convert --dtype int8` wrote).
+    dtype: how the linear layers (and heads, embeddings) are stored: "float32" (CPU default;
+        bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
+        computed in float32), "bfloat16" (CPU: stored 2 bytes, computed in float32), "int8"
+        (weight-only, one scale per output channel; the default for a checkpoint that
+        `minfer convert --dtype int8` wrote) or "auto" (the checkpoint's own: int8, bfloat16,
+        float16 or float32).
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory). With memory_limit: the part of the
         limit reserved for runs.
     memory_limit: the whole budget, weights included, e.g. "2GiB". Layers that do not fit stay
         out of memory and are streamed in as they are needed (see params/runtime.py); a limit too
         small even for streaming is refused up front with the minimum that would work.
+    num_threads: threads of the CPU kernels and BLAS (default: the cores this process may use).
     revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
     """
     recorder = options.pop("_recorder", None)  # scheduling events, for tests
@@ -56,8 +62,20 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
     ckpt = Checkpoint(folder)
     family = family_of(ckpt.config, str(folder / "config.json"))
-    if dtype is None and ckpt.quantized_names():
+    if dtype == "auto":
+        dtype = _stored_format(ckpt)
+    elif dtype is None and ckpt.quantized_names():
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
+    be.num_threads = set_threads(num_threads)
     tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
     return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)
+
+
+def _stored_format(ckpt: Checkpoint) -> str | None:
+    """dtype="auto": the weight format the checkpoint's matrices are stored in (None: the
+    device's default)."""
+    if ckpt.quantized_names():
+        return "int8"
+    codes = {ckpt.info(n).dtype for n in ckpt.names() if len(ckpt.info(n).shape) == 2}
+    return {frozenset({"BF16"}): "bfloat16", frozenset({"F16"}): "float16"}.get(frozenset(codes))

@@ -43,6 +43,7 @@ class Backend:
     weight_format: str = "float32"    # how linear layers are stored (params/formats.py)
     memory_limit: int | None = None   # the whole budget (weights + workspace), or None
     workspace: int | None = None      # bytes reserved for runs under a limit (None: planned)
+    num_threads: int | None = None    # threads of the CPU kernels and BLAS (None: every core)
 
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
         """A device copy of a host array (on the CPU: the array itself when no cast is needed)."""

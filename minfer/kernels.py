@@ -71,15 +71,22 @@ def active() -> Any:
 
 
 def set_threads(n: int | None) -> int:
-    """Threads for the compiled kernels (None: the cores this process may use). Returns it."""
+    """Threads for the compiled kernels and, when `n` is given, for BLAS too (None: the cores
+    this process may use, BLAS left as it is). Returns the kernels' thread count.
+
+    numba keeps the setting per calling thread; BLAS's is process-wide (through threadpoolctl,
+    which finds whichever BLAS NumPy was built with)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = usable if n is None else n
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError(f"num_threads must be a positive integer, got {n!r}")
+    threads = usable if n is None else n
     k = active()
     if k is not None:
-        k.set_threads(min(n, k.max_threads()))
-    return n
+        k.set_threads(min(threads, k.max_threads()))
+    if n is not None:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=n, user_api="blas")
+    return threads
 
 
 def warm_up() -> bool:
