@@ -124,9 +124,9 @@ def matmul_i8(x, w, scale, out):
 
 # -- fused step functions ---------------------------------------------------------------------------------
 @njit(fastmath=True, cache=True)
-def add_rms_normalize(x, delta, eps, h):
-    """x (R, C) += delta (R, C) (skipped when delta has no rows), then h = x / sqrt(mean(x^2) +
-    eps) per row: a residual add and the RMS norm after it, in one pass."""
+def add_rms_norm(x, delta, weight, eps, h):
+    """x (R, C) += delta (R, C) (skipped when delta has no rows), then h = weight * x /
+    sqrt(mean(x^2) + eps) per row: a residual add and the RMS norm after it, in one pass."""
     R, C = x.shape
     add = delta.shape[0] == R
     for r in range(R):
@@ -140,7 +140,7 @@ def add_rms_normalize(x, delta, eps, h):
             ss += xr[c] * xr[c]
         inv = np.float32(1.0) / math.sqrt(ss / C + eps)
         for c in range(C):
-            hr[c] = xr[c] * inv
+            hr[c] = xr[c] * inv * weight[c]
 
 
 @njit(fastmath=True, cache=True)
@@ -229,8 +229,8 @@ def warm_up() -> None:
     matmul_f16(x, np.zeros((2, 4), np.uint16), out)
     matmul_bf16(x, np.zeros((2, 4), np.uint16), out)
     matmul_i8(x, np.zeros((2, 4), np.int8), np.ones(2, np.float32), out)
-    add_rms_normalize(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32), 1e-6,
-                      np.empty((1, 4), np.float32))
+    add_rms_norm(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32),
+                 np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
     for kind in set(ACTIVATION_IDS.values()):
         activate(np.ones((1, 4), np.float32), 2, kind, True)
 

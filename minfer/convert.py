@@ -1,10 +1,9 @@
 """`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, to another
 float dtype, or with int8 layer matrices), copying config, generation config and tokenizer files
 alongside. An int8 file stores each matrix that feeds a linear slot (the family's weight table
-says which) as I8 (out, in) beside `W_scale` (F32, one scale per output channel, i.e. per row
-here); `Checkpoint.read` dequantises it, so every loader reads it. RMS norm weights that the table
-folds into a slot are folded before quantising (and stored as ones), as the loader would fold
-them, so loading re-quantises to exactly the stored int8 instead of rounding a second time.
+says which: layers, heads, embeddings) as I8 (out, in) beside `W_scale` (F32, one scale per
+output channel, i.e. per row); `Checkpoint.read` dequantises it, so every loader reads it, and a
+model loaded as int8 takes the stored bytes as they are.
 
 Reading goes through `io.checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
 code); writing uses the `safetensors` package. Tensors are converted one at a time, but the
@@ -41,21 +40,16 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"convert: output folder {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    linear = {}  # tensor feeding a linear slot -> the norm folded into it (or None)
+    linear: set[str] = set()  # tensors that feed a linear slot: the ones int8 quantises
     if dtype == "int8":
         spec = family_of(ckpt.config, str(ckpt.folder / "config.json")).spec
         config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
         linear = spec.weight_table(config).linear_sources()
-    folded_norm_names = {norm for norm in linear.values() if norm is not None}
     tensors = {}
     for name in ckpt.names():
         w = ckpt.read(name, _DTYPES[dtype])
         if name in linear:
-            if linear[name] is not None:  # (out, in) * g over `in`
-                w = w * ckpt.read(linear[name], np.float32)[None, :]
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8(w)
-        elif name in folded_norm_names:
-            tensors[name] = np.ones_like(w)  # folded into the matrices it feeds
         else:
             tensors[name] = w
     save_file(tensors, str(out / "model.safetensors"),

@@ -8,7 +8,7 @@ Math runs in the dtype of its input, except that norms and softmax of half-preci
 (CUDA float16) are computed in float32 and written back: float16 sums of squares overflow and
 float16 exponent sums lose the small probabilities.
 
-On the CPU in float32 the fused functions (`add_rms_normalize`, `attention` of one query
+On the CPU in float32 the fused functions (`add_rms_norm`, `attention` of one query
 position, `activate`) run as one compiled call each (kernels.py) instead of a dozen NumPy
 calls; with `MINFER_KERNELS=numpy` they run the NumPy code below, which computes the same.
 """
@@ -73,8 +73,8 @@ def _sum_of_squares(xp: Any, x: Any) -> Any:
 
 
 def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
-    """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight,
-    which the models fold into the next matrix. `out` may be a caller's buffer."""
+    """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight.
+    `out` may be a caller's buffer."""
     xf = x if x.dtype.itemsize >= 4 else x.astype("float32")
     inv = _sum_of_squares(xp, xf)[..., None]  # (..., 1)
     inv *= 1.0 / x.shape[-1]
@@ -90,17 +90,17 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     return out
 
 
-def add_rms_normalize(xp: Any, x: Any, delta: Any, eps: float, out: Any) -> Any:
-    """x += delta (a sublayer's output; None: nothing to add), then out = rms_normalize(x): the
-    residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
+def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any) -> Any:
+    """x += delta (a sublayer's output; None: nothing to add), then out = rms_norm(x, weight):
+    the residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
     k = _compiled(xp, x)
     if k is None:
         if delta is not None:
             x += delta
-        return rms_normalize(xp, x, eps, out)
+        return rms_norm(xp, x, weight, eps, out)
     C = x.shape[-1]
     d = delta.reshape(-1, C) if delta is not None else np.empty((0, C), np.float32)
-    k.add_rms_normalize(x.reshape(-1, C), d, eps, out.reshape(-1, C))
+    k.add_rms_norm(x.reshape(-1, C), d, weight, eps, out.reshape(-1, C))
     return out
 
 

@@ -36,17 +36,18 @@ def test_matmul_kernels_equal_the_numpy_product(M, N, K):
         np.testing.assert_allclose(out, x @ dense.T, rtol=2e-5, atol=2e-5 * np.sqrt(K))
 
 
-def test_add_rms_normalize_adds_then_normalises_each_row():
+def test_add_rms_norm_adds_then_normalises_each_row():
     x, d = rng.standard_normal((3, 2, 40)).astype(np.float32), rng.standard_normal((3, 2, 40)).astype(np.float32)
+    g = rng.standard_normal(40).astype(np.float32)
     want_x = x + d
-    want = want_x / np.sqrt((want_x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    want = g * want_x / np.sqrt((want_x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
     h = np.empty_like(x)
-    ops.add_rms_normalize(np, x, d, 1e-6, h)
+    ops.add_rms_norm(np, x, d, g, 1e-6, h)
     np.testing.assert_allclose(x, want_x, rtol=1e-6)
-    np.testing.assert_allclose(h, want, rtol=1e-5)
-    ops.add_rms_normalize(np, x, None, 1e-6, h)          # no residual: only the norm
+    np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-6)
+    ops.add_rms_norm(np, x, None, g, 1e-6, h)          # no residual: only the norm
     np.testing.assert_allclose(x, want_x, rtol=1e-6)
-    np.testing.assert_allclose(h, want, rtol=1e-5)
+    np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-6)
 
 
 def numpy_attention(q, k_, v, bias):

@@ -85,8 +85,8 @@ def as_array(w):
     return getattr(w, "stored", w)
 
 
-def test_fused_and_folded_slots_compute_what_the_checkpoint_says(tmp_path):
-    """w_qkv of a layer is [q; k; v] * g: the norm's weight folded into the fused matrix."""
+def test_fused_slots_hold_what_the_checkpoint_says(tmp_path):
+    """w_qkv of a layer is [q; k; v] exactly; the norm's weight stays beside it."""
     from minfer.io.checkpoint import Checkpoint
     folder = write_t5(tmp_path / "m", seed=4, feed_forward_proj="gated-gelu")
     ckpt = Checkpoint(folder)
@@ -94,7 +94,9 @@ def test_fused_and_folded_slots_compute_what_the_checkpoint_says(tmp_path):
     p = "decoder.block.0.layer"
     g = ckpt.read(f"{p}.0.layer_norm.weight")
     qkv = np.concatenate([ckpt.read(f"{p}.0.SelfAttention.{w}.weight") for w in "qkv"])
-    np.testing.assert_allclose(as_array(blk["w_qkv"]), qkv * g[None, :], rtol=1e-6)
+    np.testing.assert_array_equal(as_array(blk["w_qkv"]), qkv)
+    np.testing.assert_array_equal(blk["ln_self"], g)
     g2 = ckpt.read(f"{p}.2.layer_norm.weight")
     wi = np.concatenate([ckpt.read(f"{p}.2.DenseReluDense.wi_{j}.weight") for j in (0, 1)])
-    np.testing.assert_allclose(as_array(blk["w_in"]), wi * g2[None, :], rtol=1e-6)
+    np.testing.assert_array_equal(as_array(blk["w_in"]), wi)
+    np.testing.assert_array_equal(blk["ln_ff"], g2)

@@ -11,7 +11,7 @@ TABLE = WeightTable(
            "slice": Linear(("emb", "extra"), rows=(2, 7)),
            "proj": Linear(("proj",), transpose=True),
            "table": Derived((7, 3), lambda read: np.zeros((7, 3)))},
-    stacks={"layers": [{"w": Linear(("q", "k", "v"), fold="n"), "b": Tensor("n")}]},
+    stacks={"layers": [{"w": Linear(("q", "k", "v")), "b": Tensor("n")}]},
     buffers=("buf",))
 
 
@@ -28,5 +28,5 @@ def test_shapes_follow_fusion_transposition_rows_and_views():
 def test_units_linear_sources_and_parameter_count():
     assert [name for name, _ in TABLE.units()] == ["layers.0"]
     # every slot's sources but the one stored (in, out), whose rows are not output channels
-    assert TABLE.linear_sources() == {"q": "n", "k": "n", "v": "n", "emb": None, "extra": None}
+    assert TABLE.linear_sources() == {"q", "k", "v", "emb", "extra"}
     assert TABLE.parameter_count() == 24 + 24 + 8 + 4 + 40 + 12 + 36  # the buffer not counted

@@ -87,11 +87,16 @@ def test_live_oracle_agrees_with_committed_references(case, t5_models):
 # -- compressed weight formats -----------------------------------------------------------------------
 # float16 keeps 11 significant bits, bfloat16 8: every stored weight is off by up to 2^-11 or 2^-8
 # of itself, and the random fixtures (untrained, narrow) amplify that through their layers.
-# float16 stays within 1e-2 of transformers' float32 logits on every fixture; bfloat16's measured
-# errors are 1.3e-2 .. 9.8e-2 on these T5 fixtures (4e-3 .. 5e-3 on the Transformer-XL ones), its
-# precision's share; what is checked exactly is that the compressed paths compute with precisely
-# the stored values (test_compressed_formats_compute_exactly_their_stored_weights).
-FORMAT_TOL = {"float16": 1e-2, "bfloat16": 1e-1}
+# Measured relative L2 errors of the logits against transformers' float32: float16 <= 5.5e-3,
+# bfloat16 1.6e-2 .. 3.9e-2 on the float32-stored T5 fixtures (fixtures stored in float16 or
+# bfloat16 load as their own bytes: 1e-6). What is checked exactly is that the compressed paths
+# compute with precisely the stored values (test_compressed_formats_compute_exactly_...).
+FORMAT_TOL = {"float16": 1e-2, "bfloat16": 5e-2}
+
+
+def rel_l2(got, want) -> float:
+    want = np.asarray(want, np.float64)
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
 @pytest.mark.parametrize("dtype", sorted(FORMAT_TOL))
@@ -101,7 +106,7 @@ def test_half_formats_stay_close_to_the_float32_reference(case, dtype, kernel_mo
     ref = load_reference(case)
     model = minfer.load(T5_FIXTURES / case, dtype=dtype)
     got = model.forward(ref["input_ids"], ref["decoder_input_ids"], ref["attention_mask"])
-    assert rel_err(got, ref["logits"]) < FORMAT_TOL[dtype]
+    assert rel_l2(got, ref["logits"]) < FORMAT_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])

@@ -31,7 +31,7 @@ def test_config_errors_name_the_key(change, needle):
 
 def test_weight_table_fuses_folds_and_splits_the_cross_projections():
     from minfer.models.t5.spec import weight_table
-    from minfer.params.spec import Linear, View
+    from minfer.params.spec import Linear, Tensor, View
     cfg = t5.T5Config.from_hf({**BASE, "feed_forward_proj": "gated-gelu"})
     table = weight_table(cfg)
     C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size
@@ -39,10 +39,11 @@ def test_weight_table_fuses_folds_and_splits_the_cross_projections():
     assert [len(s) for s in table.stacks.values()] == [2, 2, 2]
     dec = table.stacks["decoder"][1]
     assert dec["w_qkv"] == Linear(tuple(f"decoder.block.1.layer.0.SelfAttention.{w}.weight"
-                                        for w in "qkv"), fold="decoder.block.1.layer.0.layer_norm.weight")
+                                        for w in "qkv"))
+    assert dec["ln_self"] == Tensor("decoder.block.1.layer.0.layer_norm.weight")
     assert {n: table.shape(e) for n, e in dec.items()} == {            # (out, in)
         "w_qkv": (3 * I, C), "w_o": (C, I), "w_cross_q": (I, C), "w_cross_o": (C, I),
-        "w_in": (2 * F, C), "w_out": (C, F)}
+        "w_in": (2 * F, C), "w_out": (C, F), "ln_self": (C,), "ln_cross": (C,), "ln_ff": (C,)}
     assert table.shape(table.stacks["cross"][0]["w_cross_kv"]) == (2 * I, C)
     # a tied head: one (V, C) slot whose rows are the embedding
     assert table.fixed["lm_head"] == Linear(("shared.weight",))
@@ -50,10 +51,9 @@ def test_weight_table_fuses_folds_and_splits_the_cross_projections():
     untied = weight_table(t5.T5Config.from_hf({**BASE, "tie_word_embeddings": False}))
     assert untied.fixed["embedding"] == Linear(("shared.weight",))
     assert untied.fixed["lm_head"] == Linear(("lm_head.weight",))
-    # every norm but the final ones is folded into the slots it feeds
-    folded = {n for n in table.linear_sources().values() if n}
-    norms = {n for n in table.tensors if n.endswith("layer_norm.weight")}
-    assert folded == norms - {"encoder.final_layer_norm.weight", "decoder.final_layer_norm.weight"}
+    # int8 quantises exactly the matrices: every 2-D tensor but the position-bias tables
+    matrices = {n for n, s in table.tensors.items() if len(s) == 2 and "relative_attention" not in n}
+    assert table.linear_sources() == matrices
     assert table.priority == {"decoder": 1}
 
 

@@ -161,6 +161,22 @@ class Checkpoint:
     def stored_dtypes(self) -> set[str]:
         return {f.tensors[n].dtype for n, f in self._where.items()}
 
+    def read_stored(self, name: str, rows: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The tensor (or rows [a, b)) exactly as stored, no conversion: its storage dtype (BF16
+        as uint16 bits), plus the float32 per-row scales of an int8 weight (else None). What a
+        model whose weight format matches the file reads, with no float32 copy."""
+        self.read(name, np.float32, (0, 0) if rows is None else (rows[0], rows[0]))  # the checks
+        f = self._where[name]
+        raw = f.raw(name, self.use_mmap, rows)
+        if self.use_mmap:                 # a private copy, not a view of the mapped file
+            raw = np.array(raw)
+        if name not in self._scales:
+            return raw, None
+        scale_name = self._scales[name]
+        scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
+        return raw, np.array(scale if rows is None else scale[rows[0]:rows[1]], np.float32)
+
 
 def _open_weights(path: Path) -> SafetensorsFile:
     """A weights file: safetensors, or a torch pickle file (torch_pickle.TorchFile, same interface)."""

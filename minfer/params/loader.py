@@ -1,12 +1,14 @@
-"""The one loader every family goes through: check -> fuse and fold -> format -> plan -> place.
+"""The one loader every family goes through: check -> fuse -> format -> plan -> place.
 
 Given a family's `WeightTable` (params/spec.py) and a `Checkpoint`:
 1. `check` rejects missing, unexpected and mis-shaped tensors by name before anything is read;
 2. `plan_placement` sizes every layer in its weight format and decides, under a memory limit,
    which layers stay resident (pure: `minfer info` prints it without reading weights);
 3. `load_params` reads the fixed parameters and then one layer at a time (so host memory stays
-   bounded by a layer), fuses, folds and formats each layer, and hands it to the runtime, which
-   keeps it resident or streams it.
+   bounded by a layer), fuses and formats each layer, and hands it to the runtime, which keeps
+   it resident or streams it. A slot whose sources the file already stores in the weight format
+   (an int8 file loaded as int8, a bfloat16 one as bfloat16) is read as its own bytes: no float32
+   copy, no second rounding.
 The result is the parameter dict the family's math reads: fixed arrays by name, and each stack as
 a `LayerStack` to iterate.
 """
@@ -20,13 +22,15 @@ import numpy as np
 from ..arena import align_up
 from ..errors import CheckpointError
 from ..io.checkpoint import Checkpoint
-from .formats import WeightFormat
+from .formats import SCALE_SUFFIX, WeightFormat
 from .layout import Layout
 from .planner import WeightPlan, plan_weights
 from .runtime import LayerStack, WeightRuntime
 from .spec import Derived, Linear, Tensor, Unit, View, WeightTable
 
 BLOCK_BYTES = 16 << 20  # large fixed matrices are read and placed in row blocks of this size
+# the file dtype whose bytes a weight format keeps as they are (int8: with its per-row scales)
+STORED_AS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8"}
 
 
 # =====================================================================================================
@@ -126,21 +130,35 @@ class _Reader:
     def __call__(self, name: str, dtype: Any = np.float32, rows: tuple[int, int] | None = None):
         return self.ckpt.read(self.stand_in.get(name, name), dtype, rows)
 
+    def _source_rows(self, entry: Linear, rows: tuple[int, int] | None) -> list[tuple[str, Any]]:
+        """(source, row range) of each part of a slot; `rows` (a block of a single-source slot)
+        overrides the entry's own range."""
+        return [(s, rows if rows is not None else (entry.rows if i == 0 else None))
+                for i, s in enumerate(entry.sources[:1] if rows is not None else entry.sources)]
+
     def linear(self, entry: Linear, rows: tuple[int, int] | None = None) -> np.ndarray:
         """(out, in) float32, C-contiguous: the sources fused along out (of a source stored
-        (in, out): transposed), the norm folded into the columns. `rows`: only these rows of a
-        single-source slot (reading a large one in blocks)."""
-        if rows is not None:
-            w = self(entry.sources[0], np.float32, rows)
-        else:
-            parts = [self(s, np.float32, entry.rows if i == 0 else None)
-                     for i, s in enumerate(entry.sources)]
-            w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-            if entry.transpose:
-                w = np.ascontiguousarray(w.T)
-        if entry.fold is not None:
-            w *= self(entry.fold)[None, :]
-        return w
+        (in, out): transposed). `rows`: only these rows of a single-source slot (reading a large
+        one in blocks)."""
+        parts = [self(s, np.float32, r) for s, r in self._source_rows(entry, rows)]
+        w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        return np.ascontiguousarray(w.T) if entry.transpose else w
+
+    def encoded(self, name: str, entry: Linear, fmt: WeightFormat,
+                rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """The slot's arrays in `fmt`: the stored bytes themselves when every source is stored
+        in that format, else encoded from float32."""
+        code = STORED_AS.get(fmt.name)
+        if not entry.transpose and all(self.ckpt.info(self.stand_in.get(s, s)).dtype == code
+                                       for s in entry.sources):
+            parts = [self.ckpt.read_stored(self.stand_in.get(s, s), r)
+                     for s, r in self._source_rows(entry, rows)]
+            w = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+            out = {name: w}
+            if fmt.scaled:
+                out[name + SCALE_SUFFIX] = np.concatenate([s for _, s in parts])
+            return out
+        return fmt.encode(name, self.linear(entry, rows))
 
     def tensor(self, entry: Tensor, dtype: Any) -> np.ndarray:
         a = self(entry.source, dtype, entry.rows)
@@ -154,7 +172,7 @@ def _place_linear(runtime: WeightRuntime, read: _Reader, name: str, entry: Linea
     """A fixed linear slot (a head, an embedding table) in the weight format, wrapped."""
     whole_rows = len(entry.sources) == 1 and entry.rows is None and not entry.transpose
     if not whole_rows or int(np.prod(shape)) * 4 <= BLOCK_BYTES:
-        placed = {k: runtime.place_fixed(v, k) for k, v in fmt.encode(name, read.linear(entry)).items()}
+        placed = {k: runtime.place_fixed(v, k) for k, v in read.encoded(name, entry, fmt).items()}
         return runtime.wrap(fmt, name, placed)
     # a large matrix (an mT5 embedding is 1 GB in float32) in blocks of rows: loading never
     # holds a second whole copy, and every format encodes row by row
@@ -162,7 +180,7 @@ def _place_linear(runtime: WeightRuntime, read: _Reader, name: str, entry: Linea
     step = max(1, BLOCK_BYTES // (shape[1] * 4))
     for a in range(0, shape[0], step):
         b = min(shape[0], a + step)
-        for k, block in fmt.encode(name, read.linear(entry, (a, b))).items():
+        for k, block in read.encoded(name, entry, fmt, (a, b)).items():
             runtime.be.upload(placed[k][a:b], block)
     return runtime.wrap(fmt, name, placed)
 
@@ -190,8 +208,8 @@ def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFor
             layout = unit_layout(table, unit, dtype, fmt)
             arrays: dict[str, np.ndarray] = {}
             for name, entry in unit.items():
-                if isinstance(entry, Linear):  # formats start from float32, never a rounded copy
-                    arrays.update(fmt.encode(name, read.linear(entry)))
+                if isinstance(entry, Linear):
+                    arrays.update(read.encoded(name, entry, fmt))
                 else:
                     arrays[name] = read.tensor(entry, dtype)
             units.append(runtime.place_unit(f"{stack}.{i}", layout, arrays))

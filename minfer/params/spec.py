@@ -7,9 +7,9 @@ and shapes, and for every parameter the math reads, an entry saying where it com
 - `Linear`: a linear slot (out, in), one row per output channel, used as `x @ w.T` (and, for
   embedding tables, by row). Built from Hugging Face (out, in) tensors fused along `out` (q|k|v,
   or a gated FF's wi_0|wi_1), optionally a range of the first source's rows, optionally from a
-  source stored (in, out) (transposed once), with the weight of an RMS norm that feeds it
-  optionally folded into its columns ((x/rms * g) @ W.T == (x/rms) @ (W * g).T). Only linear
-  slots take a compressed weight format (params/formats.py).
+  source stored (in, out) (transposed once). Only linear slots take a compressed weight format
+  (params/formats.py); a slot holds exactly its sources' values, so a checkpoint already stored
+  in the format loads as its own bytes.
 - `Tensor`: any other array (vectors, biases, norm weights, position tables): a checkpoint tensor
   as stored, optionally a range of its rows, with tensors appended along axis 0.
 - `Derived`: an array computed at load from checkpoint tensors (Transformer-XL's projected
@@ -36,7 +36,6 @@ Read = Callable[[str], np.ndarray]  # checkpoint name -> float32 host array
 @dataclass(frozen=True)
 class Linear:
     sources: tuple[str, ...]       # HF (out_i, in) tensors, fused along out in this order
-    fold: str | None = None        # an RMS norm weight (in,) folded into the columns
     rows: tuple[int, int] | None = None   # only rows [a, b) of the first source
     transpose: bool = False        # the (single) source is stored (in, out)
 
@@ -98,13 +97,12 @@ class WeightTable:
         return [(f"{stack}.{i}", unit) for stack, layers in self.stacks.items()
                 for i, unit in enumerate(layers)]
 
-    def linear_sources(self) -> dict[str, str | None]:
-        """Every checkpoint tensor that feeds a linear slot (layers, heads, embeddings) -> the
-        norm folded into it (or None). Sources stored (in, out) are left out: a file keeps
-        per-row scales, and their rows are not output channels."""
+    def linear_sources(self) -> set[str]:
+        """Every checkpoint tensor that feeds a linear slot (layers, heads, embeddings). Sources
+        stored (in, out) are left out: a file keeps per-row scales, and their rows are not output
+        channels."""
         entries = [*self.fixed.values(), *(e for _, unit in self.units() for e in unit.values())]
-        return {s: e.fold for e in entries if isinstance(e, Linear) and not e.transpose
-                for s in e.sources}
+        return {s for e in entries if isinstance(e, Linear) and not e.transpose for s in e.sources}
 
     def parameter_count(self) -> int:
         return sum(math.prod(s) for n, s in self.tensors.items() if n not in self.buffers)

@@ -101,16 +101,16 @@ def clamp_half(xp: Any, x: Any) -> None:
         xp.clip(x, -FP16_CLAMP, FP16_CLAMP, out=x)
 
 
-def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, h: Any) -> Any:
+def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, h: Any) -> Any:
     """x += delta (the previous sublayer's output; None at the start of a pass), then
-    h = x / rms(x): the norm in front of the next sublayer, whose weight is folded into the
-    next matrix. One compiled pass on the CPU; float16 clamps the stream between the two."""
+    h = weight * x / rms(x): the norm in front of the next sublayer. One compiled pass on the
+    CPU; float16 clamps the stream between the two."""
     if x.dtype != np.float16:
-        return ops.add_rms_normalize(xp, x, delta, cfg.eps, h)
+        return ops.add_rms_norm(xp, x, delta, weight, cfg.eps, h)
     if delta is not None:
         x += delta
         clamp_half(xp, x)
-    return ops.rms_normalize(xp, x, cfg.eps, out=h)
+    return ops.rms_norm(xp, x, weight, cfg.eps, out=h)
 
 
 def self_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, bias: Any, ws: PassScratch,
@@ -159,20 +159,19 @@ def block(xp: Any, cfg: T5Config, blk: dict, x: Any, ws: PassScratch, self_bias:
     (k, v, mask bias) when `cross` is given (decoder layers), then the feed-forward; each a
     pre-norm residual. `pending`: the previous layer's last output, not yet added to x (its add
     is fused with this layer's first norm). Returns this layer's last output, pending likewise."""
-    h = residual_norm(xp, cfg, x, pending, ws.h)
+    h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws.h)
     attn = self_attention(xp, cfg, blk, h, self_bias, ws, cache, t0)
-    h = residual_norm(xp, cfg, x, attn, ws.h)
     if cross is not None:
+        h = residual_norm(xp, cfg, x, attn, blk["ln_cross"], ws.h)
         attn = cross_attention(xp, cfg, blk, h, *cross, ws)
-        h = residual_norm(xp, cfg, x, attn, ws.h)
+    h = residual_norm(xp, cfg, x, attn, blk["ln_ff"], ws.h)
     return feed_forward(xp, cfg, blk, h, ws)
 
 
 def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, pending: Any, out: Any, h: Any) -> Any:
     """Decoder states (..., C) + the last layer's pending output -> final norm -> logits (..., V)
     in `out` (h: scratch for the normed states)."""
-    h = residual_norm(xp, cfg, x, pending, h)
-    h *= params["decoder.final_ln"]
+    h = residual_norm(xp, cfg, x, pending, params["decoder.final_ln"], h)
     if cfg.tie_word_embeddings:
         h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
     return ops.linear(xp, h, params["lm_head"], out)
@@ -196,8 +195,7 @@ def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
         pending = None
         for blk in params["encoder"]:
             pending = block(xp, cfg, blk, ws.x, ws, ws.bias, pending)
-        out[...] = residual_norm(xp, cfg, ws.x, pending, ws.h)
-        out *= params["encoder.final_ln"]
+        out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws.h)
     return out
 
 

@@ -3,9 +3,10 @@
 Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
 Transformer"; v1.1 / flan-t5 / mT5 differ only in what the config says (gated FF, untied head).
 The weight table maps Hugging Face's tensor names onto minfer's parameters: per layer, q|k|v
-fused into one (C, 3I) slot, a gated FF's wi_0|wi_1 into one (C, 2F) slot, every RMS norm weight
-folded into the slots it feeds, and each decoder layer's cross-attention k|v as a unit of its own
-("cross"): it runs once per input, not at every step, so it is planned and streamed apart.
+fused into one (3I, C) slot, a gated FF's wi_0|wi_1 into one (2F, C) slot, the RMS norms' weights
+beside them (applied inside the fused norm, so every slot holds exactly the checkpoint's values),
+and each decoder layer's cross-attention k|v as a unit of its own ("cross"): it runs once per
+input, not at every step, so it is planned and streamed apart.
 
 Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim
 (d_kv), I = H*D, C d_model, F d_ff, V vocab, L layers.
@@ -149,17 +150,18 @@ def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
     wi, wo = _ff_sources(ff, cfg.gated)
     tensors = {**{f"{attn}.{w}.weight": (I, C) for w in "qkv"}, f"{attn}.o.weight": (C, I),
                ln0: (C,), **{w: (F, C) for w in wi}, wo: (C, F), f"{ff}.layer_norm.weight": (C,)}
-    block = {"w_qkv": Linear(tuple(f"{attn}.{w}.weight" for w in "qkv"), fold=ln0),
+    block = {"ln_self": Tensor(ln0), "w_qkv": Linear(tuple(f"{attn}.{w}.weight" for w in "qkv")),
              "w_o": Linear((f"{attn}.o.weight",))}
     units = {"block": block}
     if stack == "decoder":
         cross, ln1 = f"{p}.1.EncDecAttention", f"{p}.1.layer_norm.weight"
         tensors.update({**{f"{cross}.{w}.weight": (I, C) for w in "qkv"},
                         f"{cross}.o.weight": (C, I), ln1: (C,)})
-        block.update(w_cross_q=Linear((f"{cross}.q.weight",), fold=ln1),
+        block.update(ln_cross=Tensor(ln1), w_cross_q=Linear((f"{cross}.q.weight",)),
                      w_cross_o=Linear((f"{cross}.o.weight",)))
         units["cross"] = {"w_cross_kv": Linear((f"{cross}.k.weight", f"{cross}.v.weight"))}
-    block.update(w_in=Linear(tuple(wi), fold=f"{ff}.layer_norm.weight"), w_out=Linear((wo,)))
+    block.update(ln_ff=Tensor(f"{ff}.layer_norm.weight"), w_in=Linear(tuple(wi)),
+                 w_out=Linear((wo,)))
     return {"tensors": tensors, **units}
 
 
