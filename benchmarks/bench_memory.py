@@ -1,6 +1,8 @@
-"""Peak memory and speed of minfer under a memory limit: t5-base-shaped, float32 and int8.
+"""Peak memory and speed of minfer under a memory limit: t5-base-shaped, float32 and int8; and a
+flan-t5-xl-shaped model (2.85B parameters) in int8 under 2 GiB.
 
     python benchmarks/bench_memory.py [--shape t5-base] [--runs 3] [--threads 2] [--json OUT]
+    python benchmarks/bench_memory.py --large [--limit 2GiB] [--runs 3]
 
 For each dtype (float32, int8) and each limit (none, 50% and 25% of the float32 weight bytes) a
 fresh subprocess loads the model (random weights, written by bench_t5.py's helper on first use)
@@ -9,6 +11,11 @@ warm-up, then --runs timed calls. Reported: peak RSS (VmHWM; ru_maxrss would car
 peak across exec), RSS after imports, load time, tokens/s, resident/streamed layers, and whether
 the ids equal the unlimited run of the same dtype (int8: also how many of 64 match float32).
 A limit the planner refuses is reported with its message.
+
+`--large` writes (once, into benchmarks/checkpoints/flan-t5-xl-int8/, gitignored) a checkpoint
+with flan-t5-xl's exact config whose weights are random int8 with per-row scales, as
+`minfer convert --dtype int8` stores them (2.85B parameters in 2.9 GB; float32 would be 11.4 GB),
+and runs it int8 without a limit and under `--limit`: peak RSS, tokens/s, ids equal.
 """
 
 from __future__ import annotations
@@ -27,6 +34,45 @@ sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402
 
 MARK = "MEMORY_RESULT "
+# google/flan-t5-xl's config.json, minus what minfer does not read
+FLAN_T5_XL = {"model_type": "t5", "d_model": 2048, "d_kv": 64, "num_heads": 32, "d_ff": 5120,
+              "num_layers": 24, "num_decoder_layers": 24, "vocab_size": 32128,
+              "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+              "layer_norm_epsilon": 1e-6, "pad_token_id": 0, "eos_token_id": 1,
+              "decoder_start_token_id": 0}
+
+
+def write_large_checkpoint() -> Path:
+    """flan-t5-xl-shaped random int8 weights (per-row scales giving each output a unit-variance
+    input's gain of about 1), written once; other tensors float32."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from minfer.models.t5.spec import T5Config, weight_table
+    from minfer.params.formats import SCALE_SUFFIX
+    folder = b5.CHECKPOINTS / "flan-t5-xl-int8"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(FLAN_T5_XL))
+    table = weight_table(T5Config.from_hf(FLAN_T5_XL))
+    matrices = table.linear_sources()
+    rng = np.random.default_rng(0)
+    tensors = {}
+    print(f"writing {folder} ...", flush=True)
+    for name, shape in table.tensors.items():
+        if name in matrices:
+            tensors[name] = rng.integers(-127, 128, shape, dtype=np.int8)
+            gain = 0.05 if name in ("shared.weight", "lm_head.weight") else 1.0
+            tensors[name + SCALE_SUFFIX] = np.full(shape[0], gain / (73 * shape[1] ** 0.5),
+                                                   np.float32)  # 73 ~ std of uniform int8
+        elif name.endswith("layer_norm.weight"):
+            tensors[name] = np.ones(shape, np.float32)
+        else:
+            tensors[name] = rng.standard_normal(shape).astype(np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
 
 
 def status(key: str) -> int:
@@ -43,7 +89,7 @@ def worker(args) -> int:
     t0 = time.perf_counter()
     try:
         model = minfer.load(args.model, dtype=args.dtype,
-                            memory_limit=int(args.limit) if args.limit != "none" else None)
+                            memory_limit=args.limit if args.limit != "none" else None)
     except minfer.MinferError as e:
         print(MARK + json.dumps({"refused": str(e)}), flush=True)
         return 0
@@ -79,19 +125,54 @@ def run(model_dir: Path, dtype: str, limit, runs: int, threads: int) -> dict:
     return json.loads(lines[-1][len(MARK):])
 
 
+def large(args) -> int:
+    from minfer.arena import parse_bytes
+    folder = write_large_checkpoint()
+    mib = 2 ** 20
+    limit = parse_bytes(args.limit)
+    rows = {}
+    for label, lim in (("none", "none"), (args.limit, str(limit))):
+        print(f"int8 limit {label} ...", flush=True)
+        rows[label] = run(folder, "int8", lim, args.runs, args.threads)
+    print(f"\nflan-t5-xl-shaped int8 ({(folder / 'model.safetensors').stat().st_size / mib:.0f} "
+          f"MiB file), batch 1, 32 -> 64 tokens greedy, {args.threads} threads\n")
+    print("| limit | peak RSS | over the limit | RSS after imports | load s | tok/s (median) | "
+          "resident / streamed layers | ids |")
+    print("|---|---:|---:|---:|---:|---:|---|---|")
+    for label, r in rows.items():
+        if "refused" in r or "error" in r:
+            print(f"| {label} | refused: {r.get('refused', r.get('error'))} |||||||")
+            continue
+        over = (f"{(r['peak_rss'] - limit) / mib:+.0f} MiB" if label != "none" else "")
+        same = r["ids"] == rows["none"].get("ids")
+        print(f"| {label} | {r['peak_rss'] / mib:.0f} MiB | {over} | "
+              f"{r['rss_after_imports'] / mib:.0f} MiB | {r['load_s']:.1f} | "
+              f"{statistics.median(r['tok_s']):.2f} | {r['resident']} / {r['streamed']} | "
+              f"{'equal to unlimited' if same else 'DIFFER'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": b5.machine_info(), "large": rows},
+                                              indent=1) + "\n")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="t5-base", choices=b5.SHAPES)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
+    p.add_argument("--large", action="store_true",
+                   help="flan-t5-xl-shaped int8 (2.85B parameters) without and with --limit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
-    p.add_argument("--limit", help=argparse.SUPPRESS)
+    p.add_argument("--limit", default="2GiB",
+                   help="with --large: the memory limit (default 2GiB)")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.large:
+        return large(args)
     model_dir = b5.ensure_checkpoint(args.shape)
     f32_bytes = (model_dir / "model.safetensors").stat().st_size
     rows, ref = [], {}
