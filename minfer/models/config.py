@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import ConfigError
+from ..generation.options import shown  # one short repr for every message
 
 # Caps on sizes (inclusive). Widths: the largest released models are ~2**15 wide; 2**20 leaves
 # room and keeps (width x width) products far from int64 overflow. Counts of layers / heads /
@@ -26,14 +27,6 @@ MAX_LENGTH = 2**31 - 1
 MAX_VOCAB = 2**31 - 1
 
 _MISSING = object()
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """A short one-line repr for messages (a 5000-digit integer cannot even be repr'd)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_int(value: Any) -> bool:
