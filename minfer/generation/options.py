@@ -78,9 +78,10 @@ def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any], 
         except OverflowError:
             x = math.nan
         if not (math.isfinite(x) and (x > low if low_open else x >= low) and x <= high):
-            bounds = (f"{'>' if low_open else '>='} {low:g}" if high == math.inf
-                      else f"in {'(' if low_open else '['}{low:g}, {high:g}]")
-            raise _Bad(f"a number {bounds}")
+            bounds = ("" if low == -math.inf and high == math.inf
+                      else f" {'>' if low_open else '>='} {low:g}" if high == math.inf
+                      else f" in {'(' if low_open else '['}{low:g}, {high:g}]")
+            raise _Bad(f"a finite number{bounds}")
         return x
     return check
 

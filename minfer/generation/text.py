@@ -142,11 +142,15 @@ _TOKENIZER_FILES = {True: "tokenizer.json or spiece.model",
                     False: "vocab.txt, vocab.pkl, vocab.bin or vocab.json"}
 
 
+def tokenizer_files(model: DecodingModel) -> str:
+    """The vocabulary files a model of this kind would have its tokenizer read from."""
+    return _TOKENIZER_FILES[bool(model.is_encoder_decoder)]
+
+
 def need_tokenizer(model: DecodingModel, why: str) -> Any:
     if model.tokenizer is None:
         raise InputError(f"{why} requires a tokenizer, and {model.folder} has none "
-                         f"({_TOKENIZER_FILES[bool(model.is_encoder_decoder)]}): "
-                         "pass token ids instead")
+                         f"({tokenizer_files(model)}): pass token ids instead")
     return model.tokenizer
 
 
