@@ -120,6 +120,7 @@ def test_bad_values_from_the_checkpoint_name_the_file_and_key(name, value, where
 @pytest.mark.parametrize("params,needle", [
     ({"max_length": "20"}, "'max_length'"), ({"min_length": 2.5}, "'min_length'"),
     ({"max_length": 10**400}, "'max_length'"), ({"max_length": True}, "'max_length'"),
+    ({"max_length": 20.0}, "'max_length'"), ({"max_length": -1}, "'max_length'"),
 ])
 def test_hf_lengths_in_files_are_typed(params, needle):
     with pytest.raises(ConfigError, match=needle):

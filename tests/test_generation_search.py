@@ -66,11 +66,12 @@ def test_sampled_beam_search_is_seeded_ranked_and_differs_from_plain_beams(text_
 
 
 # -- degenerate option values: they work, or they are refused; never NaN scores, never padding -----
-@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-20, 1e-9])
-@pytest.mark.parametrize("top_p", [1.0, 1e-45])
-def test_sampling_at_a_tiny_temperature_is_greedy(text_model, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p", [(t, p) for t in (1e-45, 1e-38, 1e-20, 1e-9)
+                                                for p in (1.0, 1e-45)] + [(1.0, 1e-45), (1e3, 1e-45)])
+def test_sampling_at_a_tiny_temperature_or_top_p_is_greedy(text_model, temperature, top_p):
     """Scores are shifted to a maximum of 0 before the temperature divides them: every other token
-    goes to -inf instead of the whole row overflowing to NaN (which used to return padding)."""
+    goes to -inf instead of the whole row overflowing to NaN (which used to return padding). A tiny
+    top_p keeps only the most likely token, whatever the temperature."""
     for prompt in ("a b c", "date: 1999", "one two three"):
         greedy = text_model.generate([prompt], max_new_tokens=16, min_new_tokens=16)
         for seed in range(3):
@@ -106,3 +107,14 @@ def test_a_vocabulary_banned_whole_is_refused(tmp_path, options):
     with pytest.raises(InputError, match="no_repeat_ngram_size 1"):
         model.generate([[3, 4, 5, 1]], no_repeat_ngram_size=1, max_new_tokens=80,
                        min_new_tokens=80, **options)
+
+
+@pytest.mark.parametrize("penalty", [1e-3, 0.5, 2.0, 1e3])
+@pytest.mark.parametrize("mode", [{}, {"do_sample": True, "seed": 0}, {"num_beams": 3},
+                                  {"num_beams": 2, "do_sample": True, "seed": 0}])
+def test_repetition_penalty_at_its_bounds_keeps_scores_finite(text_model, penalty, mode):
+    [row] = text_model.generate(["a b c"], repetition_penalty=penalty, max_new_tokens=10,
+                                min_new_tokens=10, return_details=True, **mode)
+    for r in row:   # (a penalty < 1 favours repeats: also of the start token, pad, as in HF)
+        assert r.new_tokens == 10 and isinstance(r.text, str)
+        assert r.score is None or (np.isfinite(r.score) and r.score > -1e9)

@@ -158,3 +158,10 @@ def test_missing_vocabulary_names_the_files_the_family_reads(tmp_path):
         xl.generate("hello")
     with pytest.raises(InputError, match="stop strings requires a tokenizer"):
         xl.generate([[3, 4]], stop=["\n"])
+
+
+@pytest.mark.parametrize("name", ["stream", "return_details"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, [True]], ids=repr)
+def test_generate_switches_are_bools(text_model, name, value):
+    with pytest.raises(InputError, match=f"{name} must be true or false"):
+        text_model.generate("a b c", max_new_tokens=2, **{name: value})

@@ -252,7 +252,8 @@ def resolve_options(model: DecodingModel, task: str | None = None, **overrides: 
     take(_from_hf({k: v for k, v in raw_config.items() if k in _OPTION_NAMES or k in _LENGTH_KEYS},
                   where("config.json")), where("config.json"))
     generation_config = dict(model.generation_config or {})
-    if generation_config.get("max_length") == 20 and "max_new_tokens" not in generation_config:
+    if (is_integer(generation_config.get("max_length")) and generation_config["max_length"] == 20
+            and "max_new_tokens" not in generation_config):  # (20.0 is refused, not dropped)
         generation_config.pop("max_length")  # HF's default cap copied into old files: not a choice
     take(_from_hf(generation_config, where("generation_config.json")),
          where("generation_config.json"))

@@ -321,6 +321,9 @@ def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind:
 def generate(model: DecodingModel, inputs: Any, *, stream_output: bool = False, task: str | None = None,
              return_details: bool = False, attention_mask: Any = None, **options: Any) -> Any:
     """The public generate(): see `T5Model.generate`."""
+    for name, value in (("stream", stream_output), ("return_details", return_details)):
+        if not isinstance(value, (bool, np.bool_)):  # "no" would be truthy: a silent stream
+            raise InputError(f"{name} must be true or false (a bool), got {value!r:.40}")
     if stream_output:
         if return_details or attention_mask is not None:
             raise InputError("stream=True does not combine with return_details or attention_mask")
