@@ -174,3 +174,18 @@ def test_generate_input_fuzz(text_model):
         outcomes["ok"] += 1
     print("input fuzz", outcomes)
     assert all(v > 10 for v in outcomes.values()), outcomes
+
+
+XL_BIN = __import__("pathlib").Path(__file__).resolve().parent.parent / "weights" / "transfo_xl" / "adaptive_div4_bin"
+
+
+@pytest.mark.skipif(not (XL_BIN / "pytorch_model.bin").is_file(), reason="no XL .bin fixture")
+@pytest.mark.parametrize("segment", [None, "0", "-3", "x", "1", "2", str(2**31), "9" * 30])
+@pytest.mark.parametrize("text", [b"", b"\n \n", b"\x00\x01", b"a", b"the game .\n" * 3, b"\xff\n",
+                                  "caf\u00e9 \u2028 .".encode()])
+def test_score_fuzz(segment, text):
+    args = ["--segment-len", segment] if segment is not None else []
+    code, out, err = run_cli(["score", "-m", str(XL_BIN), "-", *args], stdin=text)
+    assert_worked_or_one_line(code, out, err)
+    if code == 0:
+        assert "perplexity" in out
