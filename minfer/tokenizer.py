@@ -219,7 +219,7 @@ def _bytes_text(run: bytes) -> str:
         return "\ufffd" * len(run)
 
 
-def _check_text(text: Any, what: str) -> None:
+def check_text(text: Any, what: str) -> None:
     """Text the tokenizers can take: a str that is valid Unicode. A lone surrogate ("\\ud800",
     what a bad decode with errors="surrogateescape" leaves) is a str but no text: the libraries
     fail on it with a TypeError or a UnicodeEncodeError, so it is named here instead."""
@@ -267,7 +267,7 @@ class Tokenizer:
     # -- the shared interface ---------------------------------------------------------------
     def encode(self, text: str, add_eos: bool = True) -> list[int]:
         """Token ids of `text`, with `</s>` appended when add_eos (as T5's post-processor does)."""
-        _check_text(text, "encode()")
+        check_text(text, "encode()")
         ids = self._encode(text)
         if add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
@@ -276,7 +276,7 @@ class Tokenizer:
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
         texts = list(texts)
         for k, t in enumerate(texts):  # checked first, so an error names the text's index
-            _check_text(t, f"encode_batch(): text {k}")
+            check_text(t, f"encode_batch(): text {k}")
         return [self.encode(t, add_eos) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -381,7 +381,7 @@ class JsonTokenizer(Tokenizer):
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
         texts = list(texts)
         for k, t in enumerate(texts):
-            _check_text(t, f"encode_batch(): text {k}")
+            check_text(t, f"encode_batch(): text {k}")
         out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         if add_eos and self.eos_id is not None:
             for ids in out:

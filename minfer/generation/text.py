@@ -127,11 +127,8 @@ def _check_prompt(prompt: Any, i: int | None) -> str:
                          "string (or every item a list of token ids)")
     if not prompt.strip():
         raise InputError(f"{where}: empty prompt (nothing but whitespace)")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{where}: character {e.start} ({prompt[e.start]!r}) is a lone "
-                         "surrogate, not valid Unicode text") from None
+    from ..tokenizer import check_text   # the tokenizer's own check, here naming the prompt
+    check_text(prompt, where)
     return prompt
 
 
