@@ -54,7 +54,11 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
         for t in range(opts.max_new_tokens):
             logits = state.step(seqs[:, t])                                     # (b, V)
             scores = process(logits, seqs[:, :t + 1], opts, t, eos_ids)
-            best = scores.max(axis=1, keepdims=True)                            # (b, 1)
+            if opts.do_sample:
+                best = scores.max(axis=1, keepdims=True)                        # (b, 1)
+            else:
+                tokens = np.argmax(scores, axis=1).astype(np.int64)
+                best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (b, 1)
             if not np.isfinite(best).all():
                 # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
                 raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
@@ -67,8 +71,6 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
                 # overflow is intended, so NumPy need not warn about it
                 with np.errstate(over="ignore"):
                     tokens = sample(warp(scores - best, opts), rng)
-            else:
-                tokens = np.argmax(scores, axis=1).astype(np.int64)
             seqs[:, t + 1] = tokens
             yield rows, tokens
             done = (tokens[:, None] == eos).any(axis=1)  # (b,); np.isin costs ~30 us a call
