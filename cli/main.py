@@ -2,24 +2,82 @@
 
 Every failure is one line on stderr ("minfer: error: ...") and a non-zero exit: 1 for a problem
 with the model or input, 2 for a bad command line, 130 on Ctrl-C. Set MINFER_DEBUG=1 to see the
-traceback of an unexpected error.
+traceback of an unexpected error. Bare `minfer` prints the help on stdout and exits 2 (no command:
+click's status for a group called without one). A reader that leaves early (`minfer generate ... |
+head -1`) ends the run quietly with status 0. Text input (stdin, `score FILE`) must be UTF-8: an
+invalid byte is named by its offset.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import sys
-from typing import Any
+from typing import Any, BinaryIO
 
 import click
 
-EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPT = 1, 2, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
 
 
 def _fail(message: str, code: int = EXIT_ERROR) -> None:
     click.echo(f"minfer: error: {' '.join(str(message).split())}", err=True)
     sys.exit(code)
+
+
+def _exit_on_closed_pipe() -> None:
+    """The reader of stdout went away: nothing is wrong, stop quietly. stdout is pointed at
+    /dev/null so that the interpreter's last flush cannot fail again (the Python docs' recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_OK)
+
+
+def quiet_on_closed_pipe(command):
+    """Click turns EPIPE inside a command into exit status 1; catch it first (see above)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:
+            _exit_on_closed_pipe()
+    return run
+
+
+def _read_text(stream: BinaryIO, name: str) -> str:
+    r"""All of a byte stream as UTF-8 text, newlines normalised as text mode would (\r\n, \r ->
+    \n); an invalid byte is a one-line error naming the stream and the byte's offset."""
+    data = stream.read()
+    if isinstance(data, str):  # a text stream without .buffer (an embedding program's stdin)
+        return data
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _fail(f"{name}: not valid UTF-8 at byte {e.start} ({data[e.start:e.start + 1]!r}: {e.reason})")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+
+
+def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    r"""--stop '\n' means a newline (what Transformer-XL users are told to stop at): \n, \t and \\
+    are read as escapes; any other backslash is refused rather than guessed."""
+    out = []
+    for value in values:
+        def one(m: re.Match) -> str:
+            if m.group(1) not in _ESCAPES:
+                what = (f"unknown escape '\\{m.group(1)}'" if m.group(1)
+                        else "a lone backslash at the end")
+                raise click.BadParameter(f"{value!r}: {what} (use \\n, \\t or \\\\)")
+            return _ESCAPES[m.group(1)]
+        text = re.sub(r"\\(.?)", one, value, flags=re.S)
+        if not text:
+            raise click.BadParameter("a stop string must not be empty")
+        out.append(text)
+    return tuple(out)
 
 
 def _load(model: str, device: str, dtype: str | None, revision: str | None, workspace: str | None,
@@ -85,13 +143,18 @@ def cli() -> None:
               help="Beam score = logprob / length**penalty  [default: 1.0].")
 @click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
               help="Results per prompt  [default: 1].")
-@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
-@click.option("--seed", type=int, default=None, help="Random seed for sampling  [default: random].")
+@click.option("--stop", multiple=True, callback=_unescape_stops,
+              help="Stop when this text appears (repeatable); it is not printed. Backslash "
+                   "escapes \\n (newline), \\t (tab) and \\\\ (backslash) are read, so --stop "
+                   "'\\n' stops at the end of a line.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), default=None,
+              help="Random seed for sampling, 0 to 2**64-1  [default: random].")
 @click.option("--task", default=None,
               help="Apply the checkpoint's task settings and prefix, e.g. translation_en_to_de.")
 @click.option("--no-stream", is_flag=True, help="Print each result whole when it is done.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per result: text, token ids, finish reason, timing.")
+@quiet_on_closed_pipe
 def generate(model, revision, device, dtype, workspace, memory_limit, offline, prompts, max_new_tokens,
              min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
              no_repeat_ngram_size, num_beams, length_penalty, num_return_sequences, stop, seed,
@@ -100,9 +163,18 @@ def generate(model, revision, device, dtype, workspace, memory_limit, offline, p
     if not prompts:
         if sys.stdin is None or sys.stdin.isatty():
             _fail("no prompt: give PROMPT arguments or pipe lines on stdin", EXIT_USAGE)
-        prompts = tuple(line.rstrip("\n") for line in sys.stdin if line.strip())
+        text = _read_text(getattr(sys.stdin, "buffer", sys.stdin), "stdin")
+        prompts = tuple(line for line in text.split("\n") if line.strip())
         if not prompts:
             _fail("no prompt: stdin held no non-empty line", EXIT_USAGE)
+    for i, prompt in enumerate(prompts, 1):
+        # an argument that is not UTF-8 arrives with its bad bytes as lone surrogates
+        # (surrogateescape): name it as bytes, which is what the user typed
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            _fail(f"PROMPT {i}: not valid UTF-8 at character {e.start} "
+                  f"({prompt[e.start].encode('utf-8', 'surrogateescape')!r})", EXIT_USAGE)
     if do_sample is None and any(v is not None for v in (temperature, top_k, top_p)):
         do_sample = True
     options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -112,7 +184,8 @@ def generate(model, revision, device, dtype, workspace, memory_limit, offline, p
                    num_return_sequences=num_return_sequences, stop=list(stop) or None, seed=seed)
     m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     if m.tokenizer is None:
-        _fail(f"{m.folder} has no tokenizer (tokenizer.json or spiece.model): text prompts need one")
+        from minfer.generation.text import tokenizer_files  # the files this family would read
+        _fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")
     stream = not no_stream and not as_json and (num_return_sequences or 1) == 1
     if stream:
         for prompt in prompts:
@@ -144,6 +217,7 @@ def generate(model, revision, device, dtype, workspace, memory_limit, offline, p
               help="Input tokens for the memory estimate (T5) / segment length (XL).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="New tokens for the memory estimate (T5).")
+@quiet_on_closed_pipe
 def info(model, revision, device, dtype, workspace, memory_limit, offline, batch, src_len, max_new_tokens) -> None:
     """Architecture, parameters, files and memory needed by a model."""
     from minfer.arena import format_bytes
@@ -171,18 +245,21 @@ def info(model, revision, device, dtype, workspace, memory_limit, offline, batch
 
 @cli.command()
 @with_model_options
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("rb"))
 @click.option("--segment-len", type=click.IntRange(min=1), default=None,
               help="Tokens per segment, memory carried between them  [default: the model's tgt_len].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@quiet_on_closed_pipe
 def score(model, revision, device, dtype, workspace, memory_limit, offline, file, segment_len, as_json) -> None:
     """Perplexity of a Transformer-XL model on FILE ('-' for stdin), one WT103 line per line."""
     m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
     if m.family != "transfo-xl":
         _fail(f"score needs a Transformer-XL model; {m.folder} is {m.family}")
-    text = file.read()
+    name = getattr(file, "name", "-")
+    name = "stdin" if name in ("-", "<stdin>") else name
+    text = _read_text(file, name)
     if not text.strip():
-        _fail(f"{file.name}: no text to score", EXIT_USAGE)
+        _fail(f"{name}: no text to score", EXIT_USAGE)
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -215,6 +292,7 @@ def score(model, revision, device, dtype, workspace, memory_limit, offline, file
 @click.option("--dtype", type=click.Choice(["float32", "float16", "int8"]), default="float32",
               show_default=True, help="dtype of the written tensors (int8: layer matrices as int8 "
                                       "with per-row scales, the rest float32).")
+@quiet_on_closed_pipe
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""
     from minfer.convert import convert as run_convert
@@ -227,6 +305,11 @@ def convert(model, output, dtype) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run click without its own exit handling, so every error is one line."""
     from minfer.errors import MinferError
+    if not (sys.argv[1:] if argv is None else argv):
+        # the whole help, as help (not squeezed into one error line), and the usage status
+        with cli.make_context("minfer", [], resilient_parsing=True) as ctx:
+            click.echo(cli.get_help(ctx))
+        sys.exit(EXIT_USAGE)
     try:
         cli.main(args=argv, prog_name="minfer", standalone_mode=False)
     except click.exceptions.Exit as e:  # --help / --version
@@ -238,12 +321,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e.format_message(), EXIT_USAGE)
     except MinferError as e:
         _fail(str(e))
+    except MemoryError as e:  # the machine's memory, not a bug: say what to lower
+        _fail(f"out of memory: {e} (lower --workspace, --memory-limit, the batch or the lengths)")
     except KeyboardInterrupt:
         click.echo("\nminfer: interrupted", err=True)
         sys.exit(EXIT_INTERRUPT)
-    except BrokenPipeError:  # e.g. piped into `head`
-        sys.stderr.close()
-        sys.exit(0)
+    except BrokenPipeError:  # e.g. piped into `head`, outside a command
+        _exit_on_closed_pipe()
     except Exception as e:  # a bug: still one line, the traceback on request
         if os.environ.get("MINFER_DEBUG"):
             raise

@@ -219,6 +219,19 @@ def _bytes_text(run: bytes) -> str:
         return "\ufffd" * len(run)
 
 
+def check_text(text: Any, what: str) -> None:
+    """Text the tokenizers can take: a str that is valid Unicode. A lone surrogate ("\\ud800",
+    what a bad decode with errors="surrogateescape" leaves) is a str but no text: the libraries
+    fail on it with a TypeError or a UnicodeEncodeError, so it is named here instead."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} takes a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what}: character {e.start} ({text[e.start]!r}) is a lone surrogate, "
+                         "not valid Unicode text") from None
+
+
 class Tokenizer:
     """The interface every source implements.
 
@@ -254,14 +267,16 @@ class Tokenizer:
     # -- the shared interface ---------------------------------------------------------------
     def encode(self, text: str, add_eos: bool = True) -> list[int]:
         """Token ids of `text`, with `</s>` appended when add_eos (as T5's post-processor does)."""
-        if not isinstance(text, str):
-            raise InputError(f"encode() takes a str, got {type(text).__name__}")
+        check_text(text, "encode()")
         ids = self._encode(text)
         if add_eos and self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
 
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
+        texts = list(texts)
+        for k, t in enumerate(texts):  # checked first, so an error names the text's index
+            check_text(t, f"encode_batch(): text {k}")
         return [self.encode(t, add_eos) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -270,10 +285,12 @@ class Tokenizer:
         return self._decode([i for i in checked if self._shown(i, skip_special_tokens)])
 
     def _check_id(self, token_id: Any) -> int:
-        try:
+        try:  # a bool is an index (True is 1) but never a token id (NumPy's bool is no index)
             i = operator.index(token_id)
+            if isinstance(token_id, bool):
+                raise TypeError
         except TypeError:
-            raise InputError(f"token ids must be integers, got {token_id!r}") from None
+            raise InputError(f"token ids must be integers, got {token_id!r:.60}") from None
         if i < 0:
             raise InputError(f"token id {i} is negative")
         return i
@@ -363,9 +380,8 @@ class JsonTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
         texts = list(texts)
-        for t in texts:
-            if not isinstance(t, str):
-                raise InputError(f"encode_batch() takes strs, got {type(t).__name__}")
+        for k, t in enumerate(texts):
+            check_text(t, f"encode_batch(): text {k}")
         out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         if add_eos and self.eos_id is not None:
             for ids in out:

@@ -173,3 +173,109 @@ def test_malicious_checkpoint_is_refused(tmp_path):
         z.writestr("archive/version", "3\n")
     assert_one_line_error(run("info", "-m", str(folder)), 1, "refuses to unpickle global")
     assert not marker.exists()
+
+
+# -- the command line's own edges --------------------------------------------------------------------
+from test_fuzz_inputs import run_cli  # noqa: E402  (in-process: generated families cost ~ms each)
+
+
+def test_bare_minfer_prints_the_help_not_an_error_line():
+    bare, helped = run(), run("--help")
+    assert bare.returncode == 2 and bare.stderr == ""          # click's status for no command
+    assert bare.stdout == helped.stdout and "Usage: minfer" in bare.stdout
+    assert "Commands:" in bare.stdout and "generate" in bare.stdout
+
+
+ESCAPES = {"a": "a", "\\n": "\n", "\\t": "\t", "\\\\": "\\", "é": "é"}
+
+
+@pytest.mark.parametrize("pieces", [p for p in __import__("itertools").product(ESCAPES, repeat=3)])
+def test_stop_reads_backslash_escapes(pieces):
+    from minfer_cli.main import cli
+    ctx = cli.commands["generate"].make_context("generate", ["-m", "x", "--stop", "".join(pieces)])
+    assert ctx.params["stop"] == ("".join(ESCAPES[p] for p in pieces),)
+
+
+@pytest.mark.parametrize("stop", ["\\x", "\\", "a\\", "\\0", "\\u000a", "\\N", "a\\rb", ""])
+def test_stop_refuses_unknown_escapes_and_empty_strings(text_model_folder, stop):
+    code, _, err = run_cli(["generate", "-m", str(text_model_folder), "a", "--stop", stop])
+    assert code == 2 and err.startswith("minfer: error: Invalid value for '--stop'")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_stop_newline_reaches_the_model_as_a_newline(text_model_folder, monkeypatch):
+    import minfer.models.base as base
+    seen = {}
+    real = base.Model.generate
+    monkeypatch.setattr(base.Model, "generate",
+                        lambda self, *a, **kw: (seen.update(kw), real(self, *a, **kw))[1])
+    code, out, err = run_cli(["generate", "-m", str(text_model_folder), "a b", "--stop", "\\n",
+                              "--stop", "x\\ty", "--max-new-tokens", "2"])
+    assert code == 0 and seen["stop"] == ["\n", "x\ty"], err
+
+
+# invalid UTF-8: each kind of bad sequence, at the start, inside a later line and at the end
+BAD_UTF8 = [b"\xff", b"\xc3", b"\xe2\x82", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80",
+            b"\x80"]
+
+
+def utf8_cases():
+    for bad in BAD_UTF8:
+        for before, after in ((b"", b" x\n"), (b"a b\nc d ", b" e\n"), ("date: é ".encode(), b"")):
+            yield pytest.param(before + bad + after, len(before), id=f"{bad!r}@{len(before)}")
+
+
+@pytest.mark.parametrize("data,offset", list(utf8_cases()))
+def test_invalid_utf8_on_stdin_is_named_with_its_byte_offset(text_model_folder, data, offset):
+    code, out, err = run_cli(["generate", "-m", str(text_model_folder)], stdin=data)
+    assert code == 1 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"minfer: error: stdin: not valid UTF-8 at byte {offset} ")
+
+
+@pytest.mark.skipif(not (XL_BIN / "pytorch_model.bin").is_file(), reason="no XL .bin fixture")
+@pytest.mark.parametrize("data,offset", list(utf8_cases())[::3])
+def test_invalid_utf8_in_a_score_file_is_named_with_its_byte_offset(tmp_path, data, offset):
+    path = tmp_path / "text.txt"
+    path.write_bytes(data)
+    code, _, err = run_cli(["score", "-m", str(XL_BIN), str(path)])
+    assert code == 1 and err.startswith(f"minfer: error: {path}: not valid UTF-8 at byte {offset} ")
+    code, _, err = run_cli(["score", "-m", str(XL_BIN), "-"], stdin=data)
+    assert code == 1 and err.startswith(f"minfer: error: stdin: not valid UTF-8 at byte {offset} ")
+
+
+def test_invalid_utf8_as_a_real_process_sees_it(text_model_folder):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "minfer", "generate", "-m", str(text_model_folder)],
+                          input=b"a b\n\xff c\n", capture_output=True, env=env, timeout=120)
+    assert proc.returncode == 1 and b"Traceback" not in proc.stderr
+    assert proc.stderr.decode() == "minfer: error: stdin: not valid UTF-8 at byte 4 (b'\\xff': invalid start byte)\n"
+
+
+@pytest.mark.parametrize("args", [["--seed", "-1"], ["--seed", str(2**64)]])
+def test_seed_range_is_checked_by_the_command_line(text_model_folder, args):
+    code, _, err = run_cli(["generate", "-m", str(text_model_folder), "a", *args])
+    assert code == 2 and "'--seed'" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", [[], ["--no-stream"], ["--json"]])
+def test_a_reader_closing_the_pipe_ends_the_run_quietly(text_model_folder, mode):
+    """`minfer generate ... | head -1`: the exit status is 0 and nothing is said on stderr."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+    proc = subprocess.Popen([sys.executable, "-m", "minfer", "generate", "-m", str(text_model_folder),
+                             "--max-new-tokens", "8", *mode], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdin.write(b"a b c\nx y\n" * 300)   # far more output than one line
+    proc.stdin.close()
+    assert proc.stdout.readline()
+    proc.stdout.close()                        # what `head -1` does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b""
+
+
+@pytest.mark.parametrize("bad", [b"\xff", b"\xc3(", b"\xed\xa0\x80"])
+def test_a_prompt_argument_that_is_not_utf8_is_named(text_model_folder, bad):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", LC_ALL="C.UTF-8")
+    proc = subprocess.run([sys.executable, "-m", "minfer", "generate", "-m", str(text_model_folder),
+                           b"ok", b"a " + bad], capture_output=True, env=env, timeout=120)
+    assert proc.returncode == 2 and b"Traceback" not in proc.stderr
+    assert proc.stderr.startswith(b"minfer: error: PROMPT 2: not valid UTF-8 at character 2 ")

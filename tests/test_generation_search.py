@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from conftest import T5_CASES, T5_FIXTURES, load_reference, trim_hf_ids
 
+from minfer.errors import InputError
+
 SEARCH = json.loads((T5_FIXTURES / "search_settings.json").read_text()) if T5_CASES else {}
 
 
@@ -61,3 +63,58 @@ def test_sampled_beam_search_is_seeded_ranked_and_differs_from_plain_beams(text_
     draws = [run(do_sample=True, seed=s) for s in range(2, 8)]
     assert any(d != first for d in draws)
     assert any(d != run() for d in draws)                            # plain beam search differs
+
+
+# -- degenerate option values: they work, or they are refused; never NaN scores, never padding -----
+@pytest.mark.parametrize("temperature,top_p", [(t, p) for t in (1e-45, 1e-38, 1e-20, 1e-9)
+                                                for p in (1.0, 1e-45)] + [(1.0, 1e-45), (1e3, 1e-45)])
+def test_sampling_at_a_tiny_temperature_or_top_p_is_greedy(text_model, temperature, top_p):
+    """Scores are shifted to a maximum of 0 before the temperature divides them: every other token
+    goes to -inf instead of the whole row overflowing to NaN (which used to return padding). A tiny
+    top_p keeps only the most likely token, whatever the temperature."""
+    for prompt in ("a b c", "date: 1999", "one two three"):
+        greedy = text_model.generate([prompt], max_new_tokens=16, min_new_tokens=16)
+        for seed in range(3):
+            assert text_model.generate([prompt], max_new_tokens=16, min_new_tokens=16,
+                                       do_sample=True, temperature=temperature, top_p=top_p,
+                                       top_k=0, seed=seed) == greedy
+
+
+@pytest.mark.parametrize("lp", [-5.0, -8.0, -20.0])
+def test_beams_refuse_a_length_penalty_that_sinks_every_score(text_model, lp):
+    """log-prob * length**-lp below -1e9 (the search's 'impossible' offset) used to come back as an
+    empty hypothesis scored -1e9."""
+    with pytest.raises(InputError, match="length_penalty"):
+        text_model.generate(["a b c"], num_beams=3, length_penalty=lp, max_new_tokens=30,
+                            min_new_tokens=15)
+
+
+@pytest.mark.parametrize("lp", [-1.0, 0.0, 2.0, 10.0])
+def test_beams_with_moderate_length_penalties_return_finite_scores(text_model, lp):
+    [row] = text_model.generate(["a b c"], num_beams=3, num_return_sequences=3, length_penalty=lp,
+                                max_new_tokens=12, min_new_tokens=6, return_details=True)
+    assert all(np.isfinite(r.score) and r.score > -1e9 and r.new_tokens >= 6 for r in row)
+
+
+@pytest.mark.parametrize("options", [{}, {"do_sample": True, "seed": 1}, {"num_beams": 2}])
+def test_a_vocabulary_banned_whole_is_refused(tmp_path, options):
+    """no_repeat_ngram_size=1 over 64 ids bans everything after 63 steps: argmax of an all -inf row
+    would be id 0 and the sampler's cdf NaN; it is an InputError instead."""
+    from factories import write_t5
+
+    import minfer
+    model = minfer.load(write_t5(tmp_path / "m"))
+    with pytest.raises(InputError, match="no_repeat_ngram_size 1"):
+        model.generate([[3, 4, 5, 1]], no_repeat_ngram_size=1, max_new_tokens=80,
+                       min_new_tokens=80, **options)
+
+
+@pytest.mark.parametrize("penalty", [1e-3, 0.5, 2.0, 1e3])
+@pytest.mark.parametrize("mode", [{}, {"do_sample": True, "seed": 0}, {"num_beams": 3},
+                                  {"num_beams": 2, "do_sample": True, "seed": 0}])
+def test_repetition_penalty_at_its_bounds_keeps_scores_finite(text_model, penalty, mode):
+    [row] = text_model.generate(["a b c"], repetition_penalty=penalty, max_new_tokens=10,
+                                min_new_tokens=10, return_details=True, **mode)
+    for r in row:   # (a penalty < 1 favours repeats: also of the start token, pad, as in HF)
+        assert r.new_tokens == 10 and isinstance(r.text, str)
+        assert r.score is None or (np.isfinite(r.score) and r.score > -1e9)

@@ -1,4 +1,5 @@
 """The text layer (generation/text.py): prompts in, text out, streaming, stop strings."""
+import numpy as np
 import pytest
 
 from minfer import generation as g
@@ -100,3 +101,67 @@ def test_text_input_needs_a_tokenizer(tmp_path):
 def test_empty_prompts_are_refused(text_model, prompt):
     with pytest.raises(InputError, match="empty prompt"):
         text_model.generate(prompt)
+
+
+# -- prompts: generated bad prompts at generated places, through generate() and stream=True ---------
+BLANKS = ["", " ", "\n", "\t \n", "\u3000", "\u2003\u2003"]
+SURROGATE_PROMPTS = [("\ud800", 0), ("a b \udfff c", 4), ("date: 1999\udc80", 10)]
+
+
+def prompt_lists(bad):
+    """The bad prompt alone, first, and last in a list: (inputs, its index or None)."""
+    return [(bad, None), ([bad, "a b c"], 0), (["a b c", "x y", bad], 2)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("inputs,at", [c for b in BLANKS for c in prompt_lists(b)])
+def test_blank_prompts_are_named(text_model, inputs, at, stream):
+    if stream and isinstance(inputs, list):
+        inputs = inputs[at:at + 1]
+        at = 0
+    with pytest.raises(InputError, match="empty prompt") as e:
+        text_model.generate(inputs, max_new_tokens=2, stream=stream)
+    assert (at is None or f"prompt {at}" in str(e.value)) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("inputs,at,char", [(i, a, c) for bad, c in SURROGATE_PROMPTS
+                                             for i, a in prompt_lists(bad)])
+def test_lone_surrogates_in_prompts_are_named(text_model, inputs, at, char):
+    with pytest.raises(InputError, match=f"character {char} .* lone surrogate") as e:
+        text_model.generate(inputs, max_new_tokens=2)
+    assert at is None or f"prompt {at}" in str(e.value)
+
+
+@pytest.mark.parametrize("other", [5, 5.0, None, b"bytes", ["a"], ("a",), np.int64(3), {"a": 1}],
+                         ids=repr)
+@pytest.mark.parametrize("at", [1, 2])
+def test_prompt_lists_with_a_non_string_name_the_item(text_model, other, at):
+    inputs = ["a b c", "x y"]
+    inputs.insert(at, other)
+    with pytest.raises(InputError, match=f"prompt {at} is {type(other).__name__}"):
+        text_model.generate(inputs, max_new_tokens=2)
+
+
+def test_missing_vocabulary_names_the_files_the_family_reads(tmp_path):
+    from conftest import XL_FIXTURES
+    from factories import write_t5
+
+    import minfer
+    t5 = minfer.load(write_t5(tmp_path / "m"))
+    with pytest.raises(InputError, match=r"has none \(tokenizer.json or spiece.model\)"):
+        t5.generate("hello")
+    folder = XL_FIXTURES / "adaptive_div4"
+    if not (folder / "config.json").is_file():
+        pytest.skip("no XL fixture")
+    xl = minfer.load(folder)
+    with pytest.raises(InputError, match=r"has none \(vocab.txt, vocab.pkl, vocab.bin or vocab.json\)"):
+        xl.generate("hello")
+    with pytest.raises(InputError, match="stop strings requires a tokenizer"):
+        xl.generate([[3, 4]], stop=["\n"])
+
+
+@pytest.mark.parametrize("name", ["stream", "return_details"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, [True]], ids=repr)
+def test_generate_switches_are_bools(text_model, name, value):
+    with pytest.raises(InputError, match=f"{name} must be true or false"):
+        text_model.generate("a b c", max_new_tokens=2, **{name: value})

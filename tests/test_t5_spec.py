@@ -29,6 +29,84 @@ def test_config_errors_name_the_key(change, needle):
         t5.T5Config.from_hf({**BASE, **change})
 
 
+# -- strict types: every key the parser reads, every way JSON can get it wrong ---------------------
+def bad_values(kind, low=1, cap=None):
+    """Values a config.json key of this kind must refuse: (label, value) pairs, generated from
+    the kind (a JSON int, a JSON bool, a string, a token id, a small float) and its bounds."""
+    other_types = [("str", "8"), ("list", ["8"]), ("object", {"v": 8}), ("null", None)]
+    if kind == "int":
+        return other_types + [("bool", True), ("float", 8.0), ("below", low - 1),
+                              ("above cap", cap + 1), ("2**63", 2**63), ("10**400", 10**400),
+                              ("nan", float("nan")), ("inf", float("inf"))]
+    if kind == "bool":
+        return [("str false", "false"), ("str true", "true"), ("int 0", 0), ("int 1", 1),
+                ("float", 1.0), ("list", [True]), ("null", None)]
+    if kind == "str":
+        return [("list", ["relu"]), ("int", 5), ("bool", True), ("object", {}), ("null", None)]
+    if kind == "id":
+        return other_types + [("bool true", True), ("bool false", False), ("float", 1.0),
+                              ("negative", -1), ("vocab_size", cap), ("2**63", 2**63),
+                              ("10**400", 10**400)]
+    if kind == "eps":
+        return [("str", "1e-6"), ("bool", True), ("one", 1.0), ("negative", -1e-6),
+                ("10**400", 10**400), ("nan", float("nan")), ("inf", float("inf")), ("null", None)]
+    raise AssertionError(kind)
+
+
+def cases(keys):
+    """pytest params (key, value) over a {key: (kind, low, cap)} table."""
+    return [pytest.param(key, value, id=f"{key}={label}")
+            for key, (kind, low, cap) in keys.items() for label, value in bad_values(kind, low, cap)]
+
+
+from minfer.models.config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH  # noqa: E402
+
+T5_KEYS = {  # every key T5Config.from_hf reads: kind, lower bound, cap (ids: BASE's vocab_size)
+    "vocab_size": ("int", 1, MAX_VOCAB), "d_model": ("int", 1, MAX_WIDTH),
+    "d_kv": ("int", 1, MAX_WIDTH), "d_ff": ("int", 1, MAX_WIDTH),
+    "num_heads": ("int", 1, MAX_COUNT), "num_layers": ("int", 1, MAX_COUNT),
+    "relative_attention_num_buckets": ("int", 2, MAX_COUNT),
+    "relative_attention_max_distance": ("int", 2, MAX_LENGTH),
+    "tie_word_embeddings": ("bool", 0, 0), "is_gated_act": ("bool", 0, 0),
+    "model_type": ("str", 0, 0), "feed_forward_proj": ("str", 0, 0), "dense_act_fn": ("str", 0, 0),
+    "pad_token_id": ("id", 0, 64), "eos_token_id": ("id", 0, 64),
+    "layer_norm_epsilon": ("eps", 0, 0),
+}
+# nullable keys: null means "the default" (HF writes it); every other bad value is still refused
+T5_NULLABLE = {"num_decoder_layers": ("int", 1, MAX_COUNT), "decoder_start_token_id": ("id", 0, 64)}
+
+
+@pytest.mark.parametrize("key,value", cases(T5_KEYS) + [
+    p for p in cases(T5_NULLABLE) if p.values[1] is not None])
+def test_every_key_is_strictly_typed(key, value):
+    with pytest.raises(ConfigError) as e:
+        t5.T5Config.from_hf({**BASE, key: value}, "/m/config.json")
+    msg = str(e.value)
+    assert msg.startswith("/m/config.json: ") and key in msg and "\n" not in msg and len(msg) < 300
+
+
+@pytest.mark.parametrize("key,cap", [("d_model", MAX_WIDTH), ("vocab_size", MAX_VOCAB),
+                                     ("num_layers", MAX_COUNT)])
+def test_caps_are_inclusive_and_stated(key, cap):
+    assert getattr(t5.T5Config.from_hf({**BASE, key: cap}), key) == cap  # parsing allocates nothing
+    with pytest.raises(ConfigError, match=f"'{key}' must be an integer in 1..{cap}, got {cap + 1}"):
+        t5.T5Config.from_hf({**BASE, key: cap + 1})
+
+
+def test_nullable_keys_take_their_default_and_ids_lists():
+    cfg = t5.T5Config.from_hf({**BASE, "num_decoder_layers": None, "decoder_start_token_id": None,
+                               "pad_token_id": 3, "eos_token_id": [1, 2]})
+    assert (cfg.num_decoder_layers, cfg.decoder_start_token_id, cfg.eos_token_ids) == (2, 3, (1, 2))
+    for eos in ([], [1, True], [1, 64], [1, "2"]):
+        with pytest.raises(ConfigError, match="'eos_token_id'"):
+            t5.T5Config.from_hf({**BASE, "eos_token_id": eos})
+    for proj, gated, act in (("gated-silu", True, "silu"), ("relu", False, "relu")):
+        cfg = t5.T5Config.from_hf({**BASE, "feed_forward_proj": proj})
+        assert (cfg.gated, cfg.act) == (gated, act)
+    assert not t5.T5Config.from_hf({**BASE, "feed_forward_proj": "gated-gelu",
+                                    "is_gated_act": False}).gated
+
+
 def test_weight_table_fuses_folds_and_splits_the_cross_projections():
     from minfer.models.t5.spec import weight_table
     from minfer.params.spec import Linear, Tensor, View

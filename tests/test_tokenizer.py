@@ -620,3 +620,43 @@ def test_bad_inputs(tiny):
         tiny.decode([5, -1])
     with pytest.raises(InputError):
         tiny.decode([1.5])
+
+
+# -- input checks: generated invalid texts and ids, for every tokenizer source ----------------------
+XL_WORDS = Path(__file__).resolve().parent.parent / "weights" / "transfo_xl" / "adaptive_div4_bin"
+SURROGATES = ["\ud800", "\udfff", "\udc80"]   # lone halves; "\udc80" is what surrogateescape leaves
+
+
+def surrogate_texts():
+    """(text, index of the bad character): each lone surrogate at the start, middle and end."""
+    for s in SURROGATES:
+        yield s, 0
+        yield "date " + s + " x", 5
+        yield "the game" + s, 8
+
+
+@pytest.fixture(params=["tiny", "tiny_sp", "words"])
+def each_source(request, tmp_path_factory):
+    if request.param == "words":
+        if not (XL_WORDS / "vocab.pkl").is_file():
+            pytest.skip("no XL vocab.pkl fixture")
+        return load_tokenizer(XL_WORDS)
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.parametrize("text,at", list(surrogate_texts()))
+def test_lone_surrogates_are_named_not_raised_raw(each_source, text, at):
+    with pytest.raises(InputError, match=f"encode\\(\\): character {at} .* lone surrogate") as e:
+        each_source.encode(text)
+    assert "\n" not in str(e.value)
+    with pytest.raises(InputError, match=f"text 1: character {at}"):
+        each_source.encode_batch(["fine", text])
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, np.float32(2), "3", None, [1], np.bool_(True)],
+                         ids=repr)
+def test_non_integer_ids_are_refused_by_decode_and_streaming(each_source, bad):
+    with pytest.raises(InputError, match="token ids must be integers"):
+        each_source.decode([5, bad])
+    with pytest.raises(InputError, match="token ids must be integers"):
+        IncrementalDecoder(each_source).push(bad)

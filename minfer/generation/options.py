@@ -2,23 +2,142 @@
 
 Precedence, lowest first: minfer's defaults, config.json's generation keys, the checkpoint's
 generation_config.json, the task's task_specific_params, then the call's arguments. HF's lengths
-(`max_length`, `min_length`) count the decoder start token; minfer's count new tokens only.
+(`max_length`, `min_length`) count the decoder start token; minfer's count new tokens only, so a
+call's `max_length=` is refused with a pointer to `max_new_tokens`.
+
+Types are strict (a wrong type is refused, never coerced): integers are ints or NumPy integers
+(not bools, not floats), numbers also take floats and NumPy floats, switches are bools (or NumPy
+bools). A bad value from a call is an `InputError` naming the option; from the checkpoint's files
+a `ConfigError` naming the file and the key. Bounds keep every score finite:
+- temperature in (0, 1e3], and not so small that float32 rounds it to 0. Plain sampling divides
+  scores shifted to a maximum of 0 (search.token_loop), so any such temperature works: a tiny one
+  is greedy decoding. Sampled beam search accumulates scores scaled by 1/temperature, which must
+  stay far above its -1e9 "impossible" offset: there temperature >= 1e-3.
+- repetition_penalty in [1e-3, 1e3]: scores are multiplied or divided by it (0 * inf is NaN).
+- beam search: |length_penalty| * ln(max_new_tokens + 1) <= 80: length**length_penalty must stay
+  inside float32's range (about e**88).
+- seeds are integers in 0..2**64-1 (NumPy's generator takes no negative seed; -1 is not
+  "random": leave the seed unset for that).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from .protocol import DecodingModel
 
 # When neither the call nor the checkpoint says how long to decode. Deliberately long: a silent
 # 20-token cut (HF's max_length default) truncates real outputs; eos ends most generations sooner.
 DEFAULT_MAX_NEW_TOKENS = 256
+
+MAX_LENGTH = 2**31 - 1          # lengths and n-gram sizes (the arena refuses long before)
+MAX_ROWS = 4096                 # beams / sequences per prompt: rows are copied before the arena
+                                # is asked, so an absurd count must fail before that copy
+MAX_SEED = 2**64 - 1
+MAX_TEMPERATURE = 1e3
+MIN_BEAM_TEMPERATURE = 1e-3
+MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
+MAX_LOG_LENGTH_PENALTY = 80.0   # |length_penalty| * ln(longest length): float32 max is ~e**88
+
+
+class _Bad(Exception):
+    """A check's "must be ..." text; the caller says where the value came from."""
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A short one-line repr for messages (a 5000-digit integer cannot even be repr'd)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<{value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_integer(value: Any) -> bool:
+    """An int or NumPy integer, not a bool (bool is an int subclass; np.bool_ is not an integer)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _integer(low: int, high: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if not is_integer(v) or not low <= v <= high:
+            raise _Bad(f"an integer in {low}..{high}")
+        return int(v)
+    return check
+
+
+def _number(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        try:  # float(10**400) overflows: refused like any other out-of-range number
+            x = float(v) if is_integer(v) or isinstance(v, (float, np.floating)) else math.nan
+        except OverflowError:
+            x = math.nan
+        if not (math.isfinite(x) and (x > low if low_open else x >= low) and x <= high):
+            bounds = ("" if low == -math.inf and high == math.inf
+                      else f" {'>' if low_open else '>='} {low:g}" if high == math.inf
+                      else f" in {'(' if low_open else '['}{low:g}, {high:g}]")
+            raise _Bad(f"a finite number{bounds}")
+        return x
+    return check
+
+
+def _switch(v: Any) -> bool:
+    if not isinstance(v, (bool, np.bool_)):
+        raise _Bad("true or false (a bool)")
+    return bool(v)
+
+
+def _early_stopping(v: Any) -> bool | str:
+    # checked by type, not by `in (True, False, "never")`: 1 == True would pass and then fail
+    # the search's `is True` tests, silently meaning False
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, str) and v == "never":
+        return "never"
+    raise _Bad("true, false or 'never'")
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        v = (v,)
+    if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) and s for s in v):
+        raise _Bad("a non-empty string or a list of non-empty strings")
+    return tuple(str(s) for s in v)
+
+
+def _temperature(v: Any) -> float:
+    x = _number(0.0, MAX_TEMPERATURE, low_open=True)(v)
+    if np.float32(x) == 0:  # the warper divides float32 scores by float32(temperature)
+        raise _Bad(f"a number in (0, {MAX_TEMPERATURE:g}] that float32 does not round to 0")
+    return x
+
+
+def _seed(v: Any) -> int | None:
+    return None if v is None else _integer(0, MAX_SEED)(v)
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "max_new_tokens": _integer(1, MAX_LENGTH),
+    "min_new_tokens": _integer(0, MAX_LENGTH),
+    "do_sample": _switch,
+    "temperature": _temperature,
+    "top_k": _integer(0, MAX_LENGTH),
+    "top_p": _number(0.0, 1.0, low_open=True),
+    "repetition_penalty": _number(MIN_PENALTY, MAX_PENALTY),
+    "no_repeat_ngram_size": _integer(0, MAX_LENGTH),
+    "num_beams": _integer(1, MAX_ROWS),
+    "length_penalty": _number(-math.inf, math.inf),
+    "early_stopping": _early_stopping,
+    "num_return_sequences": _integer(1, MAX_ROWS),
+    "stop": _stop,
+    "seed": _seed,
+}
+_HINTS = {"seed": " (leave it unset for a random seed)"}
 
 
 @dataclass(frozen=True)
@@ -38,40 +157,40 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
-    def validate(self) -> "GenerationOptions":
-        def integer(name: str, minimum: int) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
-                raise InputError(f"{name} must be an integer >= {minimum}, got {v!r}")
-
-        def number(name: str, low: float, high: float, low_open: bool = False) -> None:
-            v = getattr(self, name)
-            ok = (isinstance(v, (int, float, np.floating)) and not isinstance(v, bool)
-                  and np.isfinite(v) and (v > low if low_open else v >= low) and v <= high)
-            if not ok:
-                bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high != np.inf else "")
-                raise InputError(f"{name} must be a number {bound}, got {v!r}")
-
-        integer("max_new_tokens", 1)
-        integer("min_new_tokens", 0)
-        integer("top_k", 0)
-        integer("no_repeat_ngram_size", 0)
-        integer("num_beams", 1)
-        integer("num_return_sequences", 1)
-        number("temperature", 0.0, np.inf, low_open=True)
-        number("top_p", 0.0, 1.0, low_open=True)
-        number("repetition_penalty", 0.0, np.inf, low_open=True)
-        number("length_penalty", -np.inf, np.inf)
-        if self.early_stopping not in (True, False, "never"):
-            raise InputError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
-        if self.num_return_sequences > self.num_beams and not self.do_sample:
-            raise InputError(f"num_return_sequences ({self.num_return_sequences}) must not exceed "
-                             f"num_beams ({self.num_beams}) without sampling")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InputError(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise InputError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
-        return self
+    def validate(self, origin: dict[str, str] | None = None) -> "GenerationOptions":
+        """The options checked and normalised (Python scalars, stop a tuple). `origin` names the
+        file a value came from (then a bad one is a ConfigError naming it); else the call."""
+        values = {}
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            try:
+                values[name] = check(value)
+            except _Bad as e:
+                where = (origin or {}).get(name)
+                if where is not None:
+                    raise ConfigError(f"{where}: '{name}' must be {e}, got {shown(value)}") from None
+                raise InputError(f"{name} must be {e}, got {shown(value)}{_HINTS.get(name, '')}") \
+                    from None
+        opts = dataclasses.replace(self, **values)
+        if opts.num_return_sequences > opts.num_beams and (opts.num_beams > 1 or not opts.do_sample):
+            # beam search (sampled or not) returns some of its beams; only plain sampling draws
+            # any number of independent sequences
+            raise InputError(f"num_return_sequences ({opts.num_return_sequences}) must not exceed "
+                             f"num_beams ({opts.num_beams}) unless sampling without beams")
+        if opts.num_beams > 1 and opts.do_sample and opts.temperature < MIN_BEAM_TEMPERATURE:
+            raise InputError(f"temperature {opts.temperature:g} is too low for sampled beam search "
+                             f"(>= {MIN_BEAM_TEMPERATURE:g}: beam scores scale as 1/temperature); "
+                             "for the best beams use do_sample=False")
+        if opts.num_beams > 1 and (abs(opts.length_penalty) * math.log(opts.max_new_tokens + 1)
+                                   > MAX_LOG_LENGTH_PENALTY):
+            raise InputError(
+                f"length_penalty {opts.length_penalty:g} with max_new_tokens {opts.max_new_tokens}: "
+                f"length**length_penalty leaves float32's range (|length_penalty| * "
+                f"ln(max_new_tokens + 1) must be <= {MAX_LOG_LENGTH_PENALTY:g})")
+        if opts.min_new_tokens > opts.max_new_tokens:
+            raise InputError(f"min_new_tokens ({opts.min_new_tokens}) exceeds max_new_tokens "
+                             f"({opts.max_new_tokens})")
+        return opts
 
 
 _OPTION_NAMES = {f.name for f in dataclasses.fields(GenerationOptions)}
@@ -79,19 +198,31 @@ _OPTION_NAMES = {f.name for f in dataclasses.fields(GenerationOptions)}
 _LENGTH_KEYS = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
 
 
-def _from_hf(params: dict | None, prompt_len: int = 1) -> dict:
-    """Generation settings of an HF config dict in minfer's terms (only keys we know)."""
+def _from_hf(params: dict, source: str) -> dict:
+    """Generation settings of an HF config dict in minfer's terms (only keys we know; null =
+    unset). HF's lengths count the decoder start token; an explicit new-token count wins."""
     out: dict[str, Any] = {}
-    for key, value in (params or {}).items():
-        if key in _LENGTH_KEYS and isinstance(value, int):
-            out[_LENGTH_KEYS[key]] = max(value - prompt_len, 0 if key == "min_length" else 1)
-        elif key in _OPTION_NAMES and key not in ("stop", "seed") and value is not None:
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key in _LENGTH_KEYS:
+            if params.get(_LENGTH_KEYS[key]) is not None:
+                continue
+            if not is_integer(value) or not 0 <= value <= MAX_LENGTH:
+                raise ConfigError(f"{source}: '{key}' must be an integer in 0..{MAX_LENGTH}, "
+                                  f"got {shown(value)}")
+            out[_LENGTH_KEYS[key]] = max(int(value) - 1, 0 if key == "min_length" else 1)
+        elif key in _OPTION_NAMES and key not in ("stop", "seed"):
             out[key] = value
-    if "max_new_tokens" in (params or {}) and params["max_new_tokens"] is not None:
-        out["max_new_tokens"] = params["max_new_tokens"]
-    if "min_new_tokens" in (params or {}) and params["min_new_tokens"] is not None:
-        out["min_new_tokens"] = params["min_new_tokens"]
     return out
+
+
+def _unknown(names: list[str]) -> InputError:
+    name = names[0]
+    if name in _LENGTH_KEYS:  # what HF users type: say what to use instead
+        return InputError(f"generation option {name!r} is not supported: use "
+                          f"{_LENGTH_KEYS[name]} (minfer counts new tokens only)")
+    return InputError(f"unknown generation option {name!r} (known: {', '.join(sorted(_OPTION_NAMES))})")
 
 
 def resolve_options(model: DecodingModel, task: str | None = None, **overrides: Any) -> tuple[GenerationOptions, str]:
@@ -100,33 +231,58 @@ def resolve_options(model: DecodingModel, task: str | None = None, **overrides: 
     Returns the options and the task's prompt prefix."""
     unknown = sorted(set(overrides) - _OPTION_NAMES)
     if unknown:
-        raise InputError(f"unknown generation option {unknown[0]!r}")
-    raw_config = model.hf_config
+        raise _unknown(unknown)
+    folder = getattr(model, "folder", None)
+
+    def where(name: str) -> str:
+        return f"{folder}/{name}" if folder else name
+
     settings: dict[str, Any] = {}
-    settings.update(_from_hf({k: v for k, v in raw_config.items()
-                              if k in _OPTION_NAMES or k in _LENGTH_KEYS}))
+    origin: dict[str, str] = {}    # option -> the file it came from (absent: the call)
+
+    def take(values: dict, source: str | None) -> None:
+        settings.update(values)
+        for k in values:
+            if source is None:
+                origin.pop(k, None)
+            else:
+                origin[k] = source
+
+    raw_config = model.hf_config
+    take(_from_hf({k: v for k, v in raw_config.items() if k in _OPTION_NAMES or k in _LENGTH_KEYS},
+                  where("config.json")), where("config.json"))
     generation_config = dict(model.generation_config or {})
-    if generation_config.get("max_length") == 20 and "max_new_tokens" not in generation_config:
+    if (is_integer(generation_config.get("max_length")) and generation_config["max_length"] == 20
+            and "max_new_tokens" not in generation_config):  # (20.0 is refused, not dropped)
         generation_config.pop("max_length")  # HF's default cap copied into old files: not a choice
-    settings.update(_from_hf(generation_config))
+    take(_from_hf(generation_config, where("generation_config.json")),
+         where("generation_config.json"))
     prefix = ""
     if task is not None:
+        if not isinstance(task, str):
+            raise InputError(f"task must be a string, got {shown(task)}")
         tasks = raw_config.get("task_specific_params") or {}
+        source = where("config.json") + f" task_specific_params[{task!r}]"
+        if not isinstance(tasks, dict):
+            raise ConfigError(f"{where('config.json')}: 'task_specific_params' must be an object, "
+                              f"got {shown(tasks)}")
         if task not in tasks:
-            known = ", ".join(sorted(tasks)) or "none"
+            known = ", ".join(sorted(map(str, tasks))) or "none"
             raise InputError(f"task {task!r} is not defined by this checkpoint (known: {known})")
+        if not isinstance(tasks[task], dict):
+            raise ConfigError(f"{source}: must be an object, got {shown(tasks[task])}")
         params = dict(tasks[task])
-        prefix = str(params.pop("prefix", "") or "")
-        settings.update(_from_hf(params))
-    settings.update({k: v for k, v in overrides.items() if v is not None})
-    if isinstance(settings.get("stop"), str):
-        settings["stop"] = (settings["stop"],)
-    settings["stop"] = tuple(settings.get("stop", ()))
-    if settings.get("min_new_tokens", 0) > settings.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS):
-        if "min_new_tokens" not in overrides or overrides.get("min_new_tokens") is None:
-            settings["min_new_tokens"] = settings.get("max_new_tokens")  # a task minimum vs user max
-    options = GenerationOptions(**settings).validate()
-    if options.min_new_tokens > options.max_new_tokens:
-        raise InputError(f"min_new_tokens ({options.min_new_tokens}) exceeds max_new_tokens "
-                         f"({options.max_new_tokens})")
+        prefix = params.pop("prefix", "") or ""
+        if not isinstance(prefix, str):
+            raise ConfigError(f"{source}: 'prefix' must be a string, got {shown(prefix)}")
+        take(_from_hf(params, source), source)
+    calls = {k: v for k, v in overrides.items() if v is not None}
+    take(calls, None)
+    # a minimum from the checkpoint's files yields to the call's maximum (it is not an error of
+    # the caller's); a call's own min > max is refused by validate()
+    lo, hi = settings.get("min_new_tokens", 0), settings.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if ("min_new_tokens" not in calls and is_integer(lo) and is_integer(hi)
+            and hi < lo <= MAX_LENGTH):  # (an out-of-range minimum is still refused below)
+        settings["min_new_tokens"] = hi
+    options = GenerationOptions(**settings).validate(origin)
     return options, prefix

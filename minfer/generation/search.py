@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..errors import InputError
 from .options import GenerationOptions
 from .processors import log_softmax, process, sample, warp
 from .protocol import DecodingModel
@@ -54,9 +55,22 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
             logits = state.step(seqs[:, t])                                     # (b, V)
             scores = process(logits, seqs[:, :t + 1], opts, t, eos_ids)
             if opts.do_sample:
-                tokens = sample(warp(scores, opts), rng)
+                best = scores.max(axis=1, keepdims=True)                        # (b, 1)
             else:
                 tokens = np.argmax(scores, axis=1).astype(np.int64)
+                best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (b, 1)
+            if not np.isfinite(best).all():
+                # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
+                raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
+                                 f"{opts.no_repeat_ngram_size} can ban the whole vocabulary, or "
+                                 f"the model's logits overflowed)")
+            if opts.do_sample:
+                # shifted so the best score is 0 first: softmax and the warpers are shift-invariant,
+                # and (x - best) / temperature <= 0 cannot overflow however small the temperature
+                # (it goes to -inf: a tiny temperature is greedy decoding, not NaN); that
+                # overflow is intended, so NumPy need not warn about it
+                with np.errstate(over="ignore"):
+                    tokens = sample(warp(scores - best, opts), rng)
             seqs[:, t + 1] = tokens
             yield rows, tokens
             done = (tokens[:, None] == eos).any(axis=1)  # (b,); np.isin costs ~30 us a call
@@ -160,6 +174,17 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             state.reorder(flat[keep_rows].reshape(-1), cross=len(keep_rows) != b)
             live = live[keep_rows]
 
+    # A slot that never finished still holds the -1e9 placeholder: every real score of that row
+    # sank below HF's "impossible" offset (a strongly negative length_penalty multiplies scores
+    # by up to length**-length_penalty). Returning the placeholder would be an empty result with
+    # score -1e9, silently; refuse instead.
+    unfinished = ~fin_done[:, :opts.num_return_sequences].all(axis=1)
+    if unfinished.any():
+        why = (f"length_penalty {lp:g} scales scores by up to {L}**{-lp:g}: use one nearer 0"
+               if lp < 0 else f"no_repeat_ngram_size {opts.no_repeat_ngram_size} can ban every "
+               "token, and a low temperature scales sampled beam scores by 1/temperature")
+        raise InputError(f"beam search: row {int(np.argmax(unfinished))} has no hypothesis scored "
+                         f"above -1e9, the search's 'impossible' offset ({why})")
     results = []
     for r in range(B):
         hyps = []

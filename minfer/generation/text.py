@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ..errors import InputError
-from .options import GenerationOptions, resolve_options
+from .options import GenerationOptions, is_integer, resolve_options
 from .protocol import DecodingModel
 from .search import Hypothesis, beam_search, token_loop
 
@@ -91,27 +91,63 @@ class _RowText:
 
 
 def _normalise_inputs(inputs: Any) -> tuple[str, list]:
-    """-> ("text", [str]) | ("texts", [str, ...]) | ("ids", [[int, ...], ...])."""
+    """-> ("text", [str]) | ("texts", [str, ...]) | ("ids", [[id, ...], ...]). Prompts are checked
+    here (type, valid Unicode, not blank), token ids by `model.batch` (models/base.py: as_batch),
+    which names a bad row and position."""
     if isinstance(inputs, str):
-        return "text", [inputs]
+        return "text", [_check_prompt(inputs, None)]
     if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
         arr = np.asarray(inputs)
+        if arr.ndim not in (1, 2) or arr.size == 0:
+            raise InputError(f"inputs: expected a non-empty (batch, length) array of token ids, "
+                             f"got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):  # floats, bools, objects are no token ids
+            raise InputError(f"inputs: expected integer token ids, got dtype {arr.dtype}")
         return "ids", [list(r) for r in (arr[None] if arr.ndim == 1 else arr)]
     if isinstance(inputs, (list, tuple)) and inputs:
-        if all(isinstance(p, str) for p in inputs):
-            return "texts", list(inputs)
-        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in inputs):
+        if isinstance(inputs[0], str):   # prompts: every item must be one
+            return "texts", [_check_prompt(p, i) for i, p in enumerate(inputs)]
+        if all(is_integer(t) for t in inputs):
             return "ids", [list(inputs)]
+        for i, row in enumerate(inputs):  # rows of token ids: as_batch checks what they hold
+            if not isinstance(row, (list, tuple, np.ndarray)):
+                raise InputError(f"inputs: item {i} is {type(row).__name__}: expected every item "
+                                 "to be a list of token ids (or every item a prompt string)")
         return "ids", list(inputs)
     raise InputError("inputs: expected a prompt string, a list of prompts or token-id lists, "
                      f"got {type(inputs).__name__ if inputs is not None else 'None'}"
                      + (" (empty)" if isinstance(inputs, (list, tuple)) else ""))
 
 
+def _check_prompt(prompt: Any, i: int | None) -> str:
+    """A prompt string: valid Unicode (no lone surrogate) and not blank, or a one-line error."""
+    where = "inputs" if i is None else f"inputs: prompt {i}"
+    if not isinstance(prompt, str):
+        raise InputError(f"{where} is {type(prompt).__name__}: expected every item to be a prompt "
+                         "string (or every item a list of token ids)")
+    if not prompt.strip():
+        raise InputError(f"{where}: empty prompt (nothing but whitespace)")
+    from ..tokenizer import check_text   # the tokenizer's own check, here naming the prompt
+    check_text(prompt, where)
+    return prompt
+
+
+# The vocabulary files a checkpoint of each kind ships (tokenizer.load_tokenizer reads any of
+# them): T5, the encoder-decoder family, tokenizer.json or spiece.model; Transformer-XL, the
+# decoder-only one, its word vocabulary.
+_TOKENIZER_FILES = {True: "tokenizer.json or spiece.model",
+                    False: "vocab.txt, vocab.pkl, vocab.bin or vocab.json"}
+
+
+def tokenizer_files(model: DecodingModel) -> str:
+    """The vocabulary files a model of this kind would have its tokenizer read from."""
+    return _TOKENIZER_FILES[bool(model.is_encoder_decoder)]
+
+
 def need_tokenizer(model: DecodingModel, why: str) -> Any:
     if model.tokenizer is None:
         raise InputError(f"{why} requires a tokenizer, and {model.folder} has none "
-                         "(tokenizer.json or spiece.model): pass token ids instead")
+                         f"({tokenizer_files(model)}): pass token ids instead")
     return model.tokenizer
 
 
@@ -119,15 +155,19 @@ def _prompt_ids(model: DecodingModel, kind: str, prompts: list, prefix: str, tok
     if kind == "ids":
         pre = tok.encode(prefix, add_eos=False) if prefix and tok is not None else []
         return [pre + list(p) for p in prompts]
-    if any(not p.strip() for p in prompts):
-        raise InputError("inputs: empty prompt")
     return [tok.encode(prefix + p, add_eos=model.add_eos_to_prompt) for p in prompts]
 
 
 def _batches(model: DecodingModel, rows: list, attention_mask: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     """One padded batch, or (decoder-only models, which cannot pad) one batch per length."""
     if attention_mask is not None:
-        return [model.batch(np.asarray(rows), attention_mask)]
+        # the rows' ids are checked as lists first (errors name the row and position; a ragged
+        # or out-of-range list never reaches NumPy), then paired with the mask
+        ids, _ = model.batch(rows)
+        if len({len(r) for r in rows}) > 1:  # padding them would put a token under the mask
+            raise InputError("attention_mask: the token-id rows must have equal lengths "
+                             f"(got {sorted({len(r) for r in rows})})")
+        return [model.batch(ids, attention_mask)]
     if model.is_encoder_decoder or len({len(r) for r in rows}) <= 1:
         return [model.batch(rows)]
     return [model.batch([r]) for r in rows]
@@ -195,6 +235,8 @@ def run(model: DecodingModel, inputs: Any, *, task: str | None = None, attention
     """Decode every prompt; returns the input kind and per prompt its list of results."""
     opts, prefix = resolve_options(model, task, **options)
     kind, prompts = _normalise_inputs(inputs)
+    if attention_mask is not None and kind != "ids":
+        raise InputError("attention_mask: pass it only with token ids (text prompts make their own)")
     tok = model.tokenizer
     if kind != "ids" or opts.stop:
         tok = need_tokenizer(model, "text input" if kind != "ids" else "stop strings")
@@ -276,6 +318,9 @@ def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind:
 def generate(model: DecodingModel, inputs: Any, *, stream_output: bool = False, task: str | None = None,
              return_details: bool = False, attention_mask: Any = None, **options: Any) -> Any:
     """The public generate(): see `T5Model.generate`."""
+    for name, value in (("stream", stream_output), ("return_details", return_details)):
+        if not isinstance(value, (bool, np.bool_)):  # "no" would be truthy: a silent stream
+            raise InputError(f"{name} must be true or false (a bool), got {value!r:.40}")
     if stream_output:
         if return_details or attention_mask is not None:
             raise InputError("stream=True does not combine with return_details or attention_mask")

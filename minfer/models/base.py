@@ -17,6 +17,7 @@ import numpy as np
 
 from ..backend import Backend
 from ..errors import InputError
+from ..generation.options import is_integer, shown
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
 from ..params.formats import weight_format
@@ -131,7 +132,12 @@ class Model(OwnsWeights, DecodingModel):
 
 def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
              attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (a list of id lists, or a (B, T) array) -> right-padded (B, T) int64 ids + mask."""
+    """Token ids (a list of id lists, or a (B, T) array) -> right-padded (B, T) int64 ids + mask.
+
+    A token id is an int or NumPy integer in 0..vocab_size-1: not a bool, not a float (1.0 is
+    refused, not truncated), not a nested list. Every error is one line naming the row and the
+    position; ranges are checked before any int64 conversion (2**63 would overflow it, a uint64
+    array would wrap). A mask holds only 0 and 1."""
     if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
         ids = np.asarray(inputs)
         if ids.ndim == 1:
@@ -141,36 +147,51 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
                              f"got shape {ids.shape}")
         if not np.issubdtype(ids.dtype, np.integer):
             raise InputError(f"{what}: expected integer token ids, got dtype {ids.dtype}")
+        _check_range(ids, vocab_size, what)
         ids = ids.astype(np.int64)
         mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
         if mask.shape != ids.shape:
             raise InputError(f"attention_mask: shape {mask.shape} does not match {what} {ids.shape}")
+        if mask.dtype != bool and not np.issubdtype(mask.dtype, np.integer):
+            raise InputError(f"attention_mask: expected 0/1 integers or booleans, got dtype {mask.dtype}")
+        if ((mask != 0) & (mask != 1)).any():
+            r, c = np.argwhere((mask != 0) & (mask != 1))[0]
+            raise InputError(f"attention_mask: value {mask[r, c]} at row {r}, position {c} is not 0 or 1")
         mask = mask.astype(np.int64)
     else:
         rows = list(inputs) if isinstance(inputs, (list, tuple)) else None
         if not rows:
-            raise InputError(f"{what}: expected a non-empty list of token-id lists")
-        if all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in rows):
+            got = type(inputs).__name__ if rows is None else "an empty list"
+            raise InputError(f"{what}: expected a non-empty list of token-id lists, got {got}")
+        if all(is_integer(t) for t in rows):
             rows = [rows]  # a single sequence
-        lengths = []
         for r, row in enumerate(rows):
             if not isinstance(row, (list, tuple, np.ndarray)) or len(row) == 0:
-                raise InputError(f"{what}: row {r} is empty or not a list of token ids")
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in row):
-                raise InputError(f"{what}: row {r} holds something other than integer token ids")
-            lengths.append(len(row))
-        ids = np.full((len(rows), max(lengths)), pad_id, np.int64)
+                got = "empty" if isinstance(row, (list, tuple, np.ndarray)) else type(row).__name__
+                raise InputError(f"{what}: row {r} is {got}, expected a non-empty list of token ids")
+            for c, t in enumerate(row):
+                if not is_integer(t):
+                    raise InputError(f"{what}: row {r}, position {c} holds {shown(t)} "
+                                     f"({type(t).__name__}), not an integer token id")
+                if not 0 <= t < vocab_size:
+                    raise InputError(f"{what}: token id {shown(t)} at row {r}, position {c} is "
+                                     f"outside the vocabulary (0..{vocab_size - 1})")
+        if attention_mask is not None:
+            raise InputError("attention_mask: pass it only with an array of token ids")
+        ids = np.full((len(rows), max(len(row) for row in rows)), pad_id, np.int64)
         mask = np.zeros_like(ids)
         for r, row in enumerate(rows):
             ids[r, :len(row)] = row
             mask[r, :len(row)] = 1
-        if attention_mask is not None:
-            raise InputError("attention_mask: pass it only with an array of token ids")
+    if not mask.any(axis=1).all():
+        raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
+    return ids, mask
+
+
+def _check_range(ids: np.ndarray, vocab_size: int, what: str) -> None:
+    """Token ids in 0..vocab_size-1, compared in the array's own dtype (no wrap-around)."""
     bad = (ids < 0) | (ids >= vocab_size)
     if bad.any():
         r, c = np.argwhere(bad)[0]
         raise InputError(f"{what}: token id {ids[r, c]} at row {r}, position {c} is outside the "
                          f"vocabulary (0..{vocab_size - 1})")
-    if not mask.any(axis=1).all():
-        raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
-    return ids, mask

@@ -22,7 +22,7 @@ from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Linear, Tensor, View, WeightTable
-from ..config import ConfigReader
+from ..config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader
 from ..family import Family
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
@@ -85,47 +85,44 @@ class T5Config:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "T5Config":
-        get_int = ConfigReader(cfg, source).get_int
-
-        model_type = cfg.get("model_type", "t5")
+        # Every key goes through the typed reader (models/config.py): wrong types, absurd sizes
+        # and out-of-range ids are one-line ConfigErrors naming the file and the key.
+        read = ConfigReader(cfg, source)
+        model_type = read.get_str("model_type", "t5")
         if model_type not in ("t5", "mt5"):
             raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model (t5, mt5)")
-        proj = cfg.get("feed_forward_proj", "relu")
-        parts = proj.split("-") if isinstance(proj, str) else []
+        proj = read.get_str("feed_forward_proj", "relu")
+        parts = proj.split("-")
         if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or not parts[-1]:
             raise ConfigError(f"{source}: feed_forward_proj {proj!r} is not 'ACT' or 'gated-ACT'")
-        act = "gelu_new" if proj == "gated-gelu" else parts[-1]
-        gated = parts[0] == "gated"
         # HF lets explicit config keys override what feed_forward_proj implies.
-        act = cfg.get("dense_act_fn", act)
-        gated = bool(cfg.get("is_gated_act", gated))
+        act = read.get_str("dense_act_fn", "gelu_new" if proj == "gated-gelu" else parts[-1])
+        gated = read.get_bool("is_gated_act", parts[0] == "gated")
         ops.activation(act)  # unsupported activations fail here, naming themselves
 
-        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-6)
-        eos = cfg.get("eos_token_id", 1)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
-        pad = get_int("pad_token_id", 0, minimum=0)
-        start = cfg.get("decoder_start_token_id")
+        vocab = read.get_int("vocab_size", 32128, maximum=MAX_VOCAB)
+        pad = read.get_id("pad_token_id", 0, vocab)
+        eos_ids = read.get_ids("eos_token_id", 1, vocab)
+        start = read.get_id("decoder_start_token_id", pad, vocab, nullable=True)  # null: pad
         start = pad if start is None else start
-        num_layers = get_int("num_layers", 6)
-        vocab = get_int("vocab_size", 32128)
-        for name, value in (("eos_token_id", eos_ids), ("decoder_start_token_id", (start,))):
-            if not all(isinstance(i, int) and 0 <= i < vocab for i in value):
-                raise ConfigError(f"{source}: '{name}' must be token id(s) below vocab_size {vocab}, "
-                                  f"got {value!r}")
-        num_buckets = get_int("relative_attention_num_buckets", 32, minimum=2)
-        max_distance = get_int("relative_attention_max_distance", 128, minimum=2)
+        num_layers = read.get_int("num_layers", 6, maximum=MAX_COUNT)
+        num_buckets = read.get_int("relative_attention_num_buckets", 32, minimum=2,
+                                   maximum=MAX_COUNT)
+        max_distance = read.get_int("relative_attention_max_distance", 128, minimum=2)
         if max_distance <= num_buckets // 2:
             # the decoder's log(max_distance / max_exact) would be <= 0: the buckets break down
             raise ConfigError(f"{source}: relative_attention_max_distance {max_distance} must exceed "
                               f"num_buckets/2 = {num_buckets // 2}")
         return cls(
-            vocab_size=vocab, d_model=get_int("d_model", 512), d_kv=get_int("d_kv", 64),
-            d_ff=get_int("d_ff", 2048), num_heads=get_int("num_heads", 8), num_layers=num_layers,
-            num_decoder_layers=get_int("num_decoder_layers", num_layers) if cfg.get(
-                "num_decoder_layers") is not None else num_layers,
-            num_buckets=num_buckets, max_distance=max_distance, eps=float(eps), act=act,
-            gated=gated, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            vocab_size=vocab, d_model=read.get_int("d_model", 512, maximum=MAX_WIDTH),
+            d_kv=read.get_int("d_kv", 64, maximum=MAX_WIDTH),
+            d_ff=read.get_int("d_ff", 2048, maximum=MAX_WIDTH),
+            num_heads=read.get_int("num_heads", 8, maximum=MAX_COUNT), num_layers=num_layers,
+            num_decoder_layers=read.get_int("num_decoder_layers", num_layers, maximum=MAX_COUNT,
+                                            nullable=True),  # null: as many as the encoder
+            num_buckets=num_buckets, max_distance=max_distance,
+            eps=read.get_eps("layer_norm_epsilon", 1e-6), act=act, gated=gated,
+            tie_word_embeddings=read.get_bool("tie_word_embeddings", True),
             pad_token_id=pad, eos_token_ids=eos_ids, decoder_start_token_id=start,
             model_type=model_type,
         )

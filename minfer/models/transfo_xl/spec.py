@@ -21,7 +21,7 @@ from ...arena import BufferSet, BufferSpec
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Derived, Linear, Tensor, View, WeightTable
-from ..config import ConfigReader
+from ..config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, ConfigReader, shown
 from ..family import Family
 
 
@@ -87,50 +87,47 @@ class XLConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "XLConfig":
-        get_int = ConfigReader(cfg, source).get_int
-
-        if cfg.get("model_type", "transfo-xl") != "transfo-xl":
-            raise ConfigError(f"{source}: model_type {cfg.get('model_type')!r} is not transfo-xl")
-        if cfg.get("attn_type", 0) != 0:
-            raise ConfigError(f"{source}: attn_type {cfg.get('attn_type')!r} is not supported "
+        # Every key goes through the typed reader (models/config.py): wrong types, absurd sizes
+        # and out-of-range ids are one-line ConfigErrors naming the file and the key.
+        read = ConfigReader(cfg, source)
+        model_type = read.get_str("model_type", "transfo-xl")
+        if model_type != "transfo-xl":
+            raise ConfigError(f"{source}: model_type {model_type!r} is not transfo-xl")
+        attn_type = read.get_int("attn_type", 0, minimum=0, maximum=3)
+        if attn_type != 0:
+            raise ConfigError(f"{source}: attn_type {attn_type!r} is not supported "
                               "(only 0, relative attention, as in every released checkpoint)")
-        vocab = get_int("vocab_size", 267735)
-        cutoffs = cfg.get("cutoffs", [20000, 40000, 200000])
-        if (not isinstance(cutoffs, list) or not all(isinstance(c, int) for c in cutoffs)
-                or list(cutoffs) != sorted(set(cutoffs)) or any(not 0 < c < vocab for c in cutoffs)):
+        vocab = read.get_int("vocab_size", 267735, maximum=MAX_VOCAB)
+        cutoffs = read.get_int_list("cutoffs", [20000, 40000, 200000])
+        if cutoffs != sorted(set(cutoffs)) or any(not 0 < c < vocab for c in cutoffs):
             raise ConfigError(f"{source}: 'cutoffs' must be increasing ids inside the vocabulary "
-                              f"(vocab_size {vocab}), got {cutoffs!r}")
+                              f"(vocab_size {vocab}), got {shown(cutoffs)}")
         n_clusters = len(cutoffs) + 1
-        share = cfg.get("proj_share_all_but_first", True)
-        tie_projs = cfg.get("tie_projs", [False] + [bool(share)] * len(cutoffs))
-        if not isinstance(tie_projs, list) or len(tie_projs) != n_clusters:
-            raise ConfigError(f"{source}: 'tie_projs' must list {n_clusters} booleans, got {tie_projs!r}")
-        eps = ConfigReader(cfg, source).get_eps("layer_norm_epsilon", 1e-5)
-        eos = cfg.get("eos_token_id", 0)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else 0
-        if not isinstance(eos, int) or not 0 <= eos < vocab:
-            raise ConfigError(f"{source}: 'eos_token_id' must be a token id, got {eos!r}")
-        d_model = get_int("d_model", 1024)
+        share = read.get_bool("proj_share_all_but_first", True)
+        tie_projs = read.get_bool_list("tie_projs", [False] + [share] * len(cutoffs), n_clusters)
+        # HF allows a list; <eos> is its first entry (it only pads and prints as a newline here)
+        eos = read.get_ids("eos_token_id", 0, vocab)[0]
+        d_model = read.get_int("d_model", 1024, maximum=MAX_WIDTH)
         if d_model % 2:
             raise ConfigError(f"{source}: 'd_model' must be even (sinusoid halves), got {d_model}")
-        div_val = get_int("div_val", 4)
-        d_embed = get_int("d_embed", d_model)
         # d_embed // div_val**i may reach 0 for the last clusters: HF builds zero-width tables
         # (their tokens embed to zero, their logits are the biases); the math here does the same.
-        clamp = cfg.get("clamp_len", 1000)
-        if isinstance(clamp, bool) or not isinstance(clamp, int):
-            raise ConfigError(f"{source}: 'clamp_len' must be an integer, got {clamp!r}")
+        div_val = read.get_int("div_val", 4, maximum=MAX_WIDTH)
+        d_embed = read.get_int("d_embed", d_model, maximum=MAX_WIDTH)
         return cls(
             vocab_size=vocab, cutoffs=tuple(cutoffs), d_model=d_model, d_embed=d_embed,
-            n_head=get_int("n_head", 16), d_head=get_int("d_head", 64),
-            d_inner=get_int("d_inner", 4096), div_val=div_val, n_layer=get_int("n_layer", 18),
-            mem_len=get_int("mem_len", 1600, minimum=0), clamp_len=clamp,
-            same_length=bool(cfg.get("same_length", True)), pre_lnorm=bool(cfg.get("pre_lnorm", False)),
-            untie_r=bool(cfg.get("untie_r", True)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            tie_projs=tuple(bool(t) for t in tie_projs), eps=float(eps),
-            tgt_len=get_int("tgt_len", 128), eos_token_id=eos,
+            n_head=read.get_int("n_head", 16, maximum=MAX_COUNT),
+            d_head=read.get_int("d_head", 64, maximum=MAX_WIDTH),
+            d_inner=read.get_int("d_inner", 4096, maximum=MAX_WIDTH), div_val=div_val,
+            n_layer=read.get_int("n_layer", 18, maximum=MAX_COUNT),
+            mem_len=read.get_int("mem_len", 1600, minimum=0),
+            # <= 0: positions are not clamped
+            clamp_len=read.get_int("clamp_len", 1000, minimum=-MAX_LENGTH),
+            same_length=read.get_bool("same_length", True),
+            pre_lnorm=read.get_bool("pre_lnorm", False), untie_r=read.get_bool("untie_r", True),
+            tie_word_embeddings=read.get_bool("tie_word_embeddings", True),
+            tie_projs=tuple(tie_projs), eps=read.get_eps("layer_norm_epsilon", 1e-5),
+            tgt_len=read.get_int("tgt_len", 128), eos_token_id=eos,
         )
 
 
