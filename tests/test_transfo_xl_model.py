@@ -224,3 +224,19 @@ def test_target_log_probs_equal_the_full_matrix_at_the_targets(xl_models, case):
     assert len(ends) - 1 == cfg.n_clusters
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     memory.release()
+
+
+@pytest.mark.parametrize("bad,needle", [([3, 4.5, 6], "not an integer"), ([3, True, 6], "not an integer"),
+                                        (["3", 4], "not an integer"), ([3, 10**6], "outside the vocabulary")])
+def test_score_and_sessions_check_their_token_ids(xl_models, bad, needle):
+    model = xl_models("adaptive_div4")
+    with pytest.raises(InputError, match=needle):
+        model.score(bad)
+    with model.session() as s, pytest.raises(InputError, match=needle):
+        s.generate(bad, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("segment_len", [0, -3, 1.5, True, "8"])
+def test_score_refuses_a_bad_segment_length(xl_models, segment_len):
+    with pytest.raises(InputError, match="segment_len must be a positive integer"):
+        xl_models("adaptive_div4").score([3, 4, 5, 6], segment_len=segment_len)

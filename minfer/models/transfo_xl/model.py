@@ -154,13 +154,14 @@ class XLModel(Model):
                 lines.pop()
             ids = [t for line in lines for t in self.tokenizer.encode(line, add_eos=True)]
         else:
-            ids = [int(t) for t in inputs]
+            ids = self.batch([list(inputs)])[0][0].tolist()  # one row of ids, each checked
         if len(ids) < 2:
             raise InputError("score: need at least 2 tokens (the first one is only context)")
         arr, _ = self.batch([ids])
-        T = segment_len or self.config.tgt_len
-        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        T = self.config.tgt_len if segment_len is None else segment_len
+        if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
             raise InputError(f"segment_len must be a positive integer, got {segment_len!r}")
+        T = int(T)
         own = memory is None
         memory = self.new_memory(1) if own else memory
         if memory.released or memory.batch != 1:
@@ -245,7 +246,7 @@ class XLSession:
             new = (need_tokenizer(model, "text input").encode(prompt, add_eos=False)
                    if prompt.strip() else [])
         else:
-            new = [int(t) for t in prompt]
+            new = model.batch([list(prompt)])[0][0].tolist() if len(prompt) else []  # checked
         ids = ([self.last_token] if self.last_token is not None else []) + new
         if not ids:
             raise InputError("session: nothing to continue from: give a prompt")
