@@ -94,13 +94,15 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
     try:
         tensors, copied = _write(ckpt, out, dtype, written)
         size = (out / "model.safetensors").stat().st_size
-    except OSError as e:   # ENOSPC, EROFS, EACCES, EDQUOT...: say where, leave nothing behind
+    except BaseException as e:   # a bad tensor, a full disk, Ctrl-C: leave nothing behind
         for path in written:
             with contextlib.suppress(OSError):   # it may never have been created
                 path.unlink()
         if created:
             shutil.rmtree(out, ignore_errors=True)
-        where = e.filename or (written[-1] if written else out)
+        if not isinstance(e, OSError):
+            raise
+        where = e.filename or (written[-1] if written else out)   # ENOSPC, EROFS, EACCES...
         raise ConfigError(f"convert: cannot write {where}: {e.strerror or e}") from None
     return {"tensors": tensors, "bytes": size, "copied": copied, "output": str(out)}
 

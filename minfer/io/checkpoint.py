@@ -95,7 +95,7 @@ class Checkpoint:
                                       f"than the {MAX_TENSORS} a checkpoint may hold")
             shards: dict[str, None] = {}     # in order of first use
             for tensor, shard in weight_map.items():
-                if shard not in shards:
+                if not isinstance(shard, str) or shard not in shards:
                     if (not isinstance(shard, str) or Path(shard).name != shard
                             or not shard.endswith(".safetensors") or len(shard) > 255):
                         raise CheckpointError(f"{index}: tensor '{quoted(tensor)}' maps to "

@@ -896,9 +896,11 @@ def load_pickled_vocab(path: str | os.PathLike) -> dict[str, Any]:
                               "for a pickled vocabulary")
         try:
             with open(path, "rb") as f:
-                data = f.read(MAX_PICKLE_BYTES + 1)
+                data = f.read(size)
         except OSError as e:
             raise reader.fail(f"cannot read: {e.strerror or e}") from None
+        if len(data) != size:
+            raise reader.fail(f"changed size while being read ({len(data)} of {size} bytes)")
         obj, pos = reader.unpickle(data, 0, failure="not a pickled vocabulary")
         if _is_int(obj) and obj == TORCH_MAGIC:     # torch.save's legacy format
             obj = _read_legacy_rest(reader, data, pos, persistent=False)
