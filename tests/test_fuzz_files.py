@@ -464,3 +464,36 @@ def test_healthy_values_pass_and_large_legit_ones_too(tmp_path):
     assert Checkpoint(tmp_path).read("w", np.float16).dtype == np.float16   # fits in float16
 
 
+
+
+def test_zip_member_count_is_checked_before_zipfile_reads_the_directory(tmp_path):
+    # an end record claiming 10^6 members (zipfile would build ~500 bytes per member first)
+    for count_field, zip64 in [(60000, None), (0xFFFF, 10 ** 6)]:
+        body = b"PK\x03\x04" + bytes(26)
+        tail = b""
+        if zip64:
+            tail = (struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, zip64, zip64, 0, 0)
+                    + struct.pack("<4sIQI", b"PK\x06\x07", 0, len(body), 1))
+        path = tmp_path / "pytorch_model.bin"
+        path.write_bytes(body + tail + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, count_field,
+                                                   count_field, 0, 0, 0))
+        expected = zip64 or count_field
+        if expected <= MAX_TENSORS:
+            with pytest.raises(CheckpointError) as err:      # zipfile's own complaint, one line
+                TorchFile(path)
+            one_line(err, path)
+            continue
+        with Bounded(peak=1 * MiB), pytest.raises(CheckpointError) as err:
+            TorchFile(path)
+        one_line(err, path, f"zip archive of {expected} members")
+
+
+def test_legacy_storage_keys_listed_twice(tmp_path):
+    path = write_legacy(tmp_path / "l.bin", {"w": tensor(storage("0", "FloatStorage", 2, True),
+                                                          0, (2,), (1,))},
+                        {"0": (2, bytes(8))})
+    data = path.read_bytes().replace(dumps(["0"]), dumps(["0", "0"]))
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as err:
+        TorchFile(path)
+    one_line(err, path, "malformed storage key list")

@@ -133,7 +133,8 @@ class SafetensorsFile:
                              f"the data section ({data_size} bytes): file truncated or header corrupt")
         itemsize = STORAGE[code].itemsize
         if math.prod(max(d, 1) for d in shape) * itemsize > MAX_ARRAY_BYTES:
-            raise self._fail(f"tensor '{quoted(name)}': shape {shape} is too large for an array")
+            raise self._fail(f"tensor '{quoted(name)}': shape {quoted(repr(shape), 80)} is too "
+                             "large for an array")
         expected = math.prod(shape) * itemsize
         if end - begin != expected:
             raise self._fail(f"tensor '{quoted(name)}': {end - begin} bytes of data for shape "

@@ -66,7 +66,11 @@ _short.maxlevel, _short.maxstring, _short.maxother = 3, 40, 40
 
 
 def _repr(value: Any, limit: int = 80) -> str:
-    return _quoted(_short.repr(value), limit)
+    try:
+        text = _short.repr(value)
+    except Exception:   # an int past Python's 4300-digit conversion limit, a failing __repr__
+        text = f"<{type(value).__name__}>"
+    return _quoted(text, limit)
 
 
 # -- what tensor pickles may build --------------------------------------------------------------
@@ -495,9 +499,31 @@ def _sniff(path: Path, reader: _Reader) -> tuple[str, int]:
 
 
 # -- zip files ----------------------------------------------------------------------------------
+def _zip_entries(path: Path, size: int) -> int | None:
+    """The member count a zip's end record declares (zip64 too), read before zipfile builds an
+    object (~500 bytes) per member; None if there is no readable record (zipfile then says why)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, size - 65557))                  # the record and a comment of up to 64 KiB
+        tail = f.read()
+        at = tail.rfind(b"PK\x05\x06")
+        if at < 0 or len(tail) < at + 22:
+            return None
+        count = struct.unpack("<H", tail[at + 10:at + 12])[0]
+        if count == 0xFFFF and at >= 20 and tail[at - 20:at - 16] == b"PK\x06\x07":
+            f.seek(struct.unpack("<Q", tail[at - 12:at - 4])[0])
+            record = f.read(40)
+            if len(record) == 40 and record[:4] == b"PK\x06\x06":
+                count = struct.unpack("<Q", record[32:40])[0]
+        return count
+
+
 def _read_zip(reader: _Reader, size: int) -> tuple[Any, str]:
     """The object of a torch zip file, its storages located; and its byte order."""
     try:
+        count = _zip_entries(reader.path, size)
+        if count is not None and count > MAX_TENSORS + 64:    # storages, data.pkl, version...
+            raise reader.fail(f"zip archive of {count} members, more than a checkpoint of at "
+                              f"most {MAX_TENSORS} tensors has")
         with zipfile.ZipFile(reader.path) as z:
             infos = {i.filename: i for i in z.infolist()}
             pickles = [n for n in infos if n == "data.pkl" or n.endswith("/data.pkl")
@@ -598,7 +624,8 @@ def _read_legacy_rest(reader: _Reader, buf, pos: int, persistent: bool) -> Any:
     _, pos = reader.unpickle(buf, pos)                     # sys info: sizes of C types, unused
     obj, pos = reader.unpickle(buf, pos, _legacy_persistent(reader) if persistent else None)
     keys, pos = reader.unpickle(buf, pos)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+    if (not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
+            or len(set(keys)) != len(keys)):
         raise reader.fail("malformed storage key list")
     roots = {k: s for k, s in reader.storages.items() if s.root is None}
     missing = sorted(set(roots) - set(keys))
@@ -853,7 +880,8 @@ def _vocab_entries(reader: _Reader, obj: dict) -> dict[str, Any]:
             if children is None:                                 # first visit
                 depth = done[id(node)][0] if id(node) in done else 1
                 if level + depth - 1 > MAX_NESTING:
-                    raise reader.fail(f"entry '{_quoted(str(key))}' nests deeper than "
+                    name = _quoted(key) if isinstance(key, str) else _repr(key)
+                    raise reader.fail(f"entry '{name}' nests deeper than "
                                       f"{MAX_NESTING} levels")
                 if id(node) in done:
                     continue
