@@ -36,9 +36,11 @@ def available_memory() -> tuple[int, str] | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        limit = open("/sys/fs/cgroup/memory.max", "rb").read().strip()
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            limit = f.read().strip()
         if limit != b"max":
-            room = int(limit) - int(open("/sys/fs/cgroup/memory.current", "rb").read())
+            with open("/sys/fs/cgroup/memory.current", "rb") as f:
+                room = int(limit) - int(f.read())
             if found is None or room < found[0]:
                 found = (max(room, 0), "room under the cgroup's memory.max")
     except (OSError, ValueError):
