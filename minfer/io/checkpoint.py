@@ -196,8 +196,8 @@ def check_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
     tensor, `first_row` being the first row read) if float `values` hold NaN, inf, or magnitudes
     above MAX_ABS_WEIGHT (float16 cannot: there only NaN/inf). One pass over the bits: a float's
     magnitude bits order like unsigned integers, infinities above every finite value and NaNs
-    above them, so the largest masked word says it all; ~0.8 ms per 10 MB (a memory-bound pass), no allocation beyond a
-    cache-sized scratch. Only a failing tensor is searched for the element to name."""
+    above them, so the largest masked word says it all: ~0.8 ms per 10 MB (memory-bound), no
+    allocation beyond a cache-sized scratch. Only a failing tensor is searched for the element."""
     if values.size == 0 or values.dtype.kind != "f":
         return
     limit = min(MAX_ABS_WEIGHT, float(np.finfo(values.dtype).max))
