@@ -296,6 +296,7 @@ def test_index_claims(tmp_path):
            ({"a": "config.json"}, "not a file name inside"),
            ({"a": "x" * 300 + ".safetensors"}, "not a file name inside"),
            ({"a": ["s.safetensors"]}, "not a file name inside"),
+           ({"n" * 5000: "s.safetensors"}, "of 5000 characters"),
            ({f"t{i}": f"s{i}.safetensors" for i in range(1000)}, "s0.safetensors is missing")]
     for weight_map, needle in bad:
         index.write_text(json.dumps({"weight_map": weight_map}))
@@ -497,3 +498,13 @@ def test_legacy_storage_keys_listed_twice(tmp_path):
     with pytest.raises(CheckpointError) as err:
         TorchFile(path)
     one_line(err, path, "malformed storage key list")
+
+
+@pytest.mark.parametrize("key", ["n" * 5000, 7, ("a", "b")])
+def test_state_dict_keys_must_be_tensor_names(tmp_path, key):
+    st = storage("0", "FloatStorage", 2)
+    data = dumps(state_dict({key: tensor(st, 0, (2,), (1,))}))
+    path = write_zip(tmp_path / "w.bin", None, {"0": bytes(8)}, data_pkl=data)
+    with pytest.raises(CheckpointError) as err:
+        TorchFile(path)
+    one_line(err, path, "is not a tensor name")

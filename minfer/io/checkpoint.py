@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params.formats import SCALE_SUFFIX, dequantize_int8
-from .limits import MAX_TENSORS, quoted, read_json_text
+from .limits import MAX_NAME_CHARS, MAX_TENSORS, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
 from .torch_pickle import TorchFile
@@ -95,6 +95,9 @@ class Checkpoint:
                                       f"than the {MAX_TENSORS} a checkpoint may hold")
             shards: dict[str, None] = {}     # in order of first use
             for tensor, shard in weight_map.items():
+                if len(tensor) > MAX_NAME_CHARS:
+                    raise CheckpointError(f"{index}: tensor name '{quoted(tensor)}' of "
+                                          f"{len(tensor)} characters (at most {MAX_NAME_CHARS})")
                 if not isinstance(shard, str) or shard not in shards:
                     if (not isinstance(shard, str) or Path(shard).name != shard
                             or not shard.endswith(".safetensors") or len(shard) > 255):

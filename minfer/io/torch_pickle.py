@@ -47,7 +47,8 @@ import _compat_pickle
 import numpy as np
 
 from ..errors import CheckpointError, TokenizerError
-from .limits import MAX_ARRAY_BYTES, MAX_NESTING, MAX_RANK, MAX_TENSORS, first_line, quoted
+from .limits import (MAX_ARRAY_BYTES, MAX_NAME_CHARS, MAX_NESTING, MAX_RANK, MAX_TENSORS,
+                     first_line, quoted)
 from .tensors import STORAGE, TensorInfo, bf16_to_float32
 
 TORCH_MAGIC = 0x1950A86A20F9469CFC6C
@@ -762,8 +763,9 @@ class TorchFile:
             raise reader.fail(f"holds {len(obj)} entries, more than the {MAX_TENSORS} tensors a "
                               "file may hold")
         for name, t in obj.items():
-            if not isinstance(name, str):
-                raise reader.fail(f"state dict key {_repr(name, 60)} is not a string")
+            if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+                raise reader.fail(f"state dict key {_repr(name, 60)} is not a tensor name (a "
+                                  f"string of at most {MAX_NAME_CHARS} characters)")
             if not isinstance(t, _Tensor):
                 raise reader.fail(f"entry '{_quoted(name)}' is a {type(t).__name__}, not a tensor")
             st, itemsize = t.storage, STORAGE[t.storage.code].itemsize
