@@ -406,8 +406,8 @@ def save_raw(folder: Path, name: str, code: str, shape, data: bytes) -> Path:
 BAD_VALUES = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf, "huge": 3e35}
 
 
-@pytest.mark.parametrize("code", ["F32", "F16", "BF16", "F64"])
-@pytest.mark.parametrize("bad", list(BAD_VALUES))
+@pytest.mark.parametrize("code,bad", [(c, b) for c in ("F32", "F16", "BF16", "F64")
+                                      for b in BAD_VALUES if (c, b) != ("F16", "huge")])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_non_finite_or_absurd_values_are_named_with_their_index(tmp_path, code, bad, seed):
     rng = np.random.default_rng(seed)
@@ -415,8 +415,6 @@ def test_non_finite_or_absurd_values_are_named_with_their_index(tmp_path, code, 
     values = (rng.standard_normal(shape) * 0.05).astype(np.float32)
     where = tuple(int(rng.integers(0, n)) for n in shape)
     values[where] = BAD_VALUES[bad]
-    if code == "F16" and bad == "huge":
-        pytest.skip("float16 cannot hold it")
     stored = {"F32": lambda v: v.astype("<f4").tobytes(), "F64": lambda v: v.astype("<f8").tobytes(),
               "F16": lambda v: v.astype("<f2").tobytes(),
               "BF16": lambda v: (v.view(np.uint32) >> 16).astype("<u2").tobytes()}[code](values)
