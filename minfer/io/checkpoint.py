@@ -50,7 +50,7 @@ class Checkpoint:
         # every page it touched counted as the process's memory next to the converted copies
         # (twice the weights at the peak). True maps instead (tests of the mapped path).
         self.use_mmap = False
-        # Every read checks its values (`check_values`): NaN, inf or absurd magnitudes would
+        # Every read checks its values (`check_weight_values`): NaN, inf or absurd magnitudes would
         # otherwise load silently and generate garbage. False skips it (a file known good).
         self.check_values = True
         self._scales = self._find_int8_scales()
@@ -147,7 +147,7 @@ class Checkpoint:
         """The tensor (or rows [a, b) of its first axis) converted to `dtype`: a fresh host
         array, C-contiguous. Reading by rows bounds the memory a large embedding needs. Unless
         `check` (default: `self.check_values`) is False, its values are checked as read
-        (`check_values`)."""
+        (`check_weight_values`)."""
         f = self._where.get(name)
         if f is None:
             raise CheckpointError(f"{self.folder}: tensor '{quoted(name)}' is missing")
@@ -179,7 +179,7 @@ class Checkpoint:
                 raise CheckpointError(f"{info.file}: cannot read tensor '{quoted(name)}': "
                                       f"{e}") from None
         if self.check_values if check is None else check:
-            check_values(out, f"{info.file}: tensor '{quoted(name)}'", rows[0] if rows else 0)
+            check_weight_values(out, f"{info.file}: tensor '{quoted(name)}'", rows[0] if rows else 0)
         return out
 
     def stored_dtypes(self) -> set[str]:
@@ -194,7 +194,7 @@ _CHECK_CHUNK = 1 << 18   # elements: a scratch of 0.5-2 MiB, about the size of a
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def check_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
+def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
     """Raise a CheckpointError naming `what` and the first bad element (its index in the whole
     tensor, `first_row` being the first row read) if float `values` hold NaN, inf, or magnitudes
     above MAX_ABS_WEIGHT (float16 cannot: there only NaN/inf). One pass over the bits: a float's
