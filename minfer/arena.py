@@ -55,10 +55,23 @@ def parse_bytes(value: int | str, option: str = "memory size") -> int:
 
 
 def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size in (("EiB", 1024**6), ("PiB", 1024**5), ("TiB", 1024**4), ("GiB", 1024**3),
+                       ("MiB", 1024**2), ("KiB", 1024)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
+
+
+def describe_names(names: list[str], limit: int = 100) -> str:
+    """'a, b and 3 more': whole names, as many as fit in about `limit` characters (a name is
+    never cut in the middle, so no stray separator is left at the cut)."""
+    shown: list[str] = []
+    for name in names:
+        if shown and sum(len(n) + 2 for n in shown) + len(name) > limit:
+            break
+        shown.append(name if len(name) <= limit else name[:limit] + "...")
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {rest} more" if rest else "")
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -98,7 +111,12 @@ class Arena:
         self.capacity = parse_bytes(capacity, f"arena '{name}' capacity")
         self.name = name
         self.alignment = alignment
-        self._raw = xp.empty(self.capacity + alignment, dtype=xp.uint8)
+        try:
+            self._raw = xp.empty(self.capacity + alignment, dtype=xp.uint8)
+        except MemoryError:  # NumPy's (or CuPy's OutOfMemoryError) multi-line message, as one line
+            raise ConfigError(f"arena '{name}': cannot reserve {format_bytes(self.capacity)} "
+                              f"({self.capacity} bytes): out of memory (lower the workspace or "
+                              "memory_limit)") from None
         skip = (-_address(self._raw)) % alignment
         self._buf = self._raw[skip: skip + self.capacity]
         self._top = 0
@@ -133,7 +151,7 @@ class Arena:
         available = self.capacity - align_up(self._top, self.alignment)
         if need > available:
             raise ArenaExhausted(self.name, need, max(0, available), self.capacity,
-                                 ", ".join(specs)[:120])
+                                 describe_names(list(specs)))
         return {name: self.alloc(shape, dtype, name) for name, (shape, dtype) in specs.items()}
 
     # -- release ----------------------------------------------------------------------------------

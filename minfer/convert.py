@@ -1,18 +1,27 @@
-"""`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, to another
-float dtype, or with int8 layer matrices), copying config, generation config and tokenizer files
-alongside. An int8 file stores each matrix that feeds a linear slot (the family's weight table
-says which: layers, heads, embeddings) as I8 (out, in) beside `W_scale` (F32, one scale per
-output channel, i.e. per row); `Checkpoint.read` dequantises it, so every loader reads it, and a
-model loaded as int8 takes the stored bytes as they are.
+"""`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, or in another
+weight format: float32, float16, bfloat16, or int8 matrices), copying config, generation config
+and tokenizer files alongside. An int8 file stores each matrix that feeds a linear slot (the
+family's weight table says which: layers, heads, embeddings) as I8 (out, in) beside `W_scale`
+(F32, one scale per output channel, i.e. per row), the other tensors as float32;
+`Checkpoint.read` dequantises it, so every loader reads it, and a model loaded in the file's own
+format (what `dtype=None` or "auto" picks) takes the stored bytes as they are.
 
 Reading goes through `io.checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
-code); writing uses the `safetensors` package. Tensors are converted one at a time, but the
-writer needs them all in memory at once: fine for the checkpoints this targets.
+code, and every tensor's values are checked as read). The safetensors file is written as it goes:
+its header is computed first from the source's tensor shapes (the format needs every size up
+front), then each tensor is read, converted and appended, so at most one tensor (and its
+quantised copy) is in memory at a time and a model larger than RAM converts. Problems with the
+output (a read-only folder, a full disk, a parent that is a file) are one-line ConfigErrors naming
+the path; what was written before the failure is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -20,44 +29,113 @@ import numpy as np
 
 from .errors import ConfigError
 from .io.checkpoint import Checkpoint
+from .io.tensors import STORAGE
 from .models.registry import family_of
-from .params.formats import SCALE_SUFFIX, quantize_int8
+from .params.formats import SCALE_SUFFIX, quantize_int8, to_bfloat16_bits
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "spiece.model", "vocab.json", "vocab.txt")
-_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.float32}
+# dtype -> the safetensors dtype of every tensor that is not an int8 matrix
+_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "F32"}
+
+
+def _float_data(w: np.ndarray, code: str) -> np.ndarray:
+    """A float32 tensor in the stored dtype `code` (bfloat16 as its rounded uint16 bits)."""
+    return to_bfloat16_bits(w) if code == "BF16" else w.astype(STORAGE[code], copy=False)
+
+
+def _plan(ckpt: Checkpoint, dtype: str, linear: set[str]
+          ) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor the output holds, in file order: the
+    float tensors first (one dtype: all aligned), then each int8 matrix's F32 scales followed by
+    the matrix (the scales stay 4-byte aligned when the matrices' sizes are multiples of 4, as in
+    every real model; safetensors allows unaligned data, it only costs a copy on read)."""
+    code = _CODES[dtype]
+    floats, matrices = [], []
+    for name in ckpt.names():
+        shape = ckpt.info(name).shape
+        if name in linear:
+            matrices += [(name + SCALE_SUFFIX, "F32", shape[:1]), (name, "I8", shape)]
+        else:
+            floats.append((name, code, shape))
+    return floats + matrices
+
+
+def _header(plan: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and the JSON header, padded with spaces to a multiple of 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name, code, shape in plan:
+        size = math.prod(shape) * STORAGE[code].itemsize
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [at, at + size]}
+        at += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
 
 
 def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> dict[str, Any]:
     """Write `output`/model.safetensors (+ copied side files). Returns a summary dict."""
-    from safetensors.numpy import save_file
-    if dtype not in _DTYPES:
-        raise ConfigError(f"convert: dtype {dtype!r} is not supported (supported: {', '.join(_DTYPES)})")
+    if dtype not in _CODES:
+        raise ConfigError(f"convert: dtype {dtype!r} is not supported (supported: {', '.join(_CODES)})")
     ckpt = Checkpoint(source)
     out = Path(output)
     if out.resolve() == Path(source).resolve():
         raise ConfigError(f"convert: output folder {out} is the source folder")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"convert: output folder {out} exists and is not empty")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"convert: output {out} exists and is not an empty folder")
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"convert: cannot create the output folder {out}: "
+                          f"{e.strerror or e}") from None
+    written: list[Path] = []   # files created so far, the last one being written
+    try:
+        tensors, copied = _write(ckpt, out, dtype, written)
+        size = (out / "model.safetensors").stat().st_size
+    except BaseException as e:   # a bad tensor, a full disk, Ctrl-C: leave nothing behind
+        for path in written:
+            with contextlib.suppress(OSError):   # it may never have been created
+                path.unlink()
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if not isinstance(e, OSError):
+            raise
+        where = e.filename or (written[-1] if written else out)   # ENOSPC, EROFS, EACCES...
+        raise ConfigError(f"convert: cannot write {where}: {e.strerror or e}") from None
+    return {"tensors": tensors, "bytes": size, "copied": copied, "output": str(out)}
+
+
+def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tuple[int, list[str]]:
+    """Write model.safetensors and the side files; returns the tensor count and the copied."""
     linear: set[str] = set()  # tensors that feed a linear slot: the ones int8 quantises
     if dtype == "int8":
         spec = family_of(ckpt.config, str(ckpt.folder / "config.json")).spec
         config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
         linear = spec.weight_table(config).linear_sources()
-    tensors = {}
-    for name in ckpt.names():
-        w = ckpt.read(name, _DTYPES[dtype])
-        if name in linear:
-            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_int8(w)
-        else:
-            tensors[name] = w
-    save_file(tensors, str(out / "model.safetensors"),
-              metadata={"format": "pt", **({"minfer.quantization": "int8 per output channel"}
-                                           if dtype == "int8" else {})})
+    plan = _plan(ckpt, dtype, linear)
+    metadata = {"format": "pt", **({"minfer.quantization": "int8 per output channel"}
+                                   if dtype == "int8" else {})}
+    path = out / "model.safetensors"
+    written.append(path)
+    with open(path, "wb") as f:
+        f.write(_header(plan, metadata))
+        pending = None                         # an int8 matrix whose scales were just written
+        for name, code, shape in plan:
+            if code == "I8":
+                data, pending = pending, None
+            elif name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in linear:
+                pending, data = quantize_int8(ckpt.read(name[:-len(SCALE_SUFFIX)], np.float32))
+            else:
+                data = _float_data(ckpt.read(name, np.float32), code)
+            data = np.ascontiguousarray(data, dtype=STORAGE[code])  # little-endian, as declared
+            assert data.shape == shape, (name, data.shape, shape)
+            f.write(data.reshape(-1).view(np.uint8))
     copied = []
     for name in COPY_FILES:
         if (ckpt.folder / name).is_file():
+            written.append(out / name)
             shutil.copy(ckpt.folder / name, out / name)
             copied.append(name)
     vocab_pickles = [n for n in ("vocab.pkl", "vocab.bin") if (ckpt.folder / n).is_file()]
@@ -65,7 +143,7 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
         from .tokenizer import load_tokenizer  # a word vocabulary: rewrite it without pickle
         tok = load_tokenizer(ckpt.folder)
         symbols = [tok.id_to_token(i) for i in range(tok.vocab_size)]
+        written.append(out / "vocab.txt")
         (out / "vocab.txt").write_text("".join(s + "\n" for s in symbols), encoding="utf-8")
         copied.append("vocab.txt (from " + vocab_pickles[0] + ")")
-    return {"tensors": len(tensors), "bytes": (out / "model.safetensors").stat().st_size,
-            "copied": copied, "output": str(out)}
+    return len(plan), copied

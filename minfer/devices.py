@@ -7,17 +7,62 @@ factory imports `cuda.py`, lazily, only when a CUDA device is asked for: no impo
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
 
-from .arena import Arena, parse_bytes
+from .arena import Arena, format_bytes, parse_bytes
 from .backend import Backend, resolve_dtype
 from .errors import ConfigError
 
 log = logging.getLogger("minfer")
 
 DEFAULT_WORKSPACE = "1GiB"  # virtual until touched: NumPy's large allocations are lazily paged in
+
+
+def available_memory() -> tuple[int, str] | None:
+    """Bytes this process can still fill, and where that figure comes from; None if unknown.
+
+    Linux: MemAvailable of /proc/meminfo (free memory plus what the kernel can reclaim), lowered
+    to the room left under a cgroup v2 limit (containers); elsewhere the free physical pages."""
+    found = None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    found = (int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            limit = f.read().strip()
+        if limit != b"max":
+            with open("/sys/fs/cgroup/memory.current", "rb") as f:
+                room = int(limit) - int(f.read())
+            if found is None or room < found[0]:
+                found = (max(room, 0), "room under the cgroup's memory.max")
+    except (OSError, ValueError):
+        pass
+    if found is None:
+        try:
+            found = (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free pages")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return found
+
+
+def _check_fits(option: str, size: int) -> None:
+    """A host arena of `size` bytes, asked for by `option`, must fit in the machine's available
+    memory. NumPy reserves it virtually and the pages arrive as they are first touched, so an
+    arena larger than what is available is not refused at creation (unless larger than RAM plus
+    swap) but ends in an out-of-memory kill mid-run: that is what the budget exists to prevent.
+    Checked up front instead, without touching the pages (which would cost the whole size)."""
+    avail = available_memory()
+    if avail is not None and size > avail[0]:
+        raise ConfigError(f"{option} {format_bytes(size)} ({size} bytes) exceeds the memory "
+                          f"available on this machine: {format_bytes(avail[0])} ({avail[1]})")
 
 
 def cuda_available() -> bool:
@@ -60,6 +105,11 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
     compute, weight_format = resolve_dtype("cpu", dtype)
     if limit is not None and reserve is not None and reserve > limit:
         raise ConfigError(f"workspace {reserve} bytes exceeds memory_limit {limit} bytes")
+    if limit is not None:
+        _check_fits("memory_limit", limit)
+    elif reserve is not None:
+        _check_fits("workspace", reserve)
+    # (the default workspace is not checked: it is only address space until a run touches it)
     capacity = limit if limit is not None else (reserve if reserve is not None
                                                 else parse_bytes(DEFAULT_WORKSPACE))
     return Backend(xp=np, device=name, arena=Arena(capacity, np, name="cpu"), dtype=compute,

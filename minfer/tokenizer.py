@@ -56,7 +56,6 @@ join to exactly `decode(all ids)`.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import re
@@ -65,6 +64,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import InputError, TokenizerError
+from .io.limits import read_json_text
 
 SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
 # What transformers' tokenizers call their special tokens, in the order it adds missing ones.
@@ -89,14 +89,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _read_json_text(path: Path) -> tuple[Any, str]:
-    """A JSON file, parsed, and its text."""
-    try:
-        text = path.read_text(encoding="utf-8")
-        return json.loads(text), text
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({_first_line(e)})") from None
+    """A JSON file, parsed, and its text; size, nesting and number lengths bounded first (a
+    deeply nested or huge tokenizer.json is a one-line TokenizerError, not a RecursionError)."""
+    return read_json_text(path, TokenizerError)
 
 
 def _read_object(path: Path) -> dict[str, Any]:
@@ -184,8 +179,8 @@ def _is_t5_class(folder: Path, config: dict[str, Any]) -> bool:
     if isinstance(name, str):
         return name in _T5_CLASSES
     try:
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        model_type = read_json_text(folder / "config.json", TokenizerError)[0].get("model_type")
+    except (TokenizerError, AttributeError):
         return False
     return model_type in _T5_MODEL_TYPES
 

@@ -120,3 +120,35 @@ def test_holds_outlive_scopes_and_release_in_any_order():
     c.release()
     c.release()                      # idempotent
     assert arena.used == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exhaustion_names_whole_buffers_without_stray_separators(seed):
+    """Names of every length, cut anywhere: the message lists whole names and 'and N more'."""
+    rng = np.random.default_rng(seed)
+    names = [f"buf_{'x' * int(rng.integers(0, 60))}_{i}" for i in range(int(rng.integers(1, 30)))]
+    specs = {name: ((64,), np.float32) for name in names}
+    with pytest.raises(ArenaExhausted) as err:
+        Arena(256, name="t").alloc_many(specs)
+    msg = str(err.value)
+    assert ", :" not in msg and ",:" not in msg and "\n" not in msg
+    label = msg.split(" for ", 1)[1].split(": ", 1)[0]
+    shown = label.split(" and ")[0].split(", ")
+    assert all(name in names for name in shown), (shown, names)
+    more = len(names) - len(shown)
+    assert (f" and {more} more" in label) == (more > 0), label
+    assert len(label) < 200
+
+
+def test_describe_names_cuts_one_giant_name():
+    from minfer.arena import describe_names
+    assert describe_names(["a", "b"]) == "a, b"
+    assert describe_names(["q" * 500]) == "q" * 100 + "..."
+    assert describe_names(["q" * 500, "r"]) == "q" * 100 + "... and 1 more"
+
+
+def test_an_arena_the_machine_cannot_back_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        Arena(1 << 62, name="cpu")      # NumPy's MemoryError, multi-line, becomes one line
+    msg = str(err.value)
+    assert "arena 'cpu'" in msg and str(1 << 62) in msg and "\n" not in msg

@@ -1,4 +1,6 @@
 """`minfer convert` (convert.py): pytorch_model.bin to safetensors, and int8 files."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import XL_FIXTURES, load_xl_reference, needs_xl_fixtures, rel_err
@@ -63,3 +65,94 @@ def test_int8_scale_with_a_wrong_shape_is_a_clear_error(folder, tmp_path):
               str(out / "model.safetensors"))
     with pytest.raises(minfer.CheckpointError, match=r"q\.weight_scale.*shape \[4\]"):
         Checkpoint(out)
+
+
+def test_converted_file_is_standard_safetensors_equal_to_the_source(folder, tmp_path):
+    """Written as it goes, the file still reads with the safetensors package, tensor for tensor."""
+    from safetensors.numpy import load_file
+
+    from minfer.convert import convert
+    from minfer.io.checkpoint import Checkpoint
+    src = Checkpoint(folder)
+    for dtype, np_dtype in [("float32", np.float32), ("float16", np.float16)]:
+        convert(folder, tmp_path / dtype, dtype=dtype)
+        got = load_file(str(tmp_path / dtype / "model.safetensors"))
+        assert sorted(got) == sorted(src.names())
+        for name in src.names():
+            np.testing.assert_array_equal(got[name], src.read(name, np_dtype))
+    convert(folder, tmp_path / "q8", dtype="int8")
+    q = load_file(str(tmp_path / "q8" / "model.safetensors"))
+    ints = [n for n, a in q.items() if a.dtype == np.int8]
+    assert ints and all(q[n + "_scale"].shape == q[n].shape[:1] for n in ints)
+
+
+def test_output_problems_are_one_line_errors_naming_the_path(folder, tmp_path, monkeypatch):
+    import errno
+
+    import minfer.convert as conv
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "old").write_text("x")
+    for output, needle in [(a_file / "out", "cannot create the output folder"),
+                           (a_file, "exists and is not an empty folder"),
+                           (tmp_path / "full", "exists and is not an empty folder"),
+                           (Path("/proc/minfer-test/out"), "cannot create the output folder")]:
+        with pytest.raises(minfer.ConfigError) as err:
+            conv.convert(folder, output)
+        assert str(output) in str(err.value) and needle in str(err.value)
+        assert "\n" not in str(err.value)
+
+    # a full disk / read-only folder, midway: the error names the file, nothing is left behind
+    real_open = open
+
+    def failing_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" not in mode:
+            return f
+
+        class Full:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                f.close()
+
+            def write(self, data):
+                if f.tell() > 4096:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return f.write(data)
+        return Full()
+
+    for fail, needle in [(failing_open, "No space left on device")]:
+        monkeypatch.setattr(conv, "open", fail, raising=False)
+        with pytest.raises(minfer.ConfigError) as err:
+            conv.convert(folder, tmp_path / "new" / "out")
+        assert str(err.value) == (f"convert: cannot write {tmp_path / 'new' / 'out' / 'model.safetensors'}: "
+                                  f"{needle}")
+        assert not (tmp_path / "new" / "out").exists()
+    monkeypatch.undo()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "ro"))
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(minfer.ConfigError, match="cannot create the output folder .*ro: Read-only file system"):
+        conv.convert(folder, tmp_path / "ro")
+
+
+def test_convert_refuses_a_source_with_bad_values(folder, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from minfer.convert import convert
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = sorted(tensors)[3]
+    tensors[name] = tensors[name].copy()
+    tensors[name].reshape(-1)[5] = np.nan
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(minfer.CheckpointError, match=f"tensor '{name}' holds NaN"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -30,3 +30,23 @@ def test_load_rejects_bad_options(tmp_path):
         minfer.load(folder, colour="red")
     with pytest.raises(minfer.errors.ModelNotFoundError, match="no such folder"):
         minfer.load(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("option", ["memory_limit", "workspace"])
+def test_a_budget_beyond_the_machine_is_a_config_error(monkeypatch, option):
+    import minfer.devices as devices
+    monkeypatch.setattr(devices, "available_memory", lambda: (3 << 30, "MemAvailable in /proc/meminfo"))
+    with pytest.raises(ConfigError) as err:
+        make_backend("cpu", **{option: "4GiB"})
+    msg = str(err.value)
+    assert msg.startswith(f"{option} 4.00 GiB ({4 << 30} bytes) exceeds") and "3.00 GiB" in msg
+    assert "MemAvailable" in msg and "\n" not in msg
+    assert make_backend("cpu", **{option: "64MiB"}).arena.capacity == 64 << 20
+
+
+def test_the_real_machine_refuses_a_petabyte():
+    from minfer.devices import available_memory
+    found = available_memory()
+    assert found is None or found[0] > 0
+    with pytest.raises(ConfigError, match="1.00 PiB"):   # (from the arena where nothing says)
+        make_backend("cpu", memory_limit="1024TiB")

@@ -51,7 +51,7 @@ def test_tensors_are_memory_mapped_not_read_whole(tmp_path):
     ("huge header", {}, b"", 1 << 60, "exceeds"),
     ("header past end", {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"", 5000,
      "past the end"),
-    ("not json", None, b"", None, "not JSON"),
+    ("not json", None, b"", None, "not valid JSON"),
     ("bad dtype", {"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4, None,
      "unsupported dtype"),
     ("outside", {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8, None,

@@ -660,3 +660,15 @@ def test_non_integer_ids_are_refused_by_decode_and_streaming(each_source, bad):
         each_source.decode([5, bad])
     with pytest.raises(InputError, match="token ids must be integers"):
         IncrementalDecoder(each_source).push(bad)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 50_000, "[1" + "0" * 5000 + "]"])
+def test_hostile_json_tokenizer_files_are_one_line_errors(tmp_path, name, text):
+    import shutil
+    for f in ("tokenizer.json", "spiece.model"):
+        shutil.copy(TINY / f, tmp_path / f)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(TokenizerError, match=name.replace(".", r"\.")) as e:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value)

@@ -5,5 +5,6 @@
 """
 
 from .checkpoint import Checkpoint, read_json
+from .limits import parse_json, read_json_text
 
-__all__ = ["Checkpoint", "read_json"]
+__all__ = ["Checkpoint", "read_json", "read_json_text", "parse_json"]

@@ -11,7 +11,6 @@ they need (their weight tables) and `params/loader.py` checks them.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params.formats import SCALE_SUFFIX, dequantize_int8
+from .limits import MAX_NAME_CHARS, MAX_TENSORS, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
 from .torch_pickle import TorchFile
@@ -42,7 +42,7 @@ class Checkpoint:
         for f in self.files:
             for name in f.tensors:
                 if name in self._where:
-                    raise CheckpointError(f"{f.path}: tensor '{name}' also appears in "
+                    raise CheckpointError(f"{f.path}: tensor '{quoted(name)}' also appears in "
                                           f"{self._where[name].path.name}")
                 self._where[name] = f
         self._check_index()
@@ -50,6 +50,9 @@ class Checkpoint:
         # every page it touched counted as the process's memory next to the converted copies
         # (twice the weights at the peak). True maps instead (tests of the mapped path).
         self.use_mmap = False
+        # Every read checks its values (`check_weight_values`): NaN, inf or absurd magnitudes would
+        # otherwise load silently and generate garbage. False skips it (a file known good).
+        self.check_values = True
         self._scales = self._find_int8_scales()
 
     def _find_int8_scales(self) -> dict[str, str]:
@@ -66,9 +69,9 @@ class Checkpoint:
                 continue  # an integer tensor with no scale: read() refuses it by name
             sinfo = sf.tensors[scale]
             if len(info.shape) != 2 or sinfo.dtype != "F32" or sinfo.shape != info.shape[:1]:
-                raise CheckpointError(f"{sinfo.file}: tensor '{scale}' must be F32 of shape "
+                raise CheckpointError(f"{sinfo.file}: tensor '{quoted(scale)}' must be F32 of shape "
                                       f"[{info.shape[0] if info.shape else '?'}] to scale the "
-                                      f"int8 weight '{name}', got {sinfo.dtype} {list(sinfo.shape)}")
+                                      f"int8 weight '{quoted(name)}', got {sinfo.dtype} {list(sinfo.shape)}")
             scales[name] = scale
         for scale in scales.values():
             del self._where[scale]
@@ -87,16 +90,28 @@ class Checkpoint:
             weight_map = self.index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: missing or empty 'weight_map'")
-            shards = []
+            if len(weight_map) > MAX_TENSORS:
+                raise CheckpointError(f"{index}: weight_map lists {len(weight_map)} tensors, more "
+                                      f"than the {MAX_TENSORS} a checkpoint may hold")
+            shards: dict[str, None] = {}     # in order of first use
             for tensor, shard in weight_map.items():
-                if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-                    raise CheckpointError(f"{index}: tensor '{tensor}' maps to {shard!r}, "
-                                          "which is not a file name inside the model folder")
-                if shard not in shards:
-                    shards.append(shard)
-            missing = [s for s in shards if not (self.folder / s).is_file()]
+                if len(tensor) > MAX_NAME_CHARS:
+                    raise CheckpointError(f"{index}: tensor name '{quoted(tensor)}' of "
+                                          f"{len(tensor)} characters (at most {MAX_NAME_CHARS})")
+                if not isinstance(shard, str) or shard not in shards:
+                    if (not isinstance(shard, str) or Path(shard).name != shard
+                            or not shard.endswith(".safetensors") or len(shard) > 255):
+                        raise CheckpointError(f"{index}: tensor '{quoted(tensor)}' maps to "
+                                              f"{quoted(repr(shard), 80)}, which is not a file "
+                                              "name inside the model folder (a .safetensors shard)")
+                    shards[shard] = None
+            # one listing of the folder, not a stat per claimed shard
+            present = {p.name for p in self.folder.iterdir()} if len(shards) > 16 else None
+            missing = [s for s in shards if not (s in present if present is not None
+                                                 else (self.folder / s).is_file())]
             if missing:
-                raise CheckpointError(f"{index}: shard file {missing[0]} is missing from {self.folder}")
+                raise CheckpointError(f"{index}: shard file {quoted(missing[0])} is missing from "
+                                      f"{self.folder}")
             return [self.folder / s for s in shards]
         self.index = None
         if single.is_file():
@@ -114,8 +129,8 @@ class Checkpoint:
         for tensor, shard in self.index["weight_map"].items():
             owner = self._where.get(tensor)
             if owner is None or owner.path.name != shard:
-                raise CheckpointError(f"{self.folder / INDEX_NAME}: tensor '{tensor}' is not in "
-                                      f"its shard {shard}")
+                raise CheckpointError(f"{self.folder / INDEX_NAME}: tensor '{quoted(tensor)}' is "
+                                      f"not in its shard {quoted(shard)}")
 
     # -- access -----------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -128,15 +143,18 @@ class Checkpoint:
         return self._where[name].tensors[name]
 
     def read(self, name: str, dtype: Any = np.float32,
-             rows: tuple[int, int] | None = None) -> np.ndarray:
+             rows: tuple[int, int] | None = None, check: bool | None = None) -> np.ndarray:
         """The tensor (or rows [a, b) of its first axis) converted to `dtype`: a fresh host
-        array, C-contiguous. Reading by rows bounds the memory a large embedding needs."""
+        array, C-contiguous. Reading by rows bounds the memory a large embedding needs. Unless
+        `check` (default: `self.check_values`) is False, its values are checked as read
+        (`check_weight_values`)."""
         f = self._where.get(name)
         if f is None:
-            raise CheckpointError(f"{self.folder}: tensor '{name}' is missing")
+            raise CheckpointError(f"{self.folder}: tensor '{quoted(name)}' is missing")
         info = f.tensors[name]
         if rows is not None and not (len(info.shape) >= 1 and 0 <= rows[0] <= rows[1] <= info.shape[0]):
-            raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{name}' {list(info.shape)}")
+            raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{quoted(name)}' "
+                                  f"{list(info.shape)}")
         raw = f.raw(name, self.use_mmap, rows)
         if name in self._scales:
             scale_name = self._scales[name]
@@ -144,19 +162,25 @@ class Checkpoint:
             if rows is not None:
                 scale = scale[rows[0]:rows[1]]
             # widen, then scale in place: several times faster than a mixed int8 * float32 multiply
-            return dequantize_int8(np, raw, scale, np.empty(raw.shape, np.float32)
-                                   ).astype(dtype, copy=False)
-        if info.dtype == "BF16":
-            raw = bf16_to_float32(raw)
-        elif info.dtype not in FLOAT_CODES:
-            raise CheckpointError(f"{info.file}: tensor '{name}' has integer dtype {info.dtype}, "
-                                  "expected a floating-point weight")
-        try:
-            if not self.use_mmap and raw.flags.writeable:  # raw is a private copy
-                return np.ascontiguousarray(raw, dtype=dtype)
-            return np.array(raw, dtype=dtype, order="C")
-        except OSError as e:  # a file shrunk under the memory map
-            raise CheckpointError(f"{info.file}: cannot read tensor '{name}': {e}") from None
+            out = dequantize_int8(np, raw, scale, np.empty(raw.shape, np.float32)
+                                  ).astype(dtype, copy=False)
+        else:
+            if info.dtype == "BF16":
+                raw = bf16_to_float32(raw)
+            elif info.dtype not in FLOAT_CODES:
+                raise CheckpointError(f"{info.file}: tensor '{quoted(name)}' has integer dtype "
+                                      f"{info.dtype}, expected a floating-point weight")
+            try:
+                if not self.use_mmap and raw.flags.writeable:  # raw is a private copy
+                    out = np.ascontiguousarray(raw, dtype=dtype)
+                else:
+                    out = np.array(raw, dtype=dtype, order="C")
+            except OSError as e:  # a file shrunk under the memory map
+                raise CheckpointError(f"{info.file}: cannot read tensor '{quoted(name)}': "
+                                      f"{e}") from None
+        if self.check_values if check is None else check:
+            check_weight_values(out, f"{info.file}: tensor '{quoted(name)}'", rows[0] if rows else 0)
+        return out
 
     def stored_dtypes(self) -> set[str]:
         return {f.tensors[n].dtype for n, f in self._where.items()}
@@ -172,10 +196,53 @@ class Checkpoint:
         if self.use_mmap:                 # a private copy, not a view of the mapped file
             raw = np.array(raw)
         if name not in self._scales:
+            if self.check_values and f.tensors[name].dtype in FLOAT_CODES:
+                flat = raw.reshape(-1)
+                for a in range(0, flat.size, _CHECK_CHUNK):   # bfloat16 widened a chunk at a time
+                    chunk = flat[a:a + _CHECK_CHUNK]
+                    if f.tensors[name].dtype == "BF16":
+                        chunk = bf16_to_float32(chunk)
+                    check_weight_values(chunk, f"{f.tensors[name].file}: tensor '{quoted(name)}'")
             return raw, None
         scale_name = self._scales[name]
         scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
         return raw, np.array(scale if rows is None else scale[rows[0]:rows[1]], np.float32)
+
+
+# Largest magnitude a weight may hold. Real weights stay below ~1e4; float32 read with the wrong
+# byte order turns typical values (|x| ~ 1e-3..1e2) into ones of random exponent, and a tensor of
+# any size then almost surely holds some above 1e30 (or NaN/inf). A heuristic, documented as such.
+MAX_ABS_WEIGHT = 1e30
+_CHECK_CHUNK = 1 << 18   # elements: a scratch of 0.5-2 MiB, about the size of a core's cache
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
+    """Raise a CheckpointError naming `what` and the first bad element (its index in the whole
+    tensor, `first_row` being the first row read) if float `values` hold NaN, inf, or magnitudes
+    above MAX_ABS_WEIGHT (float16 cannot: there only NaN/inf). One pass over the bits: a float's
+    magnitude bits order like unsigned integers, infinities above every finite value and NaNs
+    above them, so the largest masked word says it all: ~0.8 ms per 10 MB (memory-bound), no
+    allocation beyond a cache-sized scratch. Only a failing tensor is searched for the element."""
+    if values.size == 0 or values.dtype.kind != "f":
+        return
+    limit = min(MAX_ABS_WEIGHT, float(np.finfo(values.dtype).max))
+    bound = int(np.array(limit, values.dtype).view(_UINT[values.itemsize]))
+    words = values.reshape(-1).view(_UINT[values.itemsize])
+    mask = words.dtype.type(np.iinfo(words.dtype).max >> 1)          # all bits but the sign
+    scratch = np.empty(min(_CHECK_CHUNK, words.size), words.dtype)
+    for i in range(0, words.size, _CHECK_CHUNK):
+        chunk = words[i:i + _CHECK_CHUNK]
+        magnitude = np.bitwise_and(chunk, mask, out=scratch[:chunk.size])
+        if int(magnitude.max()) > bound:
+            j = i + int(np.argmax(magnitude > bound))
+            index = [int(k) for k in np.unravel_index(j, values.shape)] if values.ndim else []
+            if index:
+                index[0] += first_row
+            value = float(values.reshape(-1)[j])
+            note = "" if not np.isfinite(value) else (
+                f" (beyond the +-{MAX_ABS_WEIGHT:g} a weight can hold: wrong byte order or corrupt?)")
+            raise CheckpointError(f"{what} holds {value:g} at {index}{note}".replace("nan", "NaN"))
 
 
 def _open_weights(path: Path) -> SafetensorsFile:
@@ -185,17 +252,15 @@ def _open_weights(path: Path) -> SafetensorsFile:
     return TorchFile(path)
 
 
-def read_json(path: Path, required: bool = False) -> dict | None:
-    """A JSON object from `path`; None when absent and not required. Errors name the file."""
+def read_json(path: Path, required: bool = False,
+              error: type[Exception] = CheckpointError) -> dict | None:
+    """A JSON object from `path`; None when absent and not required. Errors are one-line `error`s
+    naming the file: missing, too large, nested too deep, not JSON, not an object."""
     if not path.is_file():
         if required:
-            raise CheckpointError(f"{path}: file is missing")
+            raise error(f"{path}: file is missing")
         return None
-    try:
-        with open(path, "rb") as f:
-            value = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    value, _ = read_json_text(path, error)
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+        raise error(f"{path}: expected a JSON object")
     return value

@@ -1,0 +1,117 @@
+"""Bounds every reader checks before it trusts a file, and a guarded JSON parser.
+
+A file states numbers (header lengths, tensor counts, shapes) and structures (nesting) that the
+reader would otherwise turn into allocations and recursion. The limits here are far above what any
+real checkpoint, config or tokenizer file uses and far below what costs noticeable time or memory;
+each is checked with cheap arithmetic on the raw bytes *before* the expensive step (json.loads,
+per-tensor objects, a pickle's hash of a nested tuple) it protects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# JSON objects/arrays and pickled containers nest at most this deep. Real files: a safetensors
+# header 3, config.json ~4, tokenizer.json ~6, a state dict ~5. Python's json recurses in C and
+# raises RecursionError near 1000 levels; consumers that walk the result recurse too.
+MAX_NESTING = 100
+# A JSON file read whole (config.json, an index, generation_config.json). The largest real ones
+# (a sharded index of ~100k tensors) are a few MiB; json.loads costs ~10x its input in memory.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+# Tensor names: real ones are < 200 characters.
+MAX_NAME_CHARS = 1024
+# Dimensions of one tensor: NumPy 1.x cannot build more than 32.
+MAX_RANK = 32
+# Elements x itemsize of any shape, even an empty one: NumPy refuses larger arrays (a ValueError
+# at np.empty), so a shape like [0, 10**30] would fail at read time, not when the file is opened.
+MAX_ARRAY_BYTES = 1 << 62
+# Tensors in one file or one sharded index. The largest real checkpoints hold ~100k tensors in
+# all (DeepSeek-V3: 91k over 163 shards); parsing a header costs ~3 us and ~800 bytes per entry.
+MAX_TENSORS = 1 << 18
+
+_JSON_CHUNK = 1 << 18   # bytes per vectorised step of json_nesting: ~6 MiB of scratch
+
+
+def quoted(text: str, limit: int = 120) -> str:
+    """A name from a file, safe to put in a one-line message (escaped, cut to `limit`)."""
+    text = text[:limit * 2].encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def json_nesting(raw: bytes, limit: int = MAX_NESTING) -> int:
+    """The deepest bracket nesting of a JSON text, counting no further than the first chunk
+    that passes `limit`. Vectorised over bounded chunks (a few MiB of scratch whatever the
+    input; no object per string or bracket, which a regex pass would build): a quote preceded by
+    an odd run of backslashes is escaped, a bracket after an odd number of unescaped quotes is
+    inside a string, and the rest add +1 / -1 to a running depth."""
+    data = np.frombuffer(raw, np.uint8)
+    deepest = depth = quotes = run = 0       # carried across chunks: depth, quote parity, "\\" run
+    for i in range(0, data.size, _JSON_CHUNK):
+        a = data[i:i + _JSON_CHUNK]
+        quote = a == ord('"')
+        backslash = a == ord("\\")
+        if run or backslash.any():
+            at = np.arange(a.size, dtype=np.int32)
+            last_other = np.maximum.accumulate(np.where(backslash, -1, at))
+            before = np.empty(a.size, np.int32)          # backslashes right before each byte
+            before[0] = run
+            before[1:] = at[:-1] - last_other[:-1] + np.where(last_other[:-1] < 0, run, 0)
+            quote &= before % 2 == 0
+            run = int(before[-1] + 1) if backslash[-1] else 0
+        outside = (np.cumsum(quote, dtype=np.int32) & 1) == quotes % 2
+        quotes += int(quote.sum())
+        step = ((a == ord("[")) | (a == ord("{"))).astype(np.int8)
+        step -= (a == ord("]")) | (a == ord("}"))
+        step[~outside] = 0
+        running = np.cumsum(step, dtype=np.int64) + depth
+        if running.size:
+            deepest, depth = max(deepest, int(running.max())), int(running[-1])
+        if deepest > limit:
+            break
+    return deepest
+
+
+def parse_json(raw: bytes, where: str | os.PathLike, error: type[Exception],
+               limit: int = MAX_NESTING) -> Any:
+    """json.loads of UTF-8 bytes, every failure a one-line `error` naming `where`: nesting deeper
+    than `limit` (checked before parsing), bad UTF-8, bad JSON, integers too long to convert."""
+    return _loads(raw, where, error, limit)[0]
+
+
+def read_json_text(path: str | os.PathLike, error: type[Exception],
+                   max_bytes: int = MAX_JSON_BYTES) -> tuple[Any, str]:
+    """A JSON file, parsed as `parse_json` does, and its text; its size is checked before it is
+    read. Also for readers outside io/ (tokenizer.json, tokenizer_config.json, vocab.json)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise error(f"{path}: {size} bytes is larger than the {max_bytes}-byte limit "
+                            "for a JSON file")
+            raw = f.read(size + 1 if size else max_bytes + 1)   # read(n) allocates n up front
+    except OSError as e:
+        raise error(f"{path}: cannot read: {e.strerror or e}") from None
+    if len(raw) > max_bytes:  # grew while we read, or a file that reports no size
+        raise error(f"{path}: larger than the {max_bytes}-byte limit for a JSON file")
+    return _loads(raw, path, error, MAX_NESTING)
+
+
+def _loads(raw: bytes, where: Any, error: type[Exception], limit: int) -> tuple[Any, str]:
+    if json_nesting(raw, limit) > limit:
+        raise error(f"{where}: JSON nested deeper than {limit} levels")
+    try:
+        text = raw.decode("utf-8")
+        return json.loads(text), text
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError: a ValueError
+        raise error(f"{where}: not valid JSON ({first_line(e)})") from None
+
+
+def first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return quoted(lines[0], 160) if lines else type(exc).__name__
