@@ -55,7 +55,10 @@ sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402
 
 TASKS = ("decode", "batch16", "encoder", "beam4")
-ENGINES = ("minfer", "minfer-int8", "transformers", "ctranslate2-fp32", "ctranslate2-int8")
+ENGINES = ("minfer", "minfer-float16", "minfer-bfloat16", "minfer-int8", "transformers",
+           "ctranslate2-fp32", "ctranslate2-int8")
+MINFER_DTYPES = {"minfer": None, "minfer-float16": "float16", "minfer-bfloat16": "bfloat16",
+                 "minfer-int8": "int8"}
 NEW = 64
 RESULT_MARK = "SUITE_RESULT "
 BUSY_LIMIT = 0.1  # others' share of the CPUs above which a row is marked unreliable
@@ -97,17 +100,12 @@ def timed(call, runs: int, compare: bool = True):
     return out, seconds
 
 
-def work_minfer(model_dir: Path, task: str, runs: int, threads: int, int8: bool,
+def work_minfer(model_dir: Path, task: str, runs: int, threads: int, dtype: str | None,
                 dump: str | None) -> dict:
     import numpy as np
 
     import minfer
-    try:
-        model = minfer.load(model_dir, dtype="int8" if int8 else None)
-    except Exception as exc:  # minfer's int8 path may not exist yet
-        if not int8:
-            raise
-        return {"unavailable": f"{type(exc).__name__}: {exc}"[:160]}
+    model = minfer.load(model_dir, dtype=dtype, num_threads=threads)
     srcs = sources(task)
     if task == "encoder":
         out, seconds = timed(lambda: model.encode(srcs), runs, compare=False)
@@ -189,15 +187,17 @@ def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: 
     return result
 
 
-WORKERS = {"minfer": work_minfer, "minfer-int8": work_minfer, "transformers": work_transformers,
+WORKERS = {**{engine: work_minfer for engine in MINFER_DTYPES}, "transformers": work_transformers,
            "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2}
 
 
 def worker(args) -> int:
     if args.profile:
         return profile_minfer(Path(args.model), args.profile, args.runs)
-    result = WORKERS[args.engine](Path(args.model), args.task, args.runs, args.threads,
-                                  args.engine.endswith("int8"), args.dump)
+    option = (MINFER_DTYPES[args.engine] if args.engine in MINFER_DTYPES
+              else args.engine.endswith("int8"))
+    result = WORKERS[args.engine](Path(args.model), args.task, args.runs, args.threads, option,
+                                  args.dump)
     result["env_threads"] = {k: os.environ.get(k) for k in b5.thread_env(args.threads)}
     print(RESULT_MARK + json.dumps(result), flush=True)
     return 0

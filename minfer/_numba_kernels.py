@@ -58,6 +58,49 @@ def _widen(v, fmt):
 
 
 # -- small-M products: out (M, N) = x (M, K) @ w (N, K).T [* scale (N,)] -----------------------------------
+@njit(inline="always", fastmath=True)
+def _tile4x4(x0, x1, x2, x3, r0, r1, r2, r3, K):
+    """Dot products of 4 input rows with 4 weight rows: 16 accumulators, so each loaded element
+    feeds 4 multiply-adds (LLVM vectorises the k loop: 16 vector accumulators, 8 loads)."""
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+    for k in range(K):
+        w0, w1, w2, w3 = r0[k], r1[k], r2[k], r3[k]
+        v = x0[k]
+        a00 += v * w0
+        a01 += v * w1
+        a02 += v * w2
+        a03 += v * w3
+        v = x1[k]
+        a10 += v * w0
+        a11 += v * w1
+        a12 += v * w2
+        a13 += v * w3
+        v = x2[k]
+        a20 += v * w0
+        a21 += v * w1
+        a22 += v * w2
+        a23 += v * w3
+        v = x3[k]
+        a30 += v * w0
+        a31 += v * w1
+        a32 += v * w2
+        a33 += v * w3
+    return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+
+
+@njit(inline="always", fastmath=True)
+def _tile1x4(x0, r0, r1, r2, r3, K):
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(K):
+        v = x0[k]
+        a0 += v * r0[k]
+        a1 += v * r1[k]
+        a2 += v * r2[k]
+        a3 += v * r3[k]
+    return (a0, a1, a2, a3)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _matmul(x, w, scale, out, fmt, scaled):
     M, K = x.shape
@@ -75,30 +118,33 @@ def _matmul(x, w, scale, out, fmt, scaled):
                     acc += x0[k] * _widen(row[k], fmt)
                 ob[0, i] = acc * scale[n0 + i] if scaled else acc
             continue
-        row_f = np.empty(K, np.float32)  # a weight row widened once, then used by every x row
-        for i in range(n1 - n0):
-            row = wb[i]
-            for k in range(K):
-                row_f[k] = _widen(row[k], fmt)
-            s = scale[n0 + i] if scaled else np.float32(1.0)
-            m = 0
-            while m + 4 <= M:            # four x rows share each load of the weight row
-                x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-                a0 = a1 = a2 = a3 = np.float32(0.0)
+        # several input rows: 4 weight rows at a time, widened once into float rows that stay in
+        # L1, each multiplied by every input row in 4x4 tiles (1x4 for the last M % 4 rows)
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                row = wb[i + j]
+                dst = rf[j]
                 for k in range(K):
-                    t = row_f[k]
-                    a0 += x0[k] * t
-                    a1 += x1[k] * t
-                    a2 += x2[k] * t
-                    a3 += x3[k] * t
-                ob[m, i], ob[m + 1, i], ob[m + 2, i], ob[m + 3, i] = a0 * s, a1 * s, a2 * s, a3 * s
+                    dst[k] = _widen(row[k], fmt)
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            s = np.ones(4, np.float32)
+            if scaled:
+                for j in range(nr):
+                    s[j] = scale[n0 + i + j]
+            m = 0
+            while m + 4 <= M:
+                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+                for a in range(4):
+                    for j in range(nr):
+                        ob[m + a, i + j] = t[a * 4 + j] * s[j]
                 m += 4
             while m < M:
-                xm = x[m]
-                acc = np.float32(0.0)
-                for k in range(K):
-                    acc += xm[k] * row_f[k]
-                ob[m, i] = acc * s
+                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+                for j in range(nr):
+                    ob[m, i + j] = t[j] * s[j]
                 m += 1
 
 
@@ -222,6 +268,87 @@ def activate(hidden, F, kind, gated):
             row[c] = a * row[F + c] if gated else a
 
 
+# -- widening blocks of stored rows (the large-M products: BLAS multiplies the float copy) ----------------
+@njit(parallel=True, cache=True)
+def _widen_rows(src, dst, fmt):
+    R, K = src.shape
+    for r in prange(R):
+        srow, drow = src[r], dst[r]
+        for k in range(K):
+            drow[k] = _widen(srow[k], fmt)
+
+
+@njit(cache=True)
+def widen_f16(src, dst):
+    _widen_rows(src, dst, F16)
+
+
+@njit(cache=True)
+def widen_bf16(src, dst):
+    _widen_rows(src, dst, BF16)
+
+
+@njit(cache=True)
+def widen_i8(src, dst):
+    _widen_rows(src, dst, I8)
+
+
+# -- decoding's host-side work ------------------------------------------------------------------------
+@njit(fastmath=True, cache=True)
+def log_softmax_rows(x):
+    """In place over x (R, V): x - log(sum(exp(x - max))) - max, per row."""
+    R, V = x.shape
+    for r in range(R):
+        row = x[r]
+        top = row[0]
+        for v in range(1, V):
+            top = max(top, row[v])
+        total = 0.0
+        for v in range(V):
+            total += math.exp(row[v] - top)
+        shift = top + math.log(total)
+        for v in range(V):
+            row[v] = row[v] - shift
+
+
+@njit(cache=True)
+def top_k(a, k, idx, val):
+    """The k largest of each row of a (R, N), best first, ties in index order (what a stable
+    descending sort gives): indices into idx (R, k), values into val (R, k). One pass per row,
+    inserting into a sorted list only what beats its last entry."""
+    R, N = a.shape
+    for r in range(R):
+        row, ir, vr = a[r], idx[r], val[r]
+        filled = 0
+        for n in range(N):
+            v = row[n]
+            if filled == k and not v > vr[k - 1]:
+                continue
+            j = filled if filled < k else k - 1
+            while j > 0 and v > vr[j - 1]:   # strictly greater: equal values keep index order
+                vr[j] = vr[j - 1]
+                ir[j] = ir[j - 1]
+                j -= 1
+            vr[j] = v
+            ir[j] = n
+            if filled < k:
+                filled += 1
+
+
+@njit(parallel=True, cache=True)
+def gather_rows(cache, rows, length):
+    """cache (L, B, H, N, D): row b of every layer becomes old row rows[b] (b < len(rows)), for
+    the first `length` positions; rows may repeat (beams following their parents)."""
+    L, H, D = cache.shape[0], cache.shape[2], cache.shape[4]
+    n = rows.shape[0]
+    for l in prange(L):
+        tmp = np.empty((n, H, length, D), cache.dtype)
+        for b in range(n):
+            tmp[b] = cache[l, rows[b], :, :length]
+        for b in range(n):
+            cache[l, b, :, :length] = tmp[b]
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) every kernel for the array types the models use."""
     x, out = np.zeros((1, 4), np.float32), np.zeros((1, 2), np.float32)
@@ -233,6 +360,11 @@ def warm_up() -> None:
                  np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
     for kind in set(ACTIVATION_IDS.values()):
         activate(np.ones((1, 4), np.float32), 2, kind, True)
+    for widen in (widen_f16, widen_bf16):
+        widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
+    widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
+    log_softmax_rows(np.zeros((1, 4), np.float32))
+    top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
 
 
 # -- threads ---------------------------------------------------------------------------------------------

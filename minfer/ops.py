@@ -28,7 +28,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
 
 
-def _compiled(xp: Any, x: Any) -> Any:
+def compiled(xp: Any, x: Any) -> Any:
     """The compiled kernels when they apply to x: NumPy float32, kernels selected."""
     if xp is not np or x.dtype != np.float32:
         return None
@@ -93,7 +93,7 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
 def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any) -> Any:
     """x += delta (a sublayer's output; None: nothing to add), then out = rms_norm(x, weight):
     the residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
-    k = _compiled(xp, x)
+    k = compiled(xp, x)
     if k is None:
         if delta is not None:
             x += delta
@@ -133,6 +133,10 @@ def softmax_(xp: Any, x: Any) -> Any:
 
 def log_softmax_(xp: Any, x: Any) -> Any:
     """Log-softmax over the last axis, in place (x is a float32 scratch array)."""
+    k = compiled(xp, x)
+    if k is not None and x.ndim == 2 and x.flags.c_contiguous:
+        k.log_softmax_rows(x)
+        return x
     x -= x.max(axis=-1, keepdims=True)
     x -= xp.log(xp.exp(x).sum(axis=-1, keepdims=True))
     return x
@@ -143,7 +147,7 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any)
     (B, H, T, S), scores a (B, H, T, S) scratch, ctx a (B, T, H, D) output. No scaling: callers
     that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation)."""
     B, H, T, D = q.shape
-    kc = _compiled(xp, q) if T == 1 else None
+    kc = compiled(xp, q) if T == 1 else None
     if kc is not None:  # one query position (decoding): one compiled pass over the keys
         S = k.shape[2]
         bias3 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)[:, :, 0]   # (Bb, Hb, S)
@@ -159,7 +163,7 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any)
 def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool) -> Any:
     """The FF's activation in place on hidden (..., F | 2F) -> the (..., F) view to multiply
     by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF."""
-    k = _compiled(xp, hidden)
+    k = compiled(xp, hidden)
     if k is not None and hidden.flags.c_contiguous:
         k.activate(hidden.reshape(-1, hidden.shape[-1]), F, k.ACTIVATION_IDS[name], gated)
         return hidden[..., :F]

@@ -81,3 +81,42 @@ def test_activate_equals_the_numpy_activations(name, gated):
         want *= hidden[:, F:]
     got = ops.activate(np, name, hidden.copy(), F, gated)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_equals_a_stable_descending_sort_with_ties():
+    from minfer.generation.processors import top_k_indices
+    a = rng.integers(0, 6, (5, 300)).astype(np.float32)     # many ties
+    a[2] = -np.inf
+    a[3, 7] = np.inf
+    for k_ in (1, 3, 8, 300):
+        np.testing.assert_array_equal(top_k_indices(a, k_),
+                                      np.argsort(-a, axis=1, kind="stable")[:, :k_])
+
+
+def test_log_softmax_rows_equals_numpy():
+    x = (rng.standard_normal((4, 1000)) * 20).astype(np.float32)
+    want = x - x.max(1, keepdims=True)
+    want = want - np.log(np.exp(want).sum(1, keepdims=True))
+    np.testing.assert_allclose(ops.log_softmax_(np, x.copy()), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [[2, 0, 1], [1, 1, 1], [0], [3, 2, 1, 0]])
+def test_gather_rows_moves_filled_positions_of_every_layer(rows):
+    cache = rng.standard_normal((3, 4, 2, 9, 5)).astype(np.float32)
+    want = cache.copy()
+    want[:, :len(rows), :, :6] = cache[:, rows, :, :6]
+    k.gather_rows(cache, np.array(rows), 6)
+    np.testing.assert_array_equal(cache, want)
+
+
+def test_widening_kernels_equal_numpy():
+    w = rng.standard_normal((7, 33)).astype(np.float32)
+    out = np.empty_like(w)
+    k.widen_f16(w.astype(np.float16).view(np.uint16), out)
+    np.testing.assert_array_equal(out, w.astype(np.float16).astype(np.float32))
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    k.widen_bf16(bits, out)
+    np.testing.assert_array_equal(out, (bits.astype(np.uint32) << 16).view(np.float32))
+    q = rng.integers(-127, 128, w.shape).astype(np.int8)
+    k.widen_i8(q, out)
+    np.testing.assert_array_equal(out, q.astype(np.float32))

@@ -46,7 +46,7 @@ def test_every_format_multiplies_and_looks_up_what_it_stores(name, mode, monkeyp
     packed = fmt.wrap("w", arrays, np.float32, scratch, kernels.active())
     stored = np.empty_like(w)                                # what the format really holds
     if isinstance(packed, PackedWeight):
-        packed.widen(packed.stored, stored)
+        packed.widen(packed.bits, stored)
         if packed.scale is not None:
             stored *= packed.scale[:, None]
     else:

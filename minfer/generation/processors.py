@@ -79,6 +79,20 @@ def log_softmax(scores: np.ndarray) -> np.ndarray:
     return ops.log_softmax_(np, np.array(scores, np.float32))
 
 
+def top_k_indices(a: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest scores of each row of a (R, N), best first. Compiled: one pass
+    per row, ties in index order (as a stable descending sort); NumPy: a partition, then a stable
+    sort of the k (ties at the partition's edge fall either way)."""
+    kc = ops.compiled(np, a)
+    if kc is not None:
+        idx = np.empty((a.shape[0], k), np.int64)
+        kc.top_k(np.ascontiguousarray(a), k, idx, np.empty((a.shape[0], k), np.float32))
+        return idx
+    part = np.argpartition(-a, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(a, part, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1)
+
+
 def process(scores: np.ndarray, seqs: np.ndarray, opts: GenerationOptions, new_len: int,
             eos_ids: Sequence[int]) -> np.ndarray:
     """The processors every decoding mode applies, in HF's order."""

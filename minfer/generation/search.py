@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from .options import GenerationOptions
-from .processors import log_softmax, process, sample, warp
+from .processors import log_softmax, process, sample, top_k_indices, warp
 from .protocol import DecodingModel
 
 NEG = np.float32(-1e9)  # HF's "finished / impossible" score offset in beam search
@@ -127,9 +127,7 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
                 noisy = acc + rng.gumbel(size=acc.shape).astype(np.float32)
                 top = np.argsort(-noisy, axis=1, kind="stable")[:, :keep_n]
             else:
-                part = np.argpartition(-acc, keep_n - 1, axis=1)[:, :keep_n]
-                order = np.argsort(-np.take_along_axis(acc, part, axis=1), axis=1, kind="stable")
-                top = np.take_along_axis(part, order, axis=1)          # (b, keep_n) best first
+                top = top_k_indices(acc, keep_n)                       # (b, keep_n) best first
             top_scores = np.take_along_axis(acc, top, axis=1)
             parent, token = top // V, top % V
             cand = np.take_along_axis(running[live], parent[:, :, None], axis=1)  # (b, keep_n, L)

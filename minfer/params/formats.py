@@ -31,7 +31,9 @@ from ..errors import ConfigError
 
 SCALE_SUFFIX = "_scale"         # an int8 matrix `w` travels with its float32 scales `w_scale`
 WIDEN_SCRATCH_BYTES = 1 << 20   # blocks of packed rows are widened here: about an L2 cache
-KERNEL_MAX_ROWS = 16            # products of up to this many rows go to the compiled kernels
+KERNEL_MAX_ROWS = 64            # products of up to this many rows go to the compiled kernels
+                                # (they beat OpenBLAS's small-M GEMM, which packs the whole weight
+                                # at every call, up to ~64 rows on 2 cores; BLAS wins beyond)
 
 
 # =====================================================================================================
@@ -87,15 +89,15 @@ class PackedWeight:
     `matmul(xp, x, out)` and `ops.embed` its `rows(xp, ids, out)`.
 
     stored: (out, in) array of the format's storage dtype; scale: (out,) float32 or None;
-    widen(src, dst): stored rows -> float rows; kernel(x, bits, [scale,] out): the compiled
-    small-M product over `bits` (the stored array, float16 viewed as its uint16 bits), or None
-    (off, or not on the CPU); scratch: the runtime's shared flat float buffer (one product at a
-    time)."""
+    widen(src, dst): rows of `bits` -> float rows; kernel(x, bits, [scale,] out): the compiled
+    small-M product, or None (off, or not on the CPU); bits: what both read (the stored array,
+    or float16 viewed as its uint16 bits for the compiled code); scratch: the runtime's shared
+    flat float buffer (one product at a time)."""
 
     def __init__(self, stored: Any, scale: Any, widen: Callable[[Any, Any], None],
-                 kernel: Callable | None, scratch: Any):
+                 kernel: Callable | None, scratch: Any, bits: Any = None):
         self.stored, self.scale, self.widen, self.kernel = stored, scale, widen, kernel
-        self.bits = stored.view(np.uint16) if stored.dtype == np.float16 else stored
+        self.bits = stored if bits is None else bits
         self.scratch = scratch
         self.shape = stored.shape
         N, K = stored.shape
@@ -114,7 +116,7 @@ class PackedWeight:
         for j in range(0, N, self.block):          # widen a block of rows, multiply it with BLAS
             e = min(N, j + self.block)
             w = self.scratch[:(e - j) * K].reshape(e - j, K)
-            self.widen(self.stored[j:e], w)
+            self.widen(self.bits[j:e], w)
             xp.matmul(x, w.T, out=out[:, j:e])
         if self.scale is not None:
             out *= self.scale
@@ -122,7 +124,7 @@ class PackedWeight:
 
     def rows(self, xp: Any, ids: Any, out: Any) -> Any:
         """Rows `ids` (n,) as floats into out (n, K): embedding lookups."""
-        self.widen(self.stored[ids], out)
+        self.widen(self.bits[ids], out)
         if self.scale is not None:
             out *= self.scale[ids][:, None]
         return out
@@ -156,7 +158,8 @@ class WeightFormat:
     storage: Any                               # numpy dtype of the stored array
     scaled: bool = False                       # int8: scales beside the matrix
     widen: Callable[[Any, Any], None] = _widen_cast
-    kernel_name: str = ""                      # the kernels.py product for this storage
+    kernel_name: str = ""                      # the compiled product for this storage
+    widen_name: str = ""                       # the compiled widening of its rows
 
     def array_names(self, name: str) -> tuple[str, ...]:
         """The names of the arrays a matrix `name` is stored as."""
@@ -187,8 +190,12 @@ class WeightFormat:
         w = arrays[name]
         if np.dtype(self.storage) == np.dtype(compute_dtype) and not self.scaled:
             return w if kernels is None else KernelWeight(w, getattr(kernels, self.kernel_name))
-        kernel = getattr(kernels, self.kernel_name) if kernels is not None else None
-        return PackedWeight(w, arrays.get(name + SCALE_SUFFIX), self.widen, kernel, scratch)
+        scale = arrays.get(name + SCALE_SUFFIX)
+        if kernels is None:
+            return PackedWeight(w, scale, self.widen, None, scratch)
+        bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
+        return PackedWeight(w, scale, getattr(kernels, self.widen_name),
+                            getattr(kernels, self.kernel_name), scratch, bits)
 
     def scratch_bytes(self, shape: tuple[int, int], compute_dtype: Any) -> int:
         """Float scratch a block-widened product with this matrix needs (0 for plain arrays)."""
@@ -199,10 +206,12 @@ class WeightFormat:
 
 FORMATS: dict[str, WeightFormat] = {
     "float32": WeightFormat("float32", np.float32, kernel_name="matmul_f32"),
-    "float16": WeightFormat("float16", np.float16, kernel_name="matmul_f16"),
+    "float16": WeightFormat("float16", np.float16, kernel_name="matmul_f16",
+                            widen_name="widen_f16"),
     "bfloat16": WeightFormat("bfloat16", np.uint16, widen=_widen_bfloat16,
-                             kernel_name="matmul_bf16"),
-    "int8": WeightFormat("int8", np.int8, scaled=True, kernel_name="matmul_i8"),
+                             kernel_name="matmul_bf16", widen_name="widen_bf16"),
+    "int8": WeightFormat("int8", np.int8, scaled=True, kernel_name="matmul_i8",
+                         widen_name="widen_i8"),
 }
 
 

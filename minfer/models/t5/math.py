@@ -273,6 +273,15 @@ def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cr
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
     of the self-attention caches moves, one layer at a time (bounding the temporary)."""
     n = len(rows)
+    k = ops.compiled(be.xp, buf.self_k)
+    if k is not None:  # one compiled pass per cache, the layers spread over the threads
+        for cache, used in ((buf.self_k, length), (buf.self_v, length),
+                            *(((buf.cross_k, buf.cross_k.shape[3]), (buf.cross_v, buf.cross_v.shape[3]))
+                              if cross else ())):
+            k.gather_rows(cache, rows, used)
+        if cross:
+            buf.cross_bias[:n] = buf.cross_bias[rows]
+        return
     with be.arena.scope():
         idx = be.asarray(rows)
         for cache in (buf.self_k, buf.self_v):

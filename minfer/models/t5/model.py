@@ -86,4 +86,5 @@ class T5Model(Model):
         with be.arena.scope():
             buf = DecodeBuffers.allocate(be.arena, self.config, B, S, max_len, be.dtype)
             t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf, max_len)
+            be.end_bulk_phase()  # the encoder's large products are done; steps are small ones
             yield T5DecodeState(self, buf, B, max_len)

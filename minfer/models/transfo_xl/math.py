@@ -245,6 +245,12 @@ def reorder_memory(memory: MemoryBuffers, rows: np.ndarray, M: int) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat); only the filled
     positions move, one layer at a time."""
     n = len(rows)
+    k = ops.compiled(np, memory.states) if isinstance(memory.states, np.ndarray) else None
+    if k is not None and memory.states.flags.c_contiguous and memory.kv.flags.c_contiguous:
+        for buf in (memory.states, memory.kv):   # (L, B, M, ...) viewed as (L, B, 1, M, rest)
+            L, B = buf.shape[:2]
+            k.gather_rows(buf.reshape(L, B, 1, buf.shape[2], -1), rows, M)
+        return
     for buf in (memory.states, memory.kv):
         for l in range(buf.shape[0]):
             filled = buf[l, :, :M]

@@ -48,7 +48,7 @@ class SegmentMemory:
 
     def reorder(self, rows: np.ndarray) -> None:
         """Keep / duplicate batch rows (finished rows leave; beams follow their parents)."""
-        xl.reorder_memory(self.live(), rows, self.length)
+        xl.reorder_memory(self.buffers, rows, self.length)  # whole buffers: rows < batch
         self.batch = len(rows)
 
     def reset(self) -> None:
@@ -205,6 +205,7 @@ class XLModel(Model):
                     memory.advance(part.shape[1])
                 first = np.asarray(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
                                    np.float32)                                   # (B, V)
+            be.end_bulk_phase()  # the prompt's large products are done; steps are small ones
             yield XLDecodeState(self, memory, first, ids[:, -1].copy())
         finally:
             if own:
