@@ -59,5 +59,7 @@ class DecodingModel(Protocol):
         ...
 
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                       max_len: int) -> ContextManager[DecodeState]:
+                       max_len: int, repeat: int = 1) -> ContextManager[DecodeState]:
+        """A state of B * repeat rows for B inputs: row i * repeat + j decodes input i (beams, or
+        several samples of one prompt), and each input is processed once."""
         ...

@@ -32,21 +32,22 @@ class Hypothesis:
 def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
                opts: GenerationOptions, rng: np.random.Generator | None = None,
                stopped: set[int] | None = None, start_decoding: Any = None,
-               info: dict | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+               info: dict | None = None, repeat: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Greedy or sampled decoding of a padded batch. Yields (rows, tokens) each step: the batch row
     indices still running and the token each chose. Rows that emit eos, or that the consumer adds to
     `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
     `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
+    `repeat`: each input decodes as that many consecutive rows (num_return_sequences).
     Closing the generator releases the decode state."""
     eos_ids = model.token_ids.eos
     eos = np.asarray(eos_ids, np.int64)
-    B = input_ids.shape[0]
+    B = input_ids.shape[0] * repeat
     rows = np.arange(B)
     stopped = stopped if stopped is not None else set()
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
     start = start_decoding or model.start_decoding
-    with start(input_ids, attention_mask, opts.max_new_tokens) as state:
+    with start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat) as state:
         seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)                # (B, 1+N)
         seqs[:, 0] = state.first_tokens
         if info is not None:
@@ -100,9 +101,7 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
 
-    ids = np.repeat(input_ids, K, axis=0)
-    mask = np.repeat(attention_mask, K, axis=0)
-    with model.start_decoding(ids, mask, N) as state:
+    with model.start_decoding(input_ids, attention_mask, N, repeat=K) as state:
         fill = token_ids.eos[0] if len(eos) else token_ids.pad   # HF pads with eos
         running = np.full((B, K, L), fill, np.int64)
         running[:, :, 0] = np.asarray(state.first_tokens).reshape(B, K)

@@ -198,13 +198,12 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
                 row.append(_finish(model, h, text, reason, int(prompt_lens[i]), h.score))
             results.append(row)
         return results
-    rep_ids, rep_mask = np.repeat(ids, n, axis=0), np.repeat(mask, n, axis=0)
-    hyps = [Hypothesis([]) for _ in range(rep_ids.shape[0])]
+    hyps = [Hypothesis([]) for _ in range(ids.shape[0] * n)]
     texts = [_RowText(tok, opts.stop, eos) for _ in hyps] if tok is not None else None
     stopped: set[int] = set()
     info: dict = {}
-    for step, (rows, tokens) in enumerate(token_loop(model, rep_ids, rep_mask, opts,
-                                                     stopped=stopped, info=info)):
+    for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, stopped=stopped,
+                                                     info=info, repeat=n)):
         if step == 0:
             for h, first in zip(hyps, info["first"]):
                 h.tokens.append(int(first))

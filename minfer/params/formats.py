@@ -30,7 +30,10 @@ from ..arena import align_up
 from ..errors import ConfigError
 
 SCALE_SUFFIX = "_scale"         # an int8 matrix `w` travels with its float32 scales `w_scale`
-WIDEN_SCRATCH_BYTES = 1 << 20   # blocks of packed rows are widened here: about an L2 cache
+# Blocks of packed rows are widened here for products of more rows than the kernels take: BLAS
+# repacks the whole input for every block, so blocks must be large for large inputs (a 1 MiB
+# scratch made a 2048-row encoder pass 2.4x slower than float32); at most one matrix's worth.
+WIDEN_SCRATCH_BYTES = 16 << 20
 KERNEL_MAX_ROWS = 64            # products of up to this many rows go to the compiled kernels
                                 # (they beat OpenBLAS's small-M GEMM, which packs the whole weight
                                 # at every call, up to ~64 rows on 2 cores; BLAS wins beyond)

@@ -238,17 +238,24 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
 
 
 def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
-                attention_mask: np.ndarray, buf: DecodeBuffers, max_len: int) -> None:
-    """Fill a fresh decode state: encode the input once, every layer's cross K/V, the causal
-    bias table and the source mask."""
+                attention_mask: np.ndarray, buf: DecodeBuffers, max_len: int,
+                repeat: int = 1) -> None:
+    """Fill a fresh decode state of B * repeat rows: encode the B inputs once, every layer's
+    cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i."""
     B, S = input_ids.shape
     buf.self_bias[...] = be.asarray(causal_bias_by_distance(cfg, params["decoder.rel_bias"],
                                                             max_len))
-    buf.cross_bias[...] = mask_bias(be, attention_mask)
+    buf.cross_bias[:B] = mask_bias(be, attention_mask)
     with be.arena.scope():
         enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")
         encode(be, cfg, params, input_ids, attention_mask, enc)
-        cross_kv(be, cfg, params, enc, buf.cross_k, buf.cross_v)
+        cross_kv(be, cfg, params, enc, buf.cross_k[:, :B], buf.cross_v[:, :B])
+    if repeat > 1:  # spread each input's rows over its repeat slots, last first (no overwrite)
+        for i in range(B - 1, -1, -1):
+            rows = slice(i * repeat, (i + 1) * repeat)
+            for a in (buf.cross_k, buf.cross_v):
+                a[:, rows] = a[:, i:i + 1]
+            buf.cross_bias[rows] = buf.cross_bias[i:i + 1]
 
 
 def decode_step(be: Any, cfg: T5Config, params: dict, buf: DecodeBuffers, token_ids: np.ndarray,

@@ -78,13 +78,15 @@ class T5Model(Model):
 
     @contextlib.contextmanager
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                       max_len: int) -> Iterator[T5DecodeState]:
+                       max_len: int, repeat: int = 1) -> Iterator[T5DecodeState]:
         """Encode once, fill the cross-attention K/V and yield a decode state of `max_len`
-        positions. Everything it holds is arena memory released when the `with` block exits."""
+        positions and B * repeat rows (row i * repeat + j decodes input i: beams, samples).
+        Everything it holds is arena memory released when the `with` block exits."""
         be = self.backend
         B, S = input_ids.shape
         with be.arena.scope():
-            buf = DecodeBuffers.allocate(be.arena, self.config, B, S, max_len, be.dtype)
-            t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf, max_len)
+            buf = DecodeBuffers.allocate(be.arena, self.config, B * repeat, S, max_len, be.dtype)
+            t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf, max_len,
+                           repeat)
             be.end_bulk_phase()  # the encoder's large products are done; steps are small ones
-            yield T5DecodeState(self, buf, B, max_len)
+            yield T5DecodeState(self, buf, B * repeat, max_len)

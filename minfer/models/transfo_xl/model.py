@@ -188,12 +188,19 @@ class XLModel(Model):
 
     @contextlib.contextmanager
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                       max_len: int, memory: SegmentMemory | None = None) -> Iterator[XLDecodeState]:
+                       max_len: int, repeat: int = 1,
+                       memory: SegmentMemory | None = None) -> Iterator[XLDecodeState]:
         """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments) and yield
-        the state the generation loops step. A memory passed in (a session's) is continued."""
+        the state the generation loops step, B * repeat rows (row i * repeat + j continues
+        prompt i). A memory passed in (a session's) is continued."""
         ids, _ = self.batch(input_ids, attention_mask)
+        B = ids.shape[0]
         own = memory is None
-        memory = self.new_memory(ids.shape[0]) if own else memory
+        if own:
+            memory = self.new_memory(B * repeat)
+            memory.batch = B              # the prompt runs once per input, then rows spread
+        elif repeat != 1:
+            raise InputError("a session continues one row: repeat must be 1")
         try:
             P = ids.shape[1]
             chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
@@ -206,7 +213,10 @@ class XLModel(Model):
                 first = np.asarray(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
                                    np.float32)                                   # (B, V)
             be.end_bulk_phase()  # the prompt's large products are done; steps are small ones
-            yield XLDecodeState(self, memory, first, ids[:, -1].copy())
+            spread = np.repeat(np.arange(B), repeat)
+            if repeat > 1:
+                memory.reorder(spread)
+            yield XLDecodeState(self, memory, first[spread], ids[spread, -1])
         finally:
             if own:
                 memory.release()
