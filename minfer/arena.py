@@ -5,10 +5,13 @@ cross-attention K/V, position-bias tables, activation scratch) is a view into on
 is fixed up front, so the peak is known before a run starts and a request that cannot fit fails
 with a clear error instead of an out-of-memory kill halfway through a generation.
 
-The discipline is a stack (a bump pointer): `alloc` hands out the next aligned block, `mark` /
-`release` (or the `scope()` context manager) give back everything allocated after a mark, and
-`reset()` empties the arena. Views handed out before a release must not be used after it; the model
-code keeps each view inside the scope that allocated it.
+Two kinds of block share the buffer. Scratch is a stack (a bump pointer): `alloc` hands out the
+next aligned block, `mark` / `release` (or the `scope()` context manager) give back everything
+allocated after a mark; views handed out before a release must not be used after it, and the
+model code keeps each view inside the scope that allocated it (one compute call at a time per
+model: the model's lock). Holds are long-lived blocks a request owns for its lifetime (a decode
+state, Transformer-XL's segment memory) and release in any order: a released hold's span becomes
+a gap that later holds reuse, and the stack top comes down over gaps once no scope is open.
 
 Buffers are described declaratively as `{name: (shape, dtype)}` specs, so the same description
 drives the allocation (`alloc_many`) and the up-front plan (`bytes_needed`) without two copies of
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -121,7 +125,10 @@ class Arena:
         self._buf = self._raw[skip: skip + self.capacity]
         self._top = 0
         self._peak = 0
-        self._holds: list[Hold] = []
+        self._holds: list[Hold] = []              # live holds
+        self._gaps: list[tuple[int, int]] = []    # released holds' spans below the top, sorted
+        self._scopes = 0                          # scopes open (the top may not come down)
+        self._lock = threading.RLock()            # holds are released from any thread
 
     # -- allocation -------------------------------------------------------------------------------
     def alloc(self, shape: tuple[int, ...] | int, dtype: Any, what: str = "") -> Any:
@@ -154,62 +161,112 @@ class Arena:
                                  describe_names(list(specs)))
         return {name: self.alloc(shape, dtype, name) for name, (shape, dtype) in specs.items()}
 
+    def _carve(self, start: int, specs: BufferSpec) -> dict[str, Any]:
+        """Views of `specs` laid out from byte `start` (inside a gap), aligned like `alloc`."""
+        out = {}
+        at = start
+        for name, (shape, dtype) in specs.items():
+            at = align_up(at, self.alignment)
+            shape = tuple(int(s) for s in shape)
+            n = block_bytes(shape, dtype)
+            out[name] = self._buf[at:at + n].view(np.dtype(dtype)).reshape(shape)
+            at += n
+        return out
+
     # -- release ----------------------------------------------------------------------------------
     def mark(self) -> int:
         return self._top
 
     def release(self, mark: int) -> None:
-        """Give back every block allocated since `mark` (stack order)."""
-        if not 0 <= mark <= self._top:
-            raise ValueError(f"arena '{self.name}': release to {mark} outside 0..{self._top}")
-        self._top = mark
+        """Give back every scratch block allocated since `mark` (stack order)."""
+        with self._lock:
+            if not 0 <= mark <= self._top:
+                raise ValueError(f"arena '{self.name}': release to {mark} outside 0..{self._top}")
+            if any(h.start >= mark for h in self._holds):
+                raise ValueError(f"arena '{self.name}': a hold allocated inside a scope outlives "
+                                 "it")
+            self._top = mark
+            self._gaps = [(a, min(b, mark)) for a, b in self._gaps if a < mark]
+            self._settle()
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Arena"]:
         """Everything allocated inside the `with` block is released when it exits."""
-        mark = self.mark()
+        with self._lock:
+            mark = self.mark()
+            self._scopes += 1
         try:
             yield self
         finally:
-            self.release(mark)
+            with self._lock:
+                self._scopes -= 1
+                self.release(mark)
 
     def reset(self) -> None:
-        self._top = 0
-        self._holds.clear()
+        with self._lock:
+            self._top = 0
+            self._holds.clear()
+            self._gaps.clear()
 
     # -- long-lived blocks ------------------------------------------------------------------------
     def hold(self, specs: BufferSpec) -> "Hold":
-        """Allocate `specs` as a block that outlives scopes opened later (e.g. Transformer-XL's
-        segment memory carried between calls). `Hold.release()` gives it back; the space returns
-        to the arena once every block allocated above it is released too (stack order), so
-        releasing in any order is safe. Do not open a hold inside a `scope()` you then leave."""
-        start = self._top
-        buffers = self.alloc_many(specs)
-        held = Hold(self, start, self._top, buffers)
-        self._holds.append(held)
-        return held
+        """Allocate `specs` as a block a request keeps for its lifetime (a decode state,
+        Transformer-XL's segment memory), whatever scopes open and close meanwhile.
+        `Hold.release()` gives it back, in any order: its span is reused by later holds, and the
+        top of the stack comes down over released spans once no scope is open."""
+        need = bytes_needed(specs, self.alignment)
+        with self._lock:
+            for k, (a, b) in enumerate(self._gaps):   # first fit among released spans
+                start = align_up(a, self.alignment)
+                if start + need <= b:
+                    end = start + need
+                    self._gaps[k:k + 1] = [g for g in ((a, start), (end, b)) if g[1] > g[0]]
+                    held = Hold(self, start, end, self._carve(start, specs))
+                    self._holds.append(held)
+                    return held
+            start = self._top
+            buffers = self.alloc_many(specs)
+            held = Hold(self, start, self._top, buffers)
+            self._holds.append(held)
+            return held
 
-    def _pop_released(self) -> None:
-        while self._holds and self._holds[-1].released and self._holds[-1].end == self._top:
-            self._top = self._holds.pop().start
+    def _release_hold(self, held: "Hold") -> None:
+        with self._lock:
+            self._holds.remove(held)
+            self._gaps.append((held.start, held.end))
+            self._gaps.sort()
+            merged: list[tuple[int, int]] = []
+            for a, b in self._gaps:                   # coalesce touching spans
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+                else:
+                    merged.append((a, b))
+            self._gaps = merged
+            self._settle()
+
+    def _settle(self) -> None:
+        """With no scope open, bring the top down over a released span that ends at it."""
+        while self._scopes == 0 and self._gaps and self._gaps[-1][1] >= self._top:
+            self._top = min(self._top, self._gaps.pop()[0])
 
     # -- accounting -------------------------------------------------------------------------------
     @property
     def used(self) -> int:
-        return self._top
+        """Bytes in use: the stack top less the released spans below it."""
+        return self._top - sum(b - a for a, b in self._gaps)
 
     @property
     def available(self) -> int:
         return self.capacity - self._top
 
     def stats(self) -> ArenaStats:
-        return ArenaStats(used=self._top, peak=self._peak, capacity=self.capacity)
+        return ArenaStats(used=self.used, peak=self._peak, capacity=self.capacity)
 
     def reset_peak(self) -> None:
         self._peak = self._top
 
     def __repr__(self) -> str:
-        return (f"Arena({self.name!r}, used={format_bytes(self._top)}, "
+        return (f"Arena({self.name!r}, used={format_bytes(self.used)}, "
                 f"peak={format_bytes(self._peak)}, capacity={format_bytes(self.capacity)})")
 
 
@@ -224,7 +281,7 @@ class Hold:
         if not self.released:
             self.released = True
             self.buffers = {}
-            self.arena._pop_released()
+            self.arena._release_hold(self)
 
     @property
     def nbytes(self) -> int:
@@ -244,6 +301,13 @@ class BufferSet:
     def allocate(cls, arena: Arena, *shape_args: Any) -> Any:
         """Every buffer of the set from the arena's current scope (uninitialised)."""
         return cls(**arena.alloc_many(cls.specs(*shape_args)))
+
+    @classmethod
+    def hold(cls, arena: Arena, *shape_args: Any) -> tuple[Any, Hold]:
+        """Every buffer of the set as one long-lived `Hold` (a request's state): the set and the
+        hold to release when the request ends."""
+        held = arena.hold(cls.specs(*shape_args))
+        return cls(**held.buffers), held
 
     @classmethod
     def nbytes(cls, *shape_args: Any) -> int:

@@ -112,14 +112,46 @@ def test_holds_outlive_scopes_and_release_in_any_order():
     b = arena.hold({"m": ((50,), np.float32)})
     a.buffers["m"][...] = 1
     assert arena.used == b.end
-    a.release()                      # not on top: space stays until b goes
-    assert arena.used == b.end
-    b.release()                      # now both come back
-    assert arena.used == 0
-    c = arena.hold({"m": ((10,), np.float32)})
+    a.release()                      # not on top: its span becomes a gap that holds reuse
+    assert arena.used == b.end - a.nbytes
+    c = arena.hold({"m": ((60,), np.float32)})
+    assert c.start == a.start and c.end <= b.start   # fits in a's old span
+    b.release()
     c.release()
+    assert arena.used == 0 and arena.mark() == 0     # everything back, the top down to 0
     c.release()                      # idempotent
     assert arena.used == 0
+
+
+def test_holds_released_in_random_order_never_overlap_and_all_come_back():
+    rng = np.random.default_rng(0)
+    arena = Arena(1 << 20)
+    live = []
+    for step in range(400):
+        if live and (rng.random() < 0.45 or len(live) > 12):
+            live.pop(int(rng.integers(len(live)))).release()
+        else:
+            h = arena.hold({"x": ((int(rng.integers(1, 2000)),), np.float32)})
+            h.buffers["x"][...] = step
+            live.append(h)
+        spans = sorted((h.start, h.end) for h in live)
+        assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))  # no overlap
+        assert arena.used == sum(h.end - h.start for h in live)   # used counts live bytes
+        for h in live:                                                     # nobody was clobbered
+            assert (h.buffers["x"] == h.buffers["x"][0]).all()
+    for h in live:
+        h.release()
+    assert arena.used == 0 and arena.mark() == 0
+
+
+def test_a_hold_released_while_a_scope_is_open_waits_for_it():
+    arena = Arena(1 << 16)
+    h = arena.hold({"m": ((100,), np.float32)})
+    with arena.scope():
+        x = arena.alloc((10,), np.float32)
+        h.release()                  # the scope's block sits above: the top must stay
+        assert arena.mark() > h.end and x.size == 10
+    assert arena.used == 0 and arena.mark() == 0
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -61,5 +61,13 @@ class DecodingModel(Protocol):
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                        max_len: int, repeat: int = 1) -> ContextManager[DecodeState]:
         """A state of B * repeat rows for B inputs: row i * repeat + j decodes input i (beams, or
-        several samples of one prompt), and each input is processed once."""
+        several samples of one prompt), and each input is processed once. The state is the
+        request's own (arena holds), so any number may be open at once, from any threads."""
+        ...
+
+    def step_together(self, states: list[DecodeState],
+                      tokens: list[np.ndarray]) -> list[np.ndarray]:
+        """One step for several states at once (continuous batching: requests that decode at
+        the same time share each step's weight reads): per state its (b,) tokens in, its (b, V)
+        scores out. Equal to stepping each state alone, up to float rounding."""
         ...

@@ -9,12 +9,14 @@ and early_stopping True / False / "never" behave as HF defines them.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 
 from ..errors import InputError
+from .batcher import batcher_of
 from .options import GenerationOptions
 from .processors import log_softmax, process, sample, top_k_indices, warp
 from .protocol import DecodingModel
@@ -29,6 +31,75 @@ class Hypothesis:
     finish_reason: str = "length"      # "eos", "length" or "stop"
 
 
+class Decoding:
+    """One request's greedy or sampled decoding, a step at a time, so that the batcher can take
+    the steps of concurrent requests together: `feed()` gives the tokens the next step reads,
+    `advance(scores)` chooses each live row's token and returns (rows, tokens). Rows that emit
+    eos, or that the consumer adds to `stopped` (stop strings) after seeing their token, leave
+    the state before the next step, so they cost nothing more."""
+
+    def __init__(self, model: DecodingModel, state: Any, opts: GenerationOptions,
+                 rng: np.random.Generator | None, stopped: set[int]):
+        self.state, self.opts, self.rng, self.stopped = state, opts, rng, stopped
+        self.eos_ids = model.token_ids.eos
+        self.eos = np.asarray(self.eos_ids, np.int64)
+        B = state.batch
+        self.rows = np.arange(B)                                   # original row of each live row
+        self.seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)  # (b, 1+N)
+        self.seqs[:, 0] = state.first_tokens
+        self.t = 0
+        self.finished = False
+        self.events: collections.deque = collections.deque()
+        self.error: Exception | None = None
+        self.runs_ahead = not opts.stop   # no stop string can end a row from outside
+
+    def ready(self) -> bool:
+        """Drop the rows that ended at the last step (eos, or a stop string the consumer found);
+        False when none is left."""
+        if self.t == 0:
+            return True
+        done = (self.seqs[:, self.t, None] == self.eos).any(axis=1)  # np.isin costs ~30 us a call
+        if self.stopped:
+            done |= np.isin(self.rows, list(self.stopped))
+        if done.all():
+            self.finished = True
+            return False
+        if done.any():
+            keep = np.flatnonzero(~done)
+            self.state.reorder(keep)
+            self.rows, self.seqs = self.rows[keep], self.seqs[keep]
+        return True
+
+    def feed(self) -> np.ndarray:
+        return self.seqs[:, self.t]
+
+    def advance(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t, opts = self.t, self.opts
+        scores = process(logits, self.seqs[:, :t + 1], opts, t, self.eos_ids)
+        if opts.do_sample:
+            best = scores.max(axis=1, keepdims=True)                        # (b, 1)
+        else:
+            tokens = np.argmax(scores, axis=1).astype(np.int64)
+            best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (b, 1)
+        if not np.isfinite(best).all():
+            # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
+            raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
+                             f"{opts.no_repeat_ngram_size} can ban the whole vocabulary, or "
+                             f"the model's logits overflowed)")
+        if opts.do_sample:
+            # shifted so the best score is 0 first: softmax and the warpers are shift-invariant,
+            # and (x - best) / temperature <= 0 cannot overflow however small the temperature
+            # (it goes to -inf: a tiny temperature is greedy decoding, not NaN); that
+            # overflow is intended, so NumPy need not warn about it
+            with np.errstate(over="ignore"):
+                tokens = sample(warp(scores - best, opts), self.rng)
+        self.seqs[:, t + 1] = tokens
+        self.t = t + 1
+        if self.t == opts.max_new_tokens or (tokens[:, None] == self.eos).any(axis=1).all():
+            self.finished = True
+        return self.rows, tokens
+
+
 def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
                opts: GenerationOptions, rng: np.random.Generator | None = None,
                stopped: set[int] | None = None, start_decoding: Any = None,
@@ -38,51 +109,22 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
     `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
     `repeat`: each input decodes as that many consecutive rows (num_return_sequences).
-    Closing the generator releases the decode state."""
-    eos_ids = model.token_ids.eos
-    eos = np.asarray(eos_ids, np.int64)
-    B = input_ids.shape[0] * repeat
-    rows = np.arange(B)
-    stopped = stopped if stopped is not None else set()
+    Steps are taken together with the other requests decoding on the model at the same time
+    (batcher.py). Closing the generator releases the decode state."""
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
     start = start_decoding or model.start_decoding
     with start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat) as state:
-        seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)                # (B, 1+N)
-        seqs[:, 0] = state.first_tokens
+        decoding = Decoding(model, state, opts, rng, stopped if stopped is not None else set())
         if info is not None:
-            info["first"] = seqs[:, 0].copy()  # what each row started from
-        for t in range(opts.max_new_tokens):
-            logits = state.step(seqs[:, t])                                     # (b, V)
-            scores = process(logits, seqs[:, :t + 1], opts, t, eos_ids)
-            if opts.do_sample:
-                best = scores.max(axis=1, keepdims=True)                        # (b, 1)
-            else:
-                tokens = np.argmax(scores, axis=1).astype(np.int64)
-                best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (b, 1)
-            if not np.isfinite(best).all():
-                # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
-                raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
-                                 f"{opts.no_repeat_ngram_size} can ban the whole vocabulary, or "
-                                 f"the model's logits overflowed)")
-            if opts.do_sample:
-                # shifted so the best score is 0 first: softmax and the warpers are shift-invariant,
-                # and (x - best) / temperature <= 0 cannot overflow however small the temperature
-                # (it goes to -inf: a tiny temperature is greedy decoding, not NaN); that
-                # overflow is intended, so NumPy need not warn about it
-                with np.errstate(over="ignore"):
-                    tokens = sample(warp(scores - best, opts), rng)
-            seqs[:, t + 1] = tokens
-            yield rows, tokens
-            done = (tokens[:, None] == eos).any(axis=1)  # (b,); np.isin costs ~30 us a call
-            if stopped:
-                done |= np.isin(rows, list(stopped))
-            if done.all() or t + 1 == opts.max_new_tokens:
-                return
-            if done.any():
-                keep = np.flatnonzero(~done)
-                state.reorder(keep)
-                rows, seqs = rows[keep], seqs[keep]
+            info["first"] = decoding.seqs[:, 0].copy()  # what each row started from
+        batcher = batcher_of(model)
+        batcher.join(decoding)
+        try:
+            while (event := batcher.next_event(decoding)) is not None:
+                yield event
+        finally:
+            batcher.leave(decoding)
 
 
 def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,

@@ -11,6 +11,7 @@ params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the contex
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,6 +43,11 @@ class Model(OwnsWeights, DecodingModel):
         self.generation_config = generation_config or {}  # generation_config.json, if any
         self.tokenizer = tokenizer
         self.token_ids: TokenIds = config.token_ids()
+        # One compute call at a time: scratch scopes are a stack, weights stream through shared
+        # slots, packed products widen into a shared scratch. Requests still run concurrently:
+        # each owns its state (arena holds), and decode steps of requests that run at the same
+        # time are taken together (generation/batcher.py), so the lock costs little.
+        self.lock = threading.RLock()
 
     @property
     def family(self) -> str:
@@ -102,6 +108,12 @@ class Model(OwnsWeights, DecodingModel):
     def describe(self) -> list[tuple[str, str]]:
         """Architecture facts for `minfer info`."""
         return self.config.describe()
+
+    def step_together(self, states: list[Any], tokens: list[np.ndarray]) -> list[np.ndarray]:
+        """One step for several decode states (see the protocol); this default steps each in
+        turn, a family that can share the products overrides it."""
+        with self.lock:
+            return [state.step(t) for state, t in zip(states, tokens)]
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: Any, *, stream: bool = False, task: str | None = None,

@@ -113,33 +113,74 @@ def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, h: An
     return ops.rms_norm(xp, x, weight, cfg.eps, out=h)
 
 
-def self_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, bias: Any, ws: PassScratch,
-                   cache: tuple[Any, Any] | None = None, t0: int = 0) -> Any:
-    """h (B, T, C) -> ws.proj (B, T, C). Without `cache` the T positions attend to each other
-    (bias masks what they may not see); with a layer's cache (k, v each (B, H, N, D)) their
-    keys/values are written at positions t0.. and they attend to positions 0..t0+T-1."""
+class PassAttention:
+    """Attention of a pass over its own positions (the encoder; the teacher-forced decoder, whose
+    cross-attention reads each layer's K/V of the encoder output): one additive bias for every
+    layer (position bias + masks)."""
+
+    def __init__(self, xp: Any, bias: Any, cross: tuple[Any, Any, Any] | None = None):
+        self.xp, self.bias, self.cross = xp, bias, cross   # cross: K, V (L, B, H, S, D), mask
+
+    def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
+        B, H, T, D = q.shape
+        ops.attention(self.xp, q, k, v, self.bias, ws.scores_as(B, H, T, T),
+                      ws.ctx.reshape(B, T, H, D))
+
+    def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
+        k, v, mask = self.cross
+        B, H, T, D = q.shape
+        ops.attention(self.xp, q, k[i], v[i], mask, ws.scores_as(B, H, T, k.shape[3]),
+                      ws.ctx.reshape(B, T, H, D))
+
+
+class StepAttention:
+    """One new position per row over KV caches: the rows of a step belong to one or more decode
+    states (`groups`: (rows of the step, the state's live buffers, its position t)), each with
+    its own caches, position, causal-bias slice and source. Step t's bias over keys 0..t is the
+    slice [:, N-1-t:] of the state's distance table: nothing is recomputed."""
+
+    def __init__(self, xp: Any, groups: list[tuple[slice, DecodeBuffers, int]]):
+        self.xp, self.groups = xp, []
+        for rows, buf, t in groups:
+            H, N = buf.self_bias.shape
+            self.groups.append((rows, buf, t, buf.self_bias[:, N - 1 - t:].reshape(1, H, 1, t + 1)))
+
+    def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
+        ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])    # (B, 1, H, D)
+        for rows, buf, t, bias in self.groups:
+            k_cache, v_cache = buf.self_k[i], buf.self_v[i]            # (b, H, N, D)
+            k_cache[:, :, t:t + 1] = k[rows]
+            v_cache[:, :, t:t + 1] = v[rows]
+            qr = q[rows]
+            ops.attention(self.xp, qr, k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], bias,
+                          ws.scores_as(qr.shape[0], qr.shape[1], 1, t + 1), ctx[rows])
+
+    def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
+        ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])
+        for rows, buf, _, _ in self.groups:
+            qr, k = q[rows], buf.cross_k[i]                            # (b, H, S, D)
+            ops.attention(self.xp, qr, k, buf.cross_v[i], buf.cross_bias,
+                          ws.scores_as(qr.shape[0], qr.shape[1], 1, k.shape[2]), ctx[rows])
+
+
+def self_attention(xp: Any, cfg: T5Config, blk: dict, i: int, h: Any, ws: PassScratch,
+                   attn: Any) -> Any:
+    """h (B, T, C) -> ws.proj (B, T, C): q|k|v in one product, the attention `attn` gives
+    (among the pass's positions, or over KV caches), the output projection."""
     B, T, _ = h.shape
     H, D = cfg.num_heads, cfg.d_kv
     qkv = ops.linear(xp, h, blk["w_qkv"], out=ws.qkv).reshape(B, T, 3, H, D)
     q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
-    if cache is not None:
-        k_cache, v_cache = cache
-        k_cache[:, :, t0:t0 + T] = k
-        v_cache[:, :, t0:t0 + T] = v
-        k, v = k_cache[:, :, :t0 + T], v_cache[:, :, :t0 + T]
-    ops.attention(xp, q, k, v, bias, ws.scores_as(B, H, T, k.shape[2]), ws.ctx.reshape(B, T, H, D))
+    attn.self_attend(i, q, k, v, ws)
     return ops.linear(xp, ws.ctx, blk["w_o"], out=ws.proj)
 
 
-def cross_attention(xp: Any, cfg: T5Config, blk: dict, h: Any, k: Any, v: Any, bias: Any,
-                    ws: PassScratch) -> Any:
-    """h (B, T, C) attends to the encoder's precomputed k/v (B, H, S, D), no position bias;
-    -> ws.proj (B, T, C)."""
+def cross_attention(xp: Any, cfg: T5Config, blk: dict, i: int, h: Any, ws: PassScratch,
+                    attn: Any) -> Any:
+    """h (B, T, C) attends to the encoder's precomputed K/V, no position bias; -> ws.proj."""
     B, T, _ = h.shape
-    H, D = cfg.num_heads, cfg.d_kv
-    q = ops.linear(xp, h, blk["w_cross_q"], out=ws.q).reshape(B, T, H, D)
-    ops.attention(xp, q.transpose(0, 2, 1, 3), k, v, bias, ws.scores_as(B, H, T, k.shape[2]),
-                  ws.ctx.reshape(B, T, H, D))
+    q = ops.linear(xp, h, blk["w_cross_q"], out=ws.q).reshape(B, T, cfg.num_heads, cfg.d_kv)
+    attn.cross_attend(i, q.transpose(0, 2, 1, 3), ws)
     return ops.linear(xp, ws.ctx, blk["w_cross_o"], out=ws.proj)
 
 
@@ -151,20 +192,19 @@ def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> 
     return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
 
 
-def block(xp: Any, cfg: T5Config, blk: dict, x: Any, ws: PassScratch, self_bias: Any,
-          pending: Any, cache: tuple[Any, Any] | None = None, t0: int = 0,
-          cross: tuple[Any, Any, Any] | None = None) -> Any:
-    """One layer over the residual stream x (B, T, C), updated in place: self-attention (over the
-    layer's KV cache from position t0 when `cache` is given), cross-attention to the encoder's
-    (k, v, mask bias) when `cross` is given (decoder layers), then the feed-forward; each a
-    pre-norm residual. `pending`: the previous layer's last output, not yet added to x (its add
-    is fused with this layer's first norm). Returns this layer's last output, pending likewise."""
+def block(xp: Any, cfg: T5Config, blk: dict, i: int, x: Any, ws: PassScratch, attn: Any,
+          pending: Any, cross: bool = False) -> Any:
+    """Layer i over the residual stream x (B, T, C), updated in place: self-attention as `attn`
+    gives it (among the pass's positions, or over KV caches), cross-attention to the encoder's
+    K/V when `cross` (decoder layers), then the feed-forward; each a pre-norm residual.
+    `pending`: the previous layer's last output, not yet added to x (its add is fused with this
+    layer's first norm). Returns this layer's last output, pending likewise."""
     h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws.h)
-    attn = self_attention(xp, cfg, blk, h, self_bias, ws, cache, t0)
-    if cross is not None:
-        h = residual_norm(xp, cfg, x, attn, blk["ln_cross"], ws.h)
-        attn = cross_attention(xp, cfg, blk, h, *cross, ws)
-    h = residual_norm(xp, cfg, x, attn, blk["ln_ff"], ws.h)
+    out = self_attention(xp, cfg, blk, i, h, ws, attn)
+    if cross:
+        h = residual_norm(xp, cfg, x, out, blk["ln_cross"], ws.h)
+        out = cross_attention(xp, cfg, blk, i, h, ws, attn)
+    h = residual_norm(xp, cfg, x, out, blk["ln_ff"], ws.h)
     return feed_forward(xp, cfg, blk, h, ws)
 
 
@@ -192,9 +232,9 @@ def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
         ws.bias[...] = be.asarray(position_bias(cfg, params["encoder.rel_bias"], T, T,
                                                 bidirectional=True))
         ws.bias += mask_bias(be, attention_mask)
-        pending = None
-        for blk in params["encoder"]:
-            pending = block(xp, cfg, blk, ws.x, ws, ws.bias, pending)
+        attn, pending = PassAttention(xp, ws.bias), None
+        for i, blk in enumerate(params["encoder"]):
+            pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending)
         out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws.h)
     return out
 
@@ -228,11 +268,10 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
         ws.self_bias[0] = be.asarray(position_bias(cfg, params["decoder.rel_bias"], T, T,
                                                    bidirectional=False))
         ws.self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
-        cross_bias = mask_bias(be, attention_mask)
+        attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v, mask_bias(be, attention_mask)))
         pending = None
         for i, blk in enumerate(params["decoder"]):
-            pending = block(xp, cfg, blk, ws.x, ws, ws.self_bias, pending,
-                            cross=(ws.cross_k[i], ws.cross_v[i], cross_bias))
+            pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
         logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws.h)
         return np.array(be.to_host(logits), dtype=np.float32)
 
@@ -258,22 +297,25 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
             buf.cross_bias[rows] = buf.cross_bias[i:i + 1]
 
 
-def decode_step(be: Any, cfg: T5Config, params: dict, buf: DecodeBuffers, token_ids: np.ndarray,
-                t: int) -> Any:
-    """Feed one token per live row (b,) at position t -> logits (b, V), a view of buf.logits.
-    `buf` holds the live rows' views (`DecodeBuffers.rows`). The causal bias of step t over keys
-    0..t is the contiguous slice [:, N-1-t:] of the distance table: nothing is recomputed."""
+def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[DecodeBuffers, int]],
+                 token_ids: np.ndarray, ws: PassScratch, logits: Any) -> Any:
+    """One step for the live rows of one or more decode states (`groups`: each state's live
+    buffers and position t), their rows stacked in order: token_ids (R,) -> logits (R, V) in
+    `logits` (R, 1, V). The products run once over all R rows (weights read once for every
+    request); attention runs per state over its own caches. `ws`: scratch for R rows (a single
+    state's own step scratch)."""
     xp = be.xp
-    b = buf.x.shape[0]
-    H, N = cfg.num_heads, buf.self_bias.shape[1]
-    ops.embed(xp, params["embedding"], be.asarray(token_ids).reshape(b, 1), buf.x)  # (b, 1, C)
-    self_bias = buf.self_bias[:, N - 1 - t:].reshape(1, H, 1, t + 1)
-    pending = None
+    R = ws.x.shape[0]
+    ops.embed(xp, params["embedding"], be.asarray(token_ids).reshape(R, 1), ws.x)  # (R, 1, C)
+    spans, at = [], 0
+    for buf, t in groups:
+        b = buf.x.shape[0]
+        spans.append((slice(at, at + b), buf, t))
+        at += b
+    attn, pending = StepAttention(xp, spans), None
     for i, blk in enumerate(params["decoder"]):
-        pending = block(xp, cfg, blk, buf.x, buf, self_bias, pending,
-                        cache=(buf.self_k[i], buf.self_v[i]), t0=t,
-                        cross=(buf.cross_k[i], buf.cross_v[i], buf.cross_bias))
-    return lm_head(xp, cfg, params, buf.x, pending, buf.logits, buf.h)[:, 0]  # (b, V)
+        pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
+    return lm_head(xp, cfg, params, ws.x, pending, logits, ws.h)[:, 0]  # (R, V)
 
 
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:

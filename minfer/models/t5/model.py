@@ -11,7 +11,7 @@ from ...errors import InputError
 from ...generation.protocol import DecodeState
 from ..base import Model, as_batch
 from . import math as t5
-from .spec import FAMILY, DecodeBuffers
+from .spec import FAMILY, DecodeBuffers, PassScratch
 
 
 class T5DecodeState(DecodeState):
@@ -20,6 +20,7 @@ class T5DecodeState(DecodeState):
 
     def __init__(self, model: "T5Model", buffers: DecodeBuffers, batch: int, max_len: int):
         self.be, self.cfg, self.params = model.backend, model.config, model.params
+        self.lock = model.lock
         self.buf, self.max_len = buffers, max_len
         self.batch = batch          # live rows (<= the allocated batch); `reorder` shrinks it
         self.live = buffers         # views of the live rows, rebuilt only when they change
@@ -29,12 +30,16 @@ class T5DecodeState(DecodeState):
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """(b,) tokens at the next position -> logits (b, V) float32 (on the CPU a view of the
         arena, valid until the next step)."""
-        if self.length >= self.max_len:
-            raise InputError(f"decode state is full ({self.max_len} positions)")
-        with self.be.arena.scope():  # on CUDA, CuPy's temporaries of this step come from here
-            logits = t5.decode_step(self.be, self.cfg, self.params, self.live, tokens, self.length)
+        self.check_room()
+        with self.lock, self.be.arena.scope():  # CUDA: CuPy's temporaries come from the scope
+            logits = t5.decode_steps(self.be, self.cfg, self.params, [(self.live, self.length)],
+                                     tokens, self.live, self.live.logits)
             self.length += 1
             return np.asarray(self.be.to_host(logits), np.float32)
+
+    def check_room(self) -> None:
+        if self.length >= self.max_len:
+            raise InputError(f"decode state is full ({self.max_len} positions)")
 
     def reorder(self, rows: Sequence[int] | np.ndarray, cross: bool = True) -> None:
         rows = np.asarray(rows, np.int64)
@@ -43,7 +48,8 @@ class T5DecodeState(DecodeState):
             raise InputError(f"reorder: rows must be 1..{self.batch} indices below {self.batch}")
         n = len(rows)
         if not (n == self.batch and (rows == np.arange(n)).all()):
-            t5.reorder_state(self.be, self.buf, rows, self.length, cross)
+            with self.lock:
+                t5.reorder_state(self.be, self.buf, rows, self.length, cross)
         if n != self.batch:
             self.batch, self.live = n, self.buf.rows(n)
 
@@ -57,7 +63,7 @@ class T5Model(Model):
         """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""
         ids, mask = self.batch(input_ids, attention_mask)
         be = self.backend
-        with be.arena.scope():
+        with self.lock, be.arena.scope():
             out = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
             t5.encode(be, self.config, self.params, ids, mask, out)
             return np.array(be.to_host(out), dtype=np.float32)
@@ -71,7 +77,7 @@ class T5Model(Model):
             raise InputError(f"decoder_input_ids: batch {dec.shape[0]} != input_ids batch "
                              f"{ids.shape[0]}")
         be = self.backend
-        with be.arena.scope():
+        with self.lock, be.arena.scope():
             enc = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
             t5.encode(be, self.config, self.params, ids, mask, enc)
             return t5.decode_full(be, self.config, self.params, dec, enc, mask)
@@ -84,9 +90,34 @@ class T5Model(Model):
         Everything it holds is arena memory released when the `with` block exits."""
         be = self.backend
         B, S = input_ids.shape
-        with be.arena.scope():
-            buf = DecodeBuffers.allocate(be.arena, self.config, B * repeat, S, max_len, be.dtype)
-            t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf, max_len,
-                           repeat)
-            be.end_bulk_phase()  # the encoder's large products are done; steps are small ones
+        with self.lock:   # the state is this request's own hold: released in any order
+            buf, held = DecodeBuffers.hold(be.arena, self.config, B * repeat, S, max_len, be.dtype)
+        try:
+            with self.lock, be.arena.scope():
+                t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
+                               max_len, repeat)
+                be.end_bulk_phase()  # the encoder's large products are done; steps are small
             yield T5DecodeState(self, buf, B * repeat, max_len)
+        finally:
+            held.release()
+
+    def step_together(self, states: list[T5DecodeState], tokens: list[np.ndarray]) -> list[np.ndarray]:
+        """One step for several decode states: their rows stacked, every product run once over
+        all of them (the weights read once), attention per state over its own caches."""
+        if len(states) == 1:
+            return [states[0].step(tokens[0])]
+        be, cfg = self.backend, self.config
+        for state in states:
+            state.check_room()
+        R = sum(state.batch for state in states)
+        keys = max(max(s.length + 1 for s in states), max(s.buf.cross_k.shape[3] for s in states))
+        with self.lock, be.arena.scope():
+            ws = PassScratch.allocate(be.arena, cfg, R, 1, keys, be.dtype, True)  # cross
+            logits = be.arena.alloc((R, 1, cfg.vocab_size), be.dtype, "step logits")
+            out = t5.decode_steps(be, cfg, self.params, [(s.live, s.length) for s in states],
+                                  np.concatenate(tokens), ws, logits)
+            host = np.array(be.to_host(out), np.float32)   # a copy: the scope ends here
+        for state in states:
+            state.length += 1
+        bounds = np.cumsum([0] + [s.batch for s in states])
+        return [host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

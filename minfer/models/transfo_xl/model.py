@@ -91,7 +91,8 @@ class XLDecodeState(DecodeState):
         rows = np.asarray(rows, np.int64)
         if self._pending is not None:
             self._pending = self._pending[rows]
-        self.memory.reorder(rows)
+        with self.model.lock:
+            self.memory.reorder(rows)
         self.batch = len(rows)
 
 
@@ -106,15 +107,16 @@ class XLModel(Model):
                              "(no padding); run different lengths one at a time")
 
     def new_memory(self, batch: int = 1) -> SegmentMemory:
-        """An empty segment memory for `batch` rows (arena-backed; `release()` when done)."""
-        return SegmentMemory(self.backend, self.config, batch)
+        """An empty segment memory for `batch` rows (an arena hold: `release()` when done)."""
+        with self.lock:   # a hold, not inside another thread's scratch scope
+            return SegmentMemory(self.backend, self.config, batch)
 
     def _run(self, ids: np.ndarray, memory: SegmentMemory, head: str = "all") -> Any:
         """One forward call over (B, T) ids with `memory` (advanced). Returns on the host the
         log-probs of every position (B*T, V) (`head="all"`), of the last one (B, V) ("last"),
         or nothing ("none": the call only extends the memory)."""
         B, T = ids.shape
-        with self.backend.arena.scope():
+        with self.lock, self.backend.arena.scope():
             h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
                                   memory.length)
             memory.advance(T)
@@ -173,7 +175,7 @@ class XLModel(Model):
             for start in range(0, n, T):
                 seg = arr[:, start:min(start + T, n)]
                 targets = arr[0, start + 1:start + 1 + seg.shape[1]]
-                with be.arena.scope():
+                with self.lock, be.arena.scope():
                     h = xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
                     memory.advance(seg.shape[1])
                     total += float(xl.target_log_probs(be, cfg, params, h.reshape(seg.shape[1], -1),
@@ -205,7 +207,7 @@ class XLModel(Model):
             P = ids.shape[1]
             chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
             be, cfg, params = self.backend, self.config, self.params
-            with be.arena.scope():
+            with self.lock, be.arena.scope():
                 for start in range(0, P, chunk):
                     part = ids[:, start:start + chunk]
                     h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
@@ -215,7 +217,8 @@ class XLModel(Model):
             be.end_bulk_phase()  # the prompt's large products are done; steps are small ones
             spread = np.repeat(np.arange(B), repeat)
             if repeat > 1:
-                memory.reorder(spread)
+                with self.lock:
+                    memory.reorder(spread)
             yield XLDecodeState(self, memory, first[spread], ids[spread, -1])
         finally:
             if own:
