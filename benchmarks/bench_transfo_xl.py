@@ -430,19 +430,19 @@ def profile_minfer(model_dir: Path, runs: int) -> int:
     def rand(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
-    p = params["layers"][0]
+    p = params["layers"][0].params  # a resident layer's weights as the math sees them
     cat, x, pos = rand(1, K, C), rand(1, T, C), rand(K, C)
     q, k, v = rand(1, H, T, D), rand(1, H, K, D), rand(1, H, K, D)
     r, probs, ff = rand(H, D, K), rand(1, H, T, K), rand(1, T, cfg.d_inner)
     body = {  # one layer
-        "qkv projection of memory+segment": lambda: cat @ p["w_qkv"],
-        "r_net (position projection)": lambda: pos @ p["w_r"],
+        "qkv projection of the segment": lambda: ops.linear(np, x, p["w_qkv"]),
+        "r_net (position projection)": lambda: ops.linear(np, pos, p["w_r"]),
         "AC + BD score products": lambda: (q @ k.swapaxes(-1, -2), q @ r),
         "rel_shift": lambda: xl.rel_shift(np, probs),
         "softmax": lambda: ops.softmax_(np, probs.copy()),
         "probs @ v": lambda: probs @ v,
-        "o_net": lambda: x @ p["w_o"],
-        "feed-forward (2 products, relu)": lambda: ops.relu_(np, x @ p["w1"] + p["b1"]) @ p["w2"],
+        "o_net": lambda: ops.linear(np, x, p["w_o"]),
+        "feed-forward (2 products, relu)": lambda: ops.linear(np, ops.relu_(np, ops.linear(np, x, p["w1"]) + p["b1"]), p["w2"]),
         "layer norms (2)": lambda: (ops.layer_norm(np, x, p["ln_attn_w"], p["ln_attn_b"], cfg.eps),
                                     ops.layer_norm(np, x, p["ln_ff_w"], p["ln_ff_b"], cfg.eps)),
     }

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
 from .arena import Arena
 from .errors import ConfigError
 from .params.transfers import Transfers
@@ -63,12 +62,6 @@ class Backend:
 
     def make_transfers(self) -> Any:
         return Transfers()
-
-    def end_bulk_phase(self) -> None:
-        """Large products (an encoder pass, a prompt) are done and one-row steps follow: on the
-        CPU, quiet the BLAS threads so they do not spin beside the compiled kernels."""
-        if self.xp is np:
-            kernels.quiet_blas()
 
     def workspace_reserve(self, planned: int) -> int:
         """Bytes a memory limit keeps free for runs: `workspace=` if given, else `planned`."""

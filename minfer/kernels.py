@@ -17,14 +17,16 @@ NumPy path, which computes the same functions; the parity tests run both ways. C
 cached on disk (numba's `cache=True`), so only the first run of an installation compiles.
 
 Threads: numba's threading layer must be a fast one ("omp": GNU OpenMP, or "tbb"); its
-"workqueue" fallback spins slowly. `set_threads(n)` sets how many threads the kernels use.
+"workqueue" fallback spins slowly. `set_threads(n)` sets how many threads the CPU work uses, and
+`split` spreads a large product (BLAS at one thread per part) over this module's pool.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
-
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from .errors import ConfigError
 
@@ -70,22 +72,79 @@ def active() -> Any:
 
 
 def set_threads(n: int | None) -> int:
-    """Threads for the compiled kernels and, when `n` is given, for BLAS too (None: the cores
-    this process may use, BLAS left as it is). Returns the kernels' thread count.
+    """Threads for the CPU work (None: the cores this process may use). Returns the count.
 
-    numba keeps the setting per calling thread; BLAS's is process-wide (through threadpoolctl,
-    which finds whichever BLAS NumPy was built with)."""
+    With the compiled kernels active there is one set of threads at a time: numba's for the
+    kernels, and for the large products (BLAS) this module's pool, which splits each product
+    into one part per thread and runs the parts with BLAS set to one thread (process-wide,
+    through threadpoolctl). Two pools spinning on the same cores cost far more than they
+    gave: OpenBLAS's threads spin ~0.1 s after every call, and with the kernels between its
+    calls (Transformer-XL's scoring: head logits by BLAS, tail clusters by the kernels) a
+    scoring pass ran 1.5-2.4x slower. In the NumPy mode BLAS keeps its own threads (`n` of them
+    when given)."""
+    global _threads
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError(f"num_threads must be a positive integer, got {n!r}")
-    threads = usable if n is None else n
+    threads = (usable or 1) if n is None else n
     k = active()
     if k is not None:
         k.set_threads(min(threads, k.max_threads()))
-    if n is not None:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(limits=n, user_api="blas")
+        _set_blas_threads(1)
+        _threads = threads
+    elif n is not None:
+        _set_blas_threads(n)
     return threads
+
+
+def _set_blas_threads(n: int) -> None:
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:   # a core dependency; without it BLAS keeps its own setting
+        return
+    threadpool_limits(limits=n, user_api="blas")
+
+
+# -- the pool for large products ----------------------------------------------------------------------
+_threads = 1            # parts a large product is split into (set_threads)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def parts(n: int, min_part: int = 1) -> int:
+    """How many parts `split` cuts n items into: one per thread, each at least min_part."""
+    if _threads <= 1 or active() is None:
+        return 1
+    return max(1, min(_threads, n // max(min_part, 1)))
+
+
+def split(n: int, work: Callable[[int, int, int], None], count: int | None = None) -> None:
+    """Run work(part, start, stop) over [0, n) cut into `count` (default `parts(n)`) contiguous
+    ranges: the first in the calling thread, the others on the pool; return when all are done.
+    The work must release the GIL to run in parallel (BLAS products, NumPy ufuncs and the
+    `nogil` kernels do). Without the compiled kernels (or with one thread) it is one call."""
+    count = parts(n) if count is None else min(count, n)
+    if count <= 1:
+        work(0, 0, n)
+        return
+    bounds = [n * i // count for i in range(count + 1)]
+    pool = _get_pool(count - 1)
+    futures = [pool.submit(work, i, bounds[i], bounds[i + 1]) for i in range(1, count)]
+    try:
+        work(0, bounds[0], bounds[1])
+    finally:
+        for f in futures:
+            f.result()
+
+
+def _get_pool(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < workers:
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="minfer")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
 
 
 def warm_up() -> bool:
@@ -96,26 +155,3 @@ def warm_up() -> bool:
         return False
     k.warm_up()
     return True
-
-
-_blas_shutdown: Any = False   # OpenBLAS's thread shutdown, once looked up (None: not available)
-
-
-def quiet_blas() -> None:
-    """Stop OpenBLAS's worker threads after a phase of large products (an encoder pass, a
-    prompt), before the compiled kernels take over: after each call OpenBLAS's threads spin for
-    ~0.1 s (its THREAD_TIMEOUT), and spinning next to the kernels' threads on the same cores cost
-    12-28% of decoding speed. They restart by themselves at the next BLAS call (~0.1 ms). Other
-    BLAS libraries are left alone."""
-    global _blas_shutdown
-    if _blas_shutdown is False:
-        _blas_shutdown = None
-        try:
-            from threadpoolctl import ThreadpoolController
-            for lib in ThreadpoolController().select(internal_api="openblas").lib_controllers:
-                _blas_shutdown = getattr(lib.dynlib, "blas_thread_shutdown_", None)
-                break
-        except Exception:  # no threadpoolctl or an unusual build: nothing to quiet
-            _blas_shutdown = None
-    if _blas_shutdown is not None and active() is not None:
-        _blas_shutdown()

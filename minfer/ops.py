@@ -26,6 +26,8 @@ from .params.formats import PackedWeight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
+MIN_PART_ROWS = 64                 # elementwise work is split over the threads in parts of at
+                                   # least this many rows (fewer: the hand-off costs more)
 
 
 def compiled(xp: Any, x: Any) -> Any:
@@ -133,10 +135,7 @@ def softmax_(xp: Any, x: Any) -> Any:
 
 def log_softmax_(xp: Any, x: Any) -> Any:
     """Log-softmax over the last axis, in place (x is a float32 scratch array)."""
-    k = compiled(xp, x)
-    if k is not None and x.ndim == 2 and x.flags.c_contiguous:
-        k.log_softmax_rows(x)
-        return x
+    # NumPy's vectorised exp beats a compiled loop here (numba's exp is a scalar call).
     x -= x.max(axis=-1, keepdims=True)
     x -= xp.log(xp.exp(x).sum(axis=-1, keepdims=True))
     return x
@@ -154,25 +153,58 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any)
         run = kc.attend_query_parallel if B * H * S * D > PARALLEL_ATTENTION_WORK else kc.attend_query
         run(q[:, :, 0], k, v, bias3, ctx[:, 0])
         return
-    xp.matmul(q, k.swapaxes(-1, -2), out=scores)   # (B, H, T, S)
-    scores += bias
-    softmax_(xp, scores)
-    xp.matmul(scores, v, out=ctx.transpose(0, 2, 1, 3))  # (B, H, T, D) written as (B, T, H, D)
+    ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
+
+    def heads(h0: int, h1: int) -> None:
+        s = xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=scores[:, h0:h1])  # (B, h, T, S)
+        s += head_slice(bias, H, h0, h1)
+        softmax_(xp, s)
+        xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
+
+    over_heads(xp, H, heads)
+
+
+def over_heads(xp: Any, H: int, work: Callable[[int, int], None]) -> None:
+    """work(h0, h1) over ranges of the H heads: on NumPy with the compiled kernels, one range per
+    thread run side by side (kernels.split: BLAS at one thread each, and the softmax's ufuncs
+    in parallel too); otherwise one call for all heads."""
+    if xp is np:
+        kernels.split(H, lambda part, h0, h1: work(h0, h1))
+    else:
+        work(0, H)
+
+
+def head_slice(a: Any, H: int, h0: int, h1: int) -> Any:
+    """Heads h0:h1 of an array broadcast against (..., H, T, S): sliced on its head axis (-3)
+    where it has H heads there, as it is where it broadcasts (a size-1 or missing head axis)."""
+    if getattr(a, "ndim", 0) >= 3 and a.shape[-3] == H:
+        return a[..., h0:h1, :, :]
+    return a
 
 
 def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool) -> Any:
     """The FF's activation in place on hidden (..., F | 2F) -> the (..., F) view to multiply
     by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF."""
-    k = compiled(xp, hidden)
+    k = compiled(xp, hidden) if name == "relu" else None   # the others: NumPy's vector math
     if k is not None and hidden.flags.c_contiguous:
-        k.activate(hidden.reshape(-1, hidden.shape[-1]), F, k.ACTIVATION_IDS[name], gated)
+        k.relu(hidden.reshape(-1, hidden.shape[-1]), F, gated)
         return hidden[..., :F]
-    act = activation(name)
-    if not gated:
-        return act(xp, hidden)
-    gate = act(xp, hidden[..., :F])                 # the first half is the activated one
-    gate *= hidden[..., F:]
-    return gate
+    act = activation(name)   # in place: every activation writes into the view it is given
+
+    def rows(h: Any) -> None:
+        if not gated:
+            act(xp, h)
+            return
+        gate = act(xp, h[..., :F])                  # the first half is the activated one
+        gate *= h[..., F:]
+
+    if xp is np and hidden.flags.c_contiguous:      # rows side by side (NumPy ufuncs drop the GIL)
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        kernels.split(h2.shape[0], lambda part, a, b: rows(h2[a:b]),
+                      kernels.parts(h2.shape[0], MIN_PART_ROWS))
+    else:
+        rows(hidden)
+    return hidden[..., :F]
 
 
 # -- activations (in place on scratch buffers) --------------------------------------------------------

@@ -62,9 +62,13 @@ def _loaded_models():
 @pytest.fixture(params=["numba", "numpy"])
 def kernel_mode(request, monkeypatch):
     """Run the test with the compiled CPU kernels and again with the pure NumPy path
-    (MINFER_KERNELS=numpy): both are held to the same references."""
+    (MINFER_KERNELS=numpy): both are held to the same references. The fixtures' matrices are
+    narrower than the kernels' shortest rows in production (KERNEL_MIN_INNER): here every
+    small product goes to them."""
     from minfer import kernels
+    from minfer.params import formats
     monkeypatch.setattr(kernels, "_mode", request.param)
+    monkeypatch.setattr(formats, "KERNEL_MIN_INNER", 1)
     return request.param
 
 

@@ -93,13 +93,6 @@ def test_top_k_equals_a_stable_descending_sort_with_ties():
                                       np.argsort(-a, axis=1, kind="stable")[:, :k_])
 
 
-def test_log_softmax_rows_equals_numpy():
-    x = (rng.standard_normal((4, 1000)) * 20).astype(np.float32)
-    want = x - x.max(1, keepdims=True)
-    want = want - np.log(np.exp(want).sum(1, keepdims=True))
-    np.testing.assert_allclose(ops.log_softmax_(np, x.copy()), want, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.parametrize("rows", [[2, 0, 1], [1, 1, 1], [0], [3, 2, 1, 0]])
 def test_gather_rows_moves_filled_positions_of_every_layer(rows):
     cache = rng.standard_normal((3, 4, 2, 9, 5)).astype(np.float32)
@@ -120,3 +113,72 @@ def test_widening_kernels_equal_numpy():
     q = rng.integers(-127, 128, w.shape).astype(np.int8)
     k.widen_i8(q, out)
     np.testing.assert_array_equal(out, q.astype(np.float32))
+
+
+@pytest.fixture
+def three_threads():
+    """The pool cut into 3 parts (the machine may have fewer cores: the parts still run)."""
+    before = kernels.set_threads(None)
+    kernels.set_threads(3)
+    yield
+    kernels.set_threads(before)
+
+
+def test_split_covers_the_range_once_in_contiguous_parts(three_threads):
+    import threading
+    seen, callers = [], set()
+
+    def work(part, a, b):
+        seen.append((part, a, b))
+        callers.add(threading.get_ident())
+
+    kernels.split(10, work)
+    assert sorted(seen) == [(0, 0, 3), (1, 3, 6), (2, 6, 10)]
+    assert threading.get_ident() in callers and len(callers) >= 2   # the caller takes a part
+    seen.clear()
+    kernels.split(2, work)                  # never more parts than items
+    assert sorted(seen) == [(0, 0, 1), (1, 1, 2)]
+    assert kernels.parts(1000, 400) == 2 and kernels.parts(10, 400) == 1
+
+
+def test_split_raises_a_failing_part_after_all_parts_ran(three_threads):
+    done = []
+
+    def work(part, a, b):
+        if part == 1:
+            raise ValueError("part 1 failed")
+        done.append(part)
+
+    with pytest.raises(ValueError, match="part 1 failed"):
+        kernels.split(9, work)
+    assert sorted(done) == [0, 2]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "float16", "bfloat16", "int8"])
+def test_large_products_split_over_threads_equal_one_product(three_threads, fmt):
+    """More rows than the kernels take: each thread widens its share of the output columns into
+    its own part of the scratch (here several blocks each) and multiplies with BLAS."""
+    from minfer.params.formats import FORMATS, KERNEL_MAX_ROWS
+    M, N, K = KERNEL_MAX_ROWS + 7, 200, 24
+    x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+    f = FORMATS[fmt]
+    arrays = f.encode("w", w)
+    dense = FORMATS[fmt].wrap("w", arrays, np.float32, np.empty(N * K, np.float32), None)
+    want = ops.linear(np, x, dense)                          # the NumPy path: one pass of blocks
+    packed = f.wrap("w", arrays, np.float32, np.empty(K * 10, np.float32), k)  # 3 rows a block
+    got = np.full((M, N), np.nan, np.float32)
+    ops.linear(np, x, packed, out=got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_over_head_ranges_equals_all_heads_at_once(three_threads):
+    B, H, T, S, D = 2, 5, 3, 7, 4
+    q, kk, v = (rng.standard_normal((B, H, n, D)).astype(np.float32) for n in (T, S, S))
+    bias = rng.standard_normal((1, H, T, S)).astype(np.float32)
+    scores = np.empty((B, H, T, S), np.float32)
+    got = np.empty((B, T, H, D), np.float32)
+    ops.attention(np, q, kk, v, bias, scores, got)
+    logits = q @ kk.swapaxes(-1, -2) + bias
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, (p @ v).transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-6)

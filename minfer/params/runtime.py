@@ -33,9 +33,9 @@ class Unit:
     """One layer's weights: resident (device arrays) or streamed (a host source).
 
     `params` is what model code receives for a resident layer (linear slots wrapped by their
-    format, e.g. int8 as `formats.Int8Weight`), built once at placement; a streamed layer's params for each of the two
-    slots are built on first use and kept in `slot_params` (a layer always lands in the same
-    views of a slot), so nothing is rebuilt per step."""
+    format, e.g. int8 as a `formats.PackedWeight`), built once at placement; a streamed layer's
+    params for each of the two slots are built on first use and kept in `slot_params` (a layer
+    always lands in the same views of a slot), so nothing is rebuilt per step."""
     name: str
     layout: Layout
     resident: dict[str, Any] | None = None

@@ -96,7 +96,6 @@ class T5Model(Model):
             with self.lock, be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
                                max_len, repeat)
-                be.end_bulk_phase()  # the encoder's large products are done; steps are small
             yield T5DecodeState(self, buf, B * repeat, max_len)
         finally:
             held.release()

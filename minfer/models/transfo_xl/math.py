@@ -16,6 +16,7 @@ C d_model, F d_inner, V vocab, L layers.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -194,6 +195,24 @@ def feed_forward(xp: Any, cfg: XLConfig, p: dict, x: Any, attn: Any, ws: LayerSc
     return out if cfg.pre_lnorm else ops.layer_norm(xp, out, p["ln_ff_w"], p["ln_ff_b"], cfg.eps)
 
 
+def relative_attention(xp: Any, p: dict, q: Any, k: Any, v: Any, r: Any, mask: Any,
+                       scale: float, ws: LayerScratch, h0: int, h1: int) -> None:
+    """Heads h0:h1 of one layer's attention into ws.ctx: softmax((AC + rel_shift(BD)) * scale)
+    @ v, with AC = (q + u) k^T (content) and BD = (q + v_bias) r (position). q (B, H, T, D);
+    k, v (B, H, K, D); r (H, D, K); mask (T, K) True where blocked, or None."""
+    B, H, T, D = q.shape
+    hs = slice(h0, h1)
+    scores = xp.matmul(q[:, hs] + p["r_w_bias"][hs, None, :], k[:, hs].swapaxes(-1, -2),
+                       out=ws.scores[:, hs])                                   # AC (B, h, T, K)
+    bd = xp.matmul(q[:, hs] + p["r_r_bias"][hs, None, :], r[hs], out=ws.bd[:, hs])  # (B, h, T, K)
+    scores += rel_shift(xp, bd)
+    scores *= scale
+    if mask is not None:
+        scores[:, :, mask] = NEG_INF
+    ops.softmax_(xp, scores)
+    xp.matmul(scores, v[:, hs], out=ws.ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3)[:, hs])
+
+
 def forward_hidden(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray, memory: MemoryBuffers,
                    M: int) -> Any:
     """(B, T) ids over a memory of M filled positions -> last layer output (B, T, C). Each
@@ -224,15 +243,7 @@ def forward_hidden(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray, memory
         k = kv[:, :, 0].transpose(0, 2, 1, 3)                                  # (B, H, K, D)
         v = kv[:, :, 1].transpose(0, 2, 1, 3)
         r = relative_keys(be, cfg, params, l, p["w_r"], K, r_source)            # (H, D, K)
-        scores = xp.matmul(q + p["r_w_bias"][:, None, :], k.swapaxes(-1, -2),
-                           out=ws.scores)                                      # AC (B, H, T, K)
-        bd = xp.matmul(q + p["r_r_bias"][:, None, :], r, out=ws.bd)            # (B, H, T, K)
-        scores += rel_shift(xp, bd)
-        scores *= scale
-        if mask is not None:
-            scores[:, :, blocked] = NEG_INF
-        ops.softmax_(xp, scores)
-        xp.matmul(scores, v, out=ws.ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+        ops.over_heads(xp, H, partial(relative_attention, xp, p, q, k, v, r, mask, scale, ws))
         attn = ops.linear(xp, ws.ctx, p["w_o"])                                # (B, T, C)
         if cfg.mem_len:  # this layer's input (and its K/V) join its memory
             append_memory(memory.states[l], x, M)

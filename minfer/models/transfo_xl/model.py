@@ -214,7 +214,6 @@ class XLModel(Model):
                     memory.advance(part.shape[1])
                 first = np.asarray(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
                                    np.float32)                                   # (B, V)
-            be.end_bulk_phase()  # the prompt's large products are done; steps are small ones
             spread = np.repeat(np.arange(B), repeat)
             if repeat > 1:
                 with self.lock:
