@@ -135,25 +135,32 @@ def target_log_probs(be: Any, cfg: XLConfig, params: dict, hidden: Any,
                      targets: np.ndarray) -> np.ndarray:
     """log p(targets[n] | hidden[n]) for each row: (N, C), (N,) ids -> (N,) float64 on the host.
 
-    What scoring needs, without the (N, V) matrix: the head's log-softmax for every row, and each
-    tail cluster's logits only for the rows whose target lies in that cluster (the computation
-    HF's adaptive softmax does when given labels). Equal to gathering `log_probs` at the targets."""
+    What scoring needs, without the (N, V) matrix: the head's logits and log-normaliser for every
+    row, and each tail cluster's only for the rows whose target lies in that cluster (the
+    computation HF's adaptive softmax does when given labels). Equal to gathering `log_probs`
+    at the targets, up to float32 rounding."""
     xp = be.xp
-    ends = cfg.cluster_ends
+    ends, n = cfg.cluster_ends, cfg.n_clusters
     targets = np.asarray(targets, np.int64)
-    head = ops.log_softmax_(xp, cluster_logits(xp, params, 0, hidden).astype(np.float32, copy=False))
-    out = np.zeros(len(targets), np.float64)
-    rows = np.nonzero(targets < ends[1])[0]
-    out[rows] = be.to_host(head[be.asarray(rows), be.asarray(targets[rows])])
-    for i in range(1, cfg.n_clusters):
+    N = len(targets)
+    head = cluster_logits(xp, params, 0, hidden).astype(np.float32, copy=False)  # (N, head)
+    at = np.arange(N)
+    in_head = targets < ends[1]
+    # what is read from the head's logits before logsumexp_ uses them as scratch: the targets
+    # that lie in it and the tail clusters' columns (log p(cluster i) = logit - lse)
+    picked = be.to_host(head[be.asarray(at), be.asarray(np.where(in_head, targets, 0))])
+    cluster_lp = np.array(be.to_host(head[:, ends[1]:ends[1] + n - 1]), np.float64)  # (N, n - 1)
+    lse = be.to_host(ops.logsumexp_(xp, head))                                  # (N,)
+    out = np.where(in_head, picked, 0.0).astype(np.float64) - lse
+    cluster_lp = cluster_lp - lse[:, None]
+    for i in range(1, n):
         rows = np.nonzero((targets >= ends[i]) & (targets < ends[i + 1]))[0]
         if len(rows) == 0:
             continue
         r = be.asarray(rows)
-        tail = ops.log_softmax_(xp, cluster_logits(xp, params, i, hidden[r]).astype(np.float32,
-                                                                               copy=False))
-        picked = tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])]
-        out[rows] = be.to_host(picked + head[r, ends[1] + i - 1])
+        tail = cluster_logits(xp, params, i, hidden[r]).astype(np.float32, copy=False)  # (n_r, n_i)
+        got = be.to_host(tail[xp.arange(len(rows)), be.asarray(targets[rows] - ends[i])])
+        out[rows] = got - be.to_host(ops.logsumexp_(xp, tail)) + cluster_lp[rows, i - 1]
     return out
 
 
