@@ -3,6 +3,8 @@
     python benchmarks/bench_suite.py [--shapes t5-small,t5-base] [--runs 5] [--rounds 1]
                                      [--threads 2] [--tasks decode,batch16,encoder,beam4]
                                      [--engines ...] [--no-xl] [--json OUT] [--markdown OUT]
+                                     [--chart PNG]
+    python benchmarks/bench_suite.py --chart PNG --from-json SAVED.json
     python benchmarks/bench_suite.py --profile batch16 [--shapes t5-small] [--runs 3]
 
 Tasks (float32 unless the engine says int8; random weights with the exact t5-small / t5-base
@@ -63,11 +65,17 @@ NEW = 64
 RESULT_MARK = "SUITE_RESULT "
 BUSY_LIMIT = 0.1  # others' share of the CPUs above which a row is marked unreliable
 # Issue 6 targets: (shape, task, peer, minimum minfer / peer)
-TARGETS = (("t5-small", "decode", "ctranslate2-fp32", 1.2),
-           ("t5-small", "batch16", "ctranslate2-fp32", 1.0),
-           ("t5-small", "encoder", "ctranslate2-fp32", 1.0),
-           ("t5-base", "batch16", "ctranslate2-fp32", 1.0),
-           ("t5-base", "encoder", "ctranslate2-fp32", 1.0))
+# Issue 13's targets, for every shape: (task, minfer engine, peer engine, minimum ratio).
+TARGETS = (("decode", "minfer-int8", "ctranslate2-fp32", 2.0),
+           ("decode", "minfer-int8", "ctranslate2-int8", 2.0),
+           ("decode", "minfer-float16", "ctranslate2-fp32", 1.5),
+           ("decode", "minfer", "ctranslate2-fp32", 1.15),
+           ("beam4", "minfer", "ctranslate2-fp32", 1.5),
+           ("beam4", "minfer-int8", "ctranslate2-int8", 1.5),
+           ("batch16", "minfer", "ctranslate2-fp32", 1.5),
+           ("batch16", "minfer-int8", "ctranslate2-int8", 1.5),
+           ("encoder", "minfer", "ctranslate2-fp32", 1.0))
+XL_TARGET = 4.0   # Transformer-XL scoring: minfer / transformers
 
 
 def sources(task: str) -> list[list[int]]:
@@ -430,24 +438,85 @@ def notes(results: dict) -> list[str]:
     return out
 
 
-def target_lines(results: dict) -> list[str]:
+def target_lines(results: dict, xl: dict | None) -> list[str]:
     out = []
-    for shape, task, peer, want in TARGETS:
-        rows = results.get(shape, {}).get(task, {})
-        mine, theirs = rows.get("minfer", {}).get("median"), rows.get(peer, {}).get("median")
-        if mine is None or theirs is None:
-            continue
-        ratio = mine / theirs
-        verdict = "met" if ratio >= want else f"MISSED by {(want - ratio) / want:.0%}"
-        out.append(f"- {shape} {task}: minfer / {peer} = {ratio:.2f} (target >= {want:g}): "
-                   f"{verdict}")
     for shape, tasks in results.items():
-        for task, rows in tasks.items():
+        for task, mine_engine, peer, want in TARGETS:
+            rows = tasks.get(task, {})
+            mine, theirs = rows.get(mine_engine, {}).get("median"), rows.get(peer, {}).get("median")
+            if mine is None or theirs is None:
+                continue
+            ratio = mine / theirs
+            verdict = "met" if ratio >= want else f"MISSED by {(want - ratio) / want:.0%}"
+            out.append(f"- {shape} {task}: {mine_engine} / {peer} = {ratio:.2f} "
+                       f"(target >= {want:g}): {verdict}")
+        for task, rows in tasks.items():   # the int8 encoder has no target: reported
             a, b = rows.get("minfer-int8", {}), rows.get("ctranslate2-int8", {})
-            if "median" in a and "median" in b:
-                out.append(f"- {shape} {task} int8: minfer-int8 / ctranslate2-int8 = "
+            if task == "encoder" and "median" in a and "median" in b:
+                out.append(f"- {shape} encoder int8: minfer-int8 / ctranslate2-int8 = "
                            f"{a['median'] / b['median']:.2f} (reported)")
+    try:
+        res = xl["results"]
+        ratio = (res["minfer"]["score"]["tokens_per_s"]["median"]
+                 / res["transformers"]["score"]["tokens_per_s"]["median"])
+        verdict = "met" if ratio >= XL_TARGET else f"MISSED by {(XL_TARGET - ratio) / XL_TARGET:.0%}"
+        out.append(f"- transfo-xl-4l scoring: minfer / transformers = {ratio:.2f} "
+                   f"(target >= {XL_TARGET:g}): {verdict}")
+    except (KeyError, TypeError):
+        pass
     return out
+
+
+CHART_ENGINES = ("minfer", "minfer-float16", "minfer-bfloat16", "minfer-int8",
+                 "ctranslate2-fp32", "ctranslate2-int8", "transformers")
+CHART_COLOURS = {"minfer": "#1f5fa8", "minfer-float16": "#4f8fd6", "minfer-bfloat16": "#86b6ea",
+                 "minfer-int8": "#0b3366", "ctranslate2-fp32": "#d9822b",
+                 "ctranslate2-int8": "#a65a12", "transformers": "#8c8c8c"}
+
+
+def write_chart(report: dict, path: Path) -> None:
+    """One panel per (shape, task): the median speed of each engine as a bar with its min-max
+    range; the Transformer-XL scoring as a last panel. matplotlib (a dev dependency) draws it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for shape, tasks in report["results"].items():
+        for task, rows in tasks.items():
+            bars = [(e, rows[e]) for e in CHART_ENGINES if "median" in rows.get(e, {})]
+            if bars:
+                unit = "source tokens/s" if task == "encoder" else "new tokens/s"
+                panels.append((f"{shape} {task}", unit, bars))
+    xl = (report.get("xl") or {}).get("results", {})
+    bars = [(e, xl[e]["score"]["tokens_per_s"]) for e in ("minfer", "transformers")
+            if "score" in xl.get(e, {})]
+    if bars:
+        panels.append(("transfo-xl-4l scoring", "tokens/s", bars))
+    if not panels:
+        raise SystemExit("no results to chart")
+    cols = min(4, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (title, unit, bars) in zip(axes.flat, panels):
+        names = [e for e, _ in bars]
+        med = [r["median"] for _, r in bars]
+        err = [[r["median"] - r["min"] for _, r in bars], [r["max"] - r["median"] for _, r in bars]]
+        ax.bar(range(len(bars)), med, yerr=err, capsize=3,
+               color=[CHART_COLOURS.get(e, "#555555") for e in names])
+        ax.set_xticks(range(len(bars)), [n.replace("ctranslate2", "ct2") for n in names],
+                      rotation=40, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(unit, fontsize=8)
+        for i, (m, (_, r)) in enumerate(zip(med, bars)):   # above the error bar
+            ax.text(i, r["max"], f"{m:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.margins(y=0.12)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(report.get("machine_line", ""), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def blas_info() -> str:
@@ -516,6 +585,9 @@ def main() -> int:
                    help="folder with the T5 tokenizer files (for the CTranslate2 converter)")
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--markdown", metavar="OUT")
+    p.add_argument("--chart", metavar="PNG", help="draw the results as a bar chart (matplotlib)")
+    p.add_argument("--from-json", metavar="JSON", type=Path,
+                   help="with --chart: draw a saved --json report instead of measuring")
     p.add_argument("--profile", choices=TASKS, help="profile minfer alone on this task")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
@@ -525,6 +597,12 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.from_json:
+        if not args.chart:
+            p.error("--from-json needs --chart")
+        write_chart(json.loads(args.from_json.read_text()), Path(args.chart))
+        print(f"wrote {args.chart}")
+        return 0
     if min(args.runs, args.rounds, args.threads) < 1:
         p.error("--runs, --rounds and --threads must be at least 1")
     shapes = [s for s in args.shapes.split(",") if s]
@@ -582,22 +660,25 @@ def main() -> int:
     extra = notes(results)
     if extra:
         lines += ["", *extra]
-    goals = target_lines(results)
+    goals = target_lines(results, xl)
     if goals:
-        lines += ["", "Targets (issue 6):", "", *goals]
+        lines += ["", "Targets (issue 13):", "", *goals]
     print("\n" + "\n".join(lines))
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines) + "\n")
         print(f"\nwrote {args.markdown}")
+    report = {"machine": b5.machine_info(), "machine_line": machine_line(args),
+              "threads": args.threads, "runs": args.runs, "rounds": args.rounds,
+              "new_tokens": NEW, "sources": {t: sources(t) for t in tasks},
+              "results": {s: {t: dict(rows) for t, rows in ts.items()}
+                          for s, ts in results.items()},
+              "xl": xl}
     if args.json:
-        report = {"machine": b5.machine_info(), "machine_line": machine_line(args),
-                  "threads": args.threads, "runs": args.runs, "rounds": args.rounds,
-                  "new_tokens": NEW, "sources": {t: sources(t) for t in tasks},
-                  "results": {s: {t: dict(rows) for t, rows in ts.items()}
-                              for s, ts in results.items()},
-                  "xl": xl}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if args.chart:
+        write_chart(report, Path(args.chart))
+        print(f"wrote {args.chart}")
     scratch.cleanup()
     failed = [1 for ts in results.values() for rows in ts.values() for r in rows.values()
               if "error" in r]
