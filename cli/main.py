@@ -6,6 +6,12 @@ traceback of an unexpected error. Bare `minfer` prints the help on stdout and ex
 click's status for a group called without one). A reader that leaves early (`minfer generate ... |
 head -1`) ends the run quietly with status 0. Text input (stdin, `score FILE`) must be UTF-8: an
 invalid byte is named by its offset.
+
+Runs over many prompts (generate --no-stream / --json over stdin, bulk mode --input) read and
+write as they go, a window of prompts at a time (generation.text.run_iter), so memory stays flat
+however long the input. There a prompt that cannot run (a bad line, a blank, invalid UTF-8 or
+JSON, too long) is a row error: an `error` record (bulk, --json) or an empty line (--no-stream);
+the run carries on, and ends with one line naming the count and the first error, status 1.
 """
 
 from __future__ import annotations
@@ -267,7 +273,7 @@ def _lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
             line = line.encode("utf-8", "surrogateescape")
         number += 1
         start, offset = offset, offset + len(line)
-        if len(line) > MAX_LINE_BYTES:
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
             while not line.endswith(b"\n"):   # read past the rest in bounded pieces
                 line = stream.readline(1 << 20)
                 offset += len(line)

@@ -228,9 +228,10 @@ def _unknown(names: list[str]) -> InputError:
 
 # -- how a call's prompts are batched ----------------------------------------------------------------
 # Prompts per batch when the call does not say. Measured on the shipped tiny T5 (800 prompts,
-# 2 cores): batches of 8 / 16 / 32 / 64 / 128 took 1.23 / 0.88 / 0.73 / 0.66 / 2.0 s; past 64
-# rows the compiled small-M kernels hand over to BLAS. 32 is CTranslate2's default
-# (translate_iterable) too, and keeps a t5-small decode state at 256 new tokens near 200 MB.
+# 2 cores): batches of 8 / 16 / 32 / 64 / 128 took 1.23 / 0.88 / 0.73 / 0.66 / 2.0 s (the compiled
+# kernels take products of up to 64 rows). 32 is CTranslate2's translate_iterable default too,
+# and 32 t5-small rows of 64 prompt tokens at 256 new tokens plan ~300 MiB of arena (800 plan
+# 7.5 GiB); the memory plan lowers it further where the workspace is smaller.
 DEFAULT_MAX_BATCH_SIZE = 32
 MAX_BATCH_SIZE = 1 << 16   # a sanity bound: the memory plan refuses far smaller batches anyway
 
