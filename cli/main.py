@@ -395,9 +395,10 @@ def _bulk_settings(prompts: tuple, input_path: str | None, output_path: str | No
         _fail("--input -: stdin is a terminal; pipe the prompts in or give a file", EXIT_USAGE)
     if resume and output_path == "-":
         _fail("--resume needs --output PATH: a file to continue", EXIT_USAGE)
-    if input_path != "-" and not os.path.isfile(input_path):
-        _fail(f"--input {input_path}: no such file" if not os.path.exists(input_path)
-              else f"--input {input_path}: not a regular file", EXIT_USAGE)
+    if input_path != "-" and not os.path.exists(input_path):
+        _fail(f"--input {input_path}: no such file", EXIT_USAGE)
+    if input_path != "-" and os.path.isdir(input_path):   # a pipe (<(zcat ...)) is fine
+        _fail(f"--input {input_path}: is a directory", EXIT_USAGE)
     if (output_path != "-" and input_path != "-" and os.path.exists(output_path)
             and os.path.samefile(input_path, output_path)):
         _fail(f"--output {output_path} is the input file: writing it would destroy the input",
@@ -493,7 +494,8 @@ def _resume_point(path: str) -> tuple[int, bool]:
                 break
             good, end = good + 1, end + len(line)
         cut = f.seek(0, os.SEEK_END) > end
-        f.truncate(end)
+        if cut:   # (a character device such as /dev/null cannot be truncated, nor needs it)
+            f.truncate(end)
     return good, cut
 
 
@@ -547,7 +549,7 @@ def _run_bulk(m: Any, bulk: _Bulk, task: str | None, options: dict) -> None:
     except OSError as e:
         _fail(f"{e.filename}: cannot open: {e.strerror or e}")
     total = None
-    if bulk.input_path != "-" and sys.stderr is not None and sys.stderr.isatty():
+    if os.path.isfile(bulk.input_path) and sys.stderr is not None and sys.stderr.isatty():
         total = max(_count_lines(bulk.input_path) - skip, 0)
     progress = _Progress(total)
     failed, first, written = 0, None, 0

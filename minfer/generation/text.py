@@ -3,6 +3,12 @@
 Prompts are tokenized (with a task's prefix), batched, decoded by the search loops, and detokenized
 per row as tokens arrive (`tokenizer.IncrementalDecoder`), with stop strings cut as soon as they
 appear and never emitted. `generate` is what the models' public `generate()` calls.
+
+Batching: any number of prompts is split into batches (`plan_batches`): shortest first within a
+window, each batch at most `max_batch_size` prompts and no more than the model's memory plan fits
+in the arena's free bytes (`BatchPlanner`); results go back in input order. A prompt that cannot
+run is a per-row error (`Result.error`), raised by plain `generate`. `run_iter` does the same
+over an iterable of any length, a window at a time, in bounded memory (the CLI's bulk mode).
 """
 
 from __future__ import annotations
@@ -313,6 +319,9 @@ class _Call:
         self.kind = kind
         if self.kind != "ids" or self.opts.stop:
             self.tok = need_tokenizer(self.model, "text input" if self.kind != "ids" else "stop strings")
+        # token-id rows get the task's prefix as ids (text rows as text, before tokenizing)
+        self.prefix_ids = (self.tok.encode(self.prefix, add_eos=False)
+                           if kind == "ids" and self.prefix and self.tok is not None else [])
 
     def planner(self) -> BatchPlanner:
         return BatchPlanner(self.model, self.opts.max_new_tokens, self.repeat,
@@ -348,9 +357,7 @@ class _Call:
             self.model.batch([item])   # validated alone; as_batch names it "row 0": renamed
         except InputError as e:
             return InputError(re.sub(r"\brow 0\b", f"row {i}", str(e), count=1))
-        if self.prefix and self.tok is not None:
-            return self.tok.encode(self.prefix, add_eos=False) + list(item)
-        return list(item)
+        return self.prefix_ids + list(item)
 
     def _fit(self, ids: list[int], where: str, planner: BatchPlanner) -> list[int] | MinferError:
         limit = self.batching.max_input_tokens
