@@ -279,3 +279,13 @@ def test_a_prompt_argument_that_is_not_utf8_is_named(text_model_folder, bad):
                            b"ok", b"a " + bad], capture_output=True, env=env, timeout=120)
     assert proc.returncode == 2 and b"Traceback" not in proc.stderr
     assert proc.stderr.startswith(b"minfer: error: PROMPT 2: not valid UTF-8 at character 2 ")
+
+
+def test_no_stream_under_a_memory_limit_batches_what_fits(text_model_folder, text_model):
+    """Every stdin line in one batch used to ask the arena for MBs under a 400 KB limit and print
+    nothing; batches now follow the memory plan, and every prompt gets its line."""
+    prompts = [f"date: {n} and {'more ' * (n % 7)}words" for n in range(120)]
+    proc = run("generate", "-m", str(text_model_folder), "--no-stream", "--max-new-tokens", "6",
+               "--memory-limit", "400KB", "--workspace", "200KB", stdin="\n".join(prompts) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:-1] == text_model.generate(prompts, max_new_tokens=6)

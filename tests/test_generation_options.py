@@ -194,3 +194,29 @@ def test_length_penalty_must_keep_length_powers_inside_float32(lp, n):
         with pytest.raises(InputError, match="length_penalty"):
             g.resolve_options(FakeModel(), num_beams=2, length_penalty=lp, max_new_tokens=n)
     g.resolve_options(FakeModel(), num_beams=1, length_penalty=lp, max_new_tokens=n)  # unused
+
+
+# -- batching options: not generation settings, never read from the checkpoint ---------------------
+def test_batch_options_are_split_off_and_checked_strictly():
+    import re
+    from minfer.generation.options import DEFAULT_MAX_BATCH_SIZE, split_batch_options
+    batching, rest = split_batch_options({"max_batch_size": 4, "max_new_tokens": 3,
+                                          "max_input_tokens": None, "truncation": None})
+    assert (batching.max_batch_size, batching.max_input_tokens, batching.truncation) == (4, None, False)
+    assert rest == {"max_new_tokens": 3}
+    assert split_batch_options({})[0].max_batch_size == DEFAULT_MAX_BATCH_SIZE
+    for bad, needle in [({"max_batch_size": True}, "max_batch_size must be an integer"),
+                        ({"max_batch_size": 2.0}, "max_batch_size must be an integer"),
+                        ({"max_input_tokens": 0}, "max_input_tokens must be an integer in 1.."),
+                        ({"truncation": "yes"}, "truncation must be true or false"),
+                        ({"truncation": True}, "truncation=True needs max_input_tokens")]:
+        with pytest.raises(InputError, match=re.escape(needle)):
+            split_batch_options(bad)
+
+
+def test_a_checkpoint_cannot_set_the_batch_size():
+    model = FakeModel({"max_batch_size": 1}, {"max_batch_size": 1})
+    opts, _ = g.resolve_options(model)
+    assert not hasattr(opts, "max_batch_size")   # unknown keys of config files are ignored
+    with pytest.raises(InputError, match="known: .*max_batch_size"):
+        g.resolve_options(model, max_batch=2)

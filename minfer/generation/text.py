@@ -3,18 +3,27 @@
 Prompts are tokenized (with a task's prefix), batched, decoded by the search loops, and detokenized
 per row as tokens arrive (`tokenizer.IncrementalDecoder`), with stop strings cut as soon as they
 appear and never emitted. `generate` is what the models' public `generate()` calls.
+
+Batching: any number of prompts is split into batches (`plan_batches`): shortest first within a
+window, each batch at most `max_batch_size` prompts and no more than the model's memory plan fits
+in the arena's free bytes (`BatchPlanner`); results go back in input order. A prompt that cannot
+run is a per-row error (`Result.error`), raised by plain `generate`. `run_iter` does the same
+over an iterable of any length, a window at a time, in bounded memory (the CLI's bulk mode).
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..errors import InputError
-from .options import GenerationOptions, is_integer, resolve_options
+from ..errors import ArenaExhausted, InputError, MinferError
+from .options import GenerationOptions, is_integer, resolve_options, split_batch_options
 from .protocol import DecodingModel
 from .search import Hypothesis, beam_search, token_loop
 
@@ -57,8 +66,10 @@ class Result:
     finish_reason: str           # "eos", "length" or "stop"
     prompt_tokens: int
     new_tokens: int
-    seconds: float = 0.0
+    seconds: float = 0.0         # the time of the batch the row ran in
     score: float | None = None   # beam score (length-penalised log-probability)
+    error: str | None = None     # a row that could not run: why, naming it (then text is None,
+                                 # token_ids empty and finish_reason "error")
 
 
 class _RowText:
@@ -90,23 +101,35 @@ class _RowText:
         return out
 
 
+# -- inputs -----------------------------------------------------------------------------------------
 def _normalise_inputs(inputs: Any) -> tuple[str, list]:
-    """-> ("text", [str]) | ("texts", [str, ...]) | ("ids", [[id, ...], ...]). Prompts are checked
-    here (type, valid Unicode, not blank), token ids by `model.batch` (models/base.py: as_batch),
-    which names a bad row and position."""
+    """-> ("text", [str]) | ("texts", [item, ...]) | ("ids", [[id, ...], ...]). Prompts are checked
+    row by row later (`_Rows`), so that a bad one can be a per-row error; the shape of the input
+    is checked here. Any sequence of strings is prompts: lists, tuples, NumPy unicode / object
+    arrays, pandas and Arrow string columns (duck-typed: neither library is imported)."""
     if isinstance(inputs, str):
-        return "text", [_check_prompt(inputs, None)]
+        return "text", [inputs]
+    if hasattr(inputs, "to_pylist") and not isinstance(inputs, (list, tuple, np.ndarray)):
+        inputs = inputs.to_pylist()          # an Arrow Array / ChunkedArray: str or None items
     if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
-        arr = np.asarray(inputs)
+        arr = np.asarray(inputs)             # pandas Series too (object / string dtypes)
+        if arr.dtype.kind in "UO":
+            return _string_array(arr)
+        if arr.dtype.kind == "S":            # bytes have no text until someone decodes them
+            raise InputError(f"inputs: an array of bytes (dtype {arr.dtype}): decode it to str "
+                             "first (for NumPy: arr.astype(str) after a decode)")
         if arr.ndim not in (1, 2) or arr.size == 0:
             raise InputError(f"inputs: expected a non-empty (batch, length) array of token ids, "
                              f"got shape {arr.shape}")
-        if not np.issubdtype(arr.dtype, np.integer):  # floats, bools, objects are no token ids
+        if not np.issubdtype(arr.dtype, np.integer):  # floats, bools are no token ids
             raise InputError(f"inputs: expected integer token ids, got dtype {arr.dtype}")
         return "ids", [list(r) for r in (arr[None] if arr.ndim == 1 else arr)]
+    if (isinstance(inputs, Sequence) and not isinstance(inputs, (list, tuple, bytes, bytearray))
+            and len(inputs) > 0):
+        inputs = list(inputs)                # any other sequence (collections.deque, UserList)
     if isinstance(inputs, (list, tuple)) and inputs:
-        if isinstance(inputs[0], str):   # prompts: every item must be one
-            return "texts", [_check_prompt(p, i) for i, p in enumerate(inputs)]
+        if _prompt_items(inputs):            # prompts: every item must be one (checked per row)
+            return "texts", list(inputs)
         if all(is_integer(t) for t in inputs):
             return "ids", [list(inputs)]
         for i, row in enumerate(inputs):  # rows of token ids: as_batch checks what they hold
@@ -119,9 +142,37 @@ def _normalise_inputs(inputs: Any) -> tuple[str, list]:
                      + (" (empty)" if isinstance(inputs, (list, tuple)) else ""))
 
 
-def _check_prompt(prompt: Any, i: int | None) -> str:
-    """A prompt string: valid Unicode (no lone surrogate) and not blank, or a one-line error."""
-    where = "inputs" if i is None else f"inputs: prompt {i}"
+def _prompt_items(items: Sequence) -> bool:
+    """Whether a list holds prompts: its first item is a string, or a missing value (None, NaN,
+    pandas' NA, as a string column with gaps has) followed somewhere by a string."""
+    first = items[0]
+    if isinstance(first, str):
+        return True
+    missing = first is None or isinstance(first, float) or type(first).__name__ in ("NAType", "NaTType")
+    return missing and any(isinstance(p, str) for p in items)
+
+
+def _string_array(arr: np.ndarray) -> tuple[str, list]:
+    """A NumPy unicode or object array (or what pandas gave np.asarray) -> prompts."""
+    if arr.ndim == 0:
+        item = arr.item()
+        if isinstance(item, str):
+            return "text", [item]
+        raise InputError(f"inputs: a 0-d array holding {type(item).__name__}: expected prompts")
+    if arr.ndim != 1 or arr.size == 0:
+        raise InputError(f"inputs: expected a non-empty 1-D array of prompts, got shape {arr.shape}")
+    items = arr.tolist()                     # Python str (not np.str_) for both dtypes
+    if arr.dtype.kind == "U" or _prompt_items(items):
+        return "texts", items
+    if all(isinstance(r, (list, tuple, np.ndarray)) for r in items):
+        return "ids", [list(r) for r in items]   # a ragged object array of token-id rows
+    raise InputError(f"inputs: an object array whose item 0 is {type(items[0]).__name__}: expected "
+                     "prompt strings (or token-id rows)")
+
+
+def _check_prompt(prompt: Any, where: str) -> str:
+    """A prompt string: valid Unicode (no lone surrogate) and not blank, or a one-line error
+    naming the row (`where`, e.g. "inputs: prompt 3")."""
     if not isinstance(prompt, str):
         raise InputError(f"{where} is {type(prompt).__name__}: expected every item to be a prompt "
                          "string (or every item a list of token ids)")
@@ -151,26 +202,231 @@ def need_tokenizer(model: DecodingModel, why: str) -> Any:
     return model.tokenizer
 
 
-def _prompt_ids(model: DecodingModel, kind: str, prompts: list, prefix: str, tok: Any) -> list[list[int]]:
-    if kind == "ids":
-        pre = tok.encode(prefix, add_eos=False) if prefix and tok is not None else []
-        return [pre + list(p) for p in prompts]
-    return [tok.encode(prefix + p, add_eos=model.add_eos_to_prompt) for p in prompts]
+# -- batching ---------------------------------------------------------------------------------------
+# Prompts read and sorted by length together: this many batches' worth (CTranslate2 reads
+# max_batch_size * 16 examples before it sorts and rebatches). Bounds both the memory a stream of
+# millions of prompts holds and how long the first output waits.
+SORT_WINDOW_BATCHES = 16
+# A Transformer-XL prompt up to this many tokens runs as one segment (transfo_xl/model.py:
+# PROMPT_CHUNK), a longer one in tgt_len segments; its memory plan is asked for no longer one.
+_XL_PROMPT_CALL = 512
 
 
-def _batches(model: DecodingModel, rows: list, attention_mask: Any) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One padded batch, or (decoder-only models, which cannot pad) one batch per length."""
-    if attention_mask is not None:
-        # the rows' ids are checked as lists first (errors name the row and position; a ragged
-        # or out-of-range list never reaches NumPy), then paired with the mask
-        ids, _ = model.batch(rows)
-        if len({len(r) for r in rows}) > 1:  # padding them would put a token under the mask
-            raise InputError("attention_mask: the token-id rows must have equal lengths "
-                             f"(got {sorted({len(r) for r in rows})})")
-        return [model.batch(ids, attention_mask)]
-    if model.is_encoder_decoder or len({len(r) for r in rows}) <= 1:
-        return [model.batch(rows)]
-    return [model.batch([r]) for r in rows]
+class BadRow:
+    """An input row its reader already found unusable (invalid JSON, a missing field, bad UTF-8),
+    with the one-line reason naming it. `run_iter` returns it in its place as a failed Result, so
+    that there is still one output per input row."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def __repr__(self) -> str:
+        return f"BadRow({self.error!r})"
+
+
+def _failed(error: BaseException | str) -> list[Result]:
+    return [Result(None, [], "error", 0, 0, error=str(error))]
+
+
+def plan_batches(lengths: Sequence[int], max_rows: Callable[[int], int],
+                 exact_length: bool = False) -> list[list[int]]:
+    """Row indices grouped into batches (pure). Rows are taken shortest first (a stable sort), so
+    a batch pads its rows to similar lengths; a batch grows while `max_rows(its longest length)`
+    allows (>= 1 for every length given) and, when `exact_length` (a decoder-only model cannot
+    pad), only over one length. Each batch lists its rows in input order, so a call that fits in
+    one batch runs exactly as it was given."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if current and (len(current) + 1 > max_rows(n)
+                        or (exact_length and lengths[current[0]] != n)):
+            batches.append(sorted(current))
+            current = []
+        current.append(i)
+    if current:
+        batches.append(sorted(current))
+    return batches
+
+
+class BatchPlanner:
+    """How many prompts of a given token length may share a batch: `max_batch_size` at most, and
+    no more than the model's memory plan (`model.plan(rows, input_len, max_new_tokens)["peak"]`,
+    every row's decode state sized for max_new_tokens, times beams or samples per prompt) lets fit
+    in what the arena has free when the planner is made. Models without `plan` (test doubles of
+    the decoding protocol) are bounded by max_batch_size alone."""
+
+    def __init__(self, model: DecodingModel, max_new_tokens: int, repeat: int, max_batch_size: int):
+        self.plan = getattr(model, "plan", None)
+        self.arena = getattr(getattr(model, "backend", None), "arena", None)
+        self.available = (self.arena.available if self.arena is not None and self.plan is not None
+                          else None)
+        self.enc_dec = bool(model.is_encoder_decoder)
+        self.max_new_tokens, self.repeat, self.max_batch_size = max_new_tokens, repeat, max_batch_size
+        self._rows: dict[int, int] = {}
+
+    def peak(self, batch: int, length: int) -> int:
+        n = length if self.enc_dec else min(length, _XL_PROMPT_CALL)
+        return int(self.plan(batch * self.repeat, n, self.max_new_tokens)["peak"])
+
+    def max_rows(self, length: int) -> int:
+        """The most prompts of this length in one batch (0: not even one fits)."""
+        if self.available is None:
+            return self.max_batch_size
+        if length not in self._rows:   # the peak grows with the batch: binary search, once
+            lo, hi = 0, self.max_batch_size
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.peak(mid, length) <= self.available:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._rows[length] = lo
+        return self._rows[length]
+
+    def too_big(self, length: int, where: str) -> ArenaExhausted | None:
+        """The error of a prompt that cannot run even alone, naming the bytes; else None."""
+        if self.max_rows(length) > 0:
+            return None
+        return ArenaExhausted(getattr(self.arena, "name", "arena"), self.peak(1, length),
+                              self.available, self.arena.capacity,
+                              f"{where} ({length} prompt tokens, up to {self.max_new_tokens} new "
+                              f"tokens{f' x {self.repeat} rows' if self.repeat > 1 else ''})")
+
+
+class _Call:
+    """What one call settles before any row runs (options, task prefix, tokenizer, one random
+    generator for all its batches) and how its rows are prepared and decoded."""
+
+    def __init__(self, model: DecodingModel, task: str | None, options: dict):
+        self.batching, options = split_batch_options(options)
+        self.opts, self.prefix = resolve_options(model, task, **options)
+        self.model = model
+        self.kind = "texts"
+        self.tok = model.tokenizer
+        o = self.opts
+        self.repeat = o.num_beams if o.num_beams > 1 else o.num_return_sequences
+        # one generator for the whole call: batches continue its stream instead of each
+        # restarting from the seed (which would give rows of different batches the same draws)
+        self.rng = np.random.default_rng(o.seed) if o.do_sample else None
+        self.eos = set(model.token_ids.eos)
+
+    def set_kind(self, kind: str) -> None:
+        """The input's kind ("text", "texts" or "ids"), once its shape has been checked: text,
+        and stop strings, need the tokenizer."""
+        self.kind = kind
+        if self.kind != "ids" or self.opts.stop:
+            self.tok = need_tokenizer(self.model, "text input" if self.kind != "ids" else "stop strings")
+        # token-id rows get the task's prefix as ids (text rows as text, before tokenizing)
+        self.prefix_ids = (self.tok.encode(self.prefix, add_eos=False)
+                           if kind == "ids" and self.prefix and self.tok is not None else [])
+
+    def planner(self) -> BatchPlanner:
+        return BatchPlanner(self.model, self.opts.max_new_tokens, self.repeat,
+                            self.batching.max_batch_size)
+
+    # -- rows -> token ids, or why not ---------------------------------------------------------------
+    def prepare(self, items: Sequence, name: Callable[[int], str],
+                planner: BatchPlanner) -> list[list[int] | MinferError]:
+        """Each row's prompt token ids (task prefix, `</s>` as the family declares, truncated
+        when asked), or the error that keeps it from running, naming it."""
+        rows: list[Any] = [self._check(item, i, name(i)) for i, item in enumerate(items)]
+        if self.kind != "ids":   # one tokenizer call for the rows that passed
+            todo = [i for i, r in enumerate(rows) if isinstance(r, str)]
+            texts = [self.prefix + rows[i] for i in todo]
+            encoded = self.tok.encode_batch(texts, add_eos=self.model.add_eos_to_prompt) if texts else []
+            for i, ids in zip(todo, encoded):
+                rows[i] = ids
+        for i, row in enumerate(rows):
+            if isinstance(row, list):
+                rows[i] = self._fit(row, name(i), planner)
+        return rows
+
+    def _check(self, item: Any, i: int, where: str) -> Any:
+        """A prompt string (texts), checked token ids (ids), or the row's error."""
+        if isinstance(item, BadRow):
+            return InputError(item.error)
+        if self.kind != "ids":
+            try:
+                return _check_prompt(item, where)
+            except InputError as e:
+                return e
+        try:
+            self.model.batch([item])   # validated alone; as_batch names it "row 0": renamed
+        except InputError as e:
+            return InputError(re.sub(r"\brow 0\b", f"row {i}", str(e), count=1))
+        return self.prefix_ids + list(item)
+
+    def _fit(self, ids: list[int], where: str, planner: BatchPlanner) -> list[int] | MinferError:
+        limit = self.batching.max_input_tokens
+        if limit is not None and len(ids) > limit:
+            if not self.batching.truncation:
+                return InputError(f"{where}: {len(ids)} tokens, more than max_input_tokens {limit} "
+                                  "(truncation=True, or --truncate, cuts it)")
+            ids = self._truncate(ids, limit)
+        return planner.too_big(len(ids), where) or ids
+
+    def _truncate(self, ids: list[int], limit: int) -> list[int]:
+        """Encoder-decoder: keep the start (HF's truncation side), and the closing `</s>` the
+        family appends; decoder-only: keep the end, which the generated text continues."""
+        if not self.model.is_encoder_decoder:
+            return ids[len(ids) - limit:]
+        if self.model.add_eos_to_prompt and ids[-1] in self.eos and limit > 1:
+            return ids[:limit - 1] + ids[-1:]
+        return ids[:limit]
+
+    # -- token ids -> results ------------------------------------------------------------------------
+    def decode(self, rows: list, name: Callable[[int], str], planner: BatchPlanner, *,
+               isolate: bool, batch_of: Callable[[list[int]], tuple] | None = None,
+               on_batch: Callable[[int, int], None] | None = None) -> list[list[Result]]:
+        """Results of prepared rows in their order: a failed row is one Result with `error`.
+        Rows are batched by `plan_batches` (by length, bounded by the planner);
+        `batch_of(row indices)` makes a batch (default: pad the rows' ids)."""
+        batch_of = batch_of or (lambda sel: self.model.batch([rows[i] for i in sel]))
+        out: list[Any] = [None] * len(rows)
+        good = []
+        for i, row in enumerate(rows):
+            if isinstance(row, BaseException):
+                out[i] = _failed(row)
+            else:
+                good.append(i)
+        if on_batch is not None and len(good) < len(rows):
+            on_batch(len(rows) - len(good), 0)   # rows that failed before running count as done
+        lengths = [len(rows[i]) for i in good]
+        for batch in plan_batches(lengths, planner.max_rows, not self.model.is_encoder_decoder):
+            sel = [good[j] for j in batch]
+            results = self._decode(sel, batch_of, name, isolate)
+            for i, res in zip(sel, results):
+                out[i] = res
+            if on_batch is not None:
+                on_batch(len(sel), sum(r.new_tokens for res in results for r in res))
+        return out
+
+    def _decode(self, sel: list[int], batch_of: Callable, name: Callable[[int], str],
+                isolate: bool) -> list[list[Result]]:
+        """One batch. The plan bounds what a batch needs, but the arena can have less by now
+        (another user of it) or a family more than it plans: a batch that runs out is halved.
+        With `isolate`, a batch that fails otherwise is halved too, until only the row that
+        fails is an error; without, the error propagates (as it always did)."""
+        try:
+            ids, mask = batch_of(sel)
+            t0 = time.perf_counter()
+            results = _run_batch(self.model, ids, mask, self.opts, self.tok, self.rng)
+        except MinferError as e:
+            if len(sel) > 1 and (isolate or isinstance(e, ArenaExhausted)):
+                half = len(sel) // 2
+                return (self._decode(sel[:half], batch_of, name, isolate)
+                        + self._decode(sel[half:], batch_of, name, isolate))
+            if isolate:
+                return [_failed(f"{name(sel[0])}: {e}")]
+            raise
+        seconds = time.perf_counter() - t0
+        for row in results:
+            for r in row:
+                r.seconds = seconds
+        return results
 
 
 def _finish(model: DecodingModel, h: Hypothesis, text: str | None, reason: str, prompt_len: int,
@@ -180,14 +436,14 @@ def _finish(model: DecodingModel, h: Hypothesis, text: str | None, reason: str, 
 
 
 def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: GenerationOptions,
-               tok: Any) -> list[list[Result]]:
+               tok: Any, rng: np.random.Generator | None = None) -> list[list[Result]]:
     eos = set(model.token_ids.eos)
     n = opts.num_return_sequences
     prompt_lens = mask.sum(axis=1)
     enc_dec = model.is_encoder_decoder
     if opts.num_beams > 1:
         results = []
-        for i, hyps in enumerate(beam_search(model, ids, mask, opts)):
+        for i, hyps in enumerate(beam_search(model, ids, mask, opts, rng)):
             row = []
             for h in hyps:
                 text, reason = None, h.finish_reason
@@ -202,7 +458,7 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
     texts = [_RowText(tok, opts.stop, eos) for _ in hyps] if tok is not None else None
     stopped: set[int] = set()
     info: dict = {}
-    for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, stopped=stopped,
+    for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, rng, stopped=stopped,
                                                      info=info, repeat=n)):
         if step == 0:
             for h, first in zip(hyps, info["first"]):
@@ -230,52 +486,115 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
 
 
 def run(model: DecodingModel, inputs: Any, *, task: str | None = None, attention_mask: Any = None,
-        **options: Any) -> tuple[str, list[list[Result]]]:
-    """Decode every prompt; returns the input kind and per prompt its list of results."""
-    opts, prefix = resolve_options(model, task, **options)
+        row_errors: bool = False, **options: Any) -> tuple[str, list[list[Result]]]:
+    """Decode every prompt; returns the input kind and per prompt its list of results.
+
+    Prompts run in batches of at most `max_batch_size` that the memory plan lets fit, grouped by
+    token length, and come back in input order. A row that cannot run (not a string, blank,
+    longer than max_input_tokens without truncation, too big for the arena even alone): with
+    `row_errors`, one Result with `error` set in its place, the other rows decoded; without, the
+    first such row's error is raised before anything is decoded."""
+    call = _Call(model, task, options)
     kind, prompts = _normalise_inputs(inputs)
-    if attention_mask is not None and kind != "ids":
-        raise InputError("attention_mask: pass it only with token ids (text prompts make their own)")
-    tok = model.tokenizer
-    if kind != "ids" or opts.stop:
-        tok = need_tokenizer(model, "text input" if kind != "ids" else "stop strings")
-    rows = _prompt_ids(model, kind, prompts, prefix, tok)
-    results: list[list[Result]] = []
-    for ids, mask in _batches(model, rows, attention_mask):
-        t0 = time.perf_counter()
-        batch_results = _run_batch(model, ids, mask, opts, tok)
-        seconds = time.perf_counter() - t0
-        for row in batch_results:
-            for r in row:
-                r.seconds = seconds
-        results += batch_results
-    return kind, results
+    name = _row_names(kind)
+    if not row_errors and kind != "ids":   # a bad prompt is named before anything else is asked
+        for i, p in enumerate(prompts):
+            _check_prompt(p, name(i))
+    batch_of = None
+    if attention_mask is not None:
+        if kind != "ids":
+            raise InputError("attention_mask: pass it only with token ids (text prompts make their own)")
+        if call.batching.truncation:
+            raise InputError("truncation does not combine with attention_mask: cut the ids and "
+                             "the mask together first")
+        if call.prefix:   # the prefix's ids would need mask columns the caller did not give
+            raise InputError("task: its prompt prefix does not combine with attention_mask")
+        # the rows' ids are checked as lists first (errors name the row and position; a ragged
+        # or out-of-range list never reaches NumPy), then paired with the mask
+        ids, _ = model.batch(prompts)
+        if len({len(r) for r in prompts}) > 1:  # padding them would put a token under the mask
+            raise InputError("attention_mask: the token-id rows must have equal lengths "
+                             f"(got {sorted({len(r) for r in prompts})})")
+        ids, mask = model.batch(ids, attention_mask)
+        batch_of = lambda sel: (ids[sel], mask[sel])   # noqa: E731
+    call.set_kind(kind)
+    planner = call.planner()
+    rows = call.prepare(prompts, name, planner)
+    if not row_errors:
+        bad = next((r for r in rows if isinstance(r, BaseException)), None)
+        if bad is not None:
+            raise bad
+    return kind, call.decode(rows, name, planner, isolate=row_errors, batch_of=batch_of)
+
+
+def _row_names(kind: str) -> Callable[[int], str]:
+    """How errors name row i of an input of this kind."""
+    if kind == "ids":
+        return lambda i: f"input_ids: row {i}"
+    return (lambda i: "inputs") if kind == "text" else (lambda i: f"inputs: prompt {i}")
+
+
+def run_iter(model: DecodingModel, prompts: Iterable[Any], *, task: str | None = None,
+             name_row: Callable[[int], str] | None = None,
+             on_batch: Callable[[int, int], None] | None = None,
+             **options: Any) -> Iterator[list[Result]]:
+    """Decode any number of prompts in bounded memory: per prompt, in input order, its list of
+    Results; a row that cannot run (a `BadRow` from the reader, a non-string, a blank or
+    over-long prompt, a batch failure isolated to it) is one Result with `error` set, and the
+    rest carry on. Prompts are read `max_batch_size * SORT_WINDOW_BATCHES` at a time, grouped by
+    length within that window, and the window's results are yielded before the next is read.
+    `name_row(i)` names row i in errors (default "inputs: prompt i"); `on_batch(prompts,
+    new_tokens)` is called after each batch (progress). Options and the tokenizer are checked
+    now, not at the first `next()`."""
+    call = _Call(model, task, options)
+    call.set_kind("texts")
+    name_row = name_row or (lambda i: f"inputs: prompt {i}")
+    return _run_windows(call, iter(prompts), name_row, on_batch)
+
+
+def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], str],
+                 on_batch: Callable[[int, int], None] | None) -> Iterator[list[Result]]:
+    window = call.batching.max_batch_size * SORT_WINDOW_BATCHES
+    start = 0
+    while True:
+        items = list(itertools.islice(prompts, window))
+        if not items:
+            return
+        name = (lambda base: lambda i: name_row(base + i))(start)
+        planner = call.planner()   # what the arena has free now
+        rows = call.prepare(items, name, planner)
+        yield from call.decode(rows, name, planner, isolate=True, on_batch=on_batch)
+        start += len(items)
 
 
 def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **options: Any) -> Iterator[Any]:
     """Text pieces (or token ids, for token-id input) as they are decided, for one prompt.
     Beam search cannot know its result before the end: it yields the final text once.
     Closing the iterator stops decoding and releases its arena memory. Inputs are checked now,
-    not at the first `next()`."""
-    opts, prefix = resolve_options(model, task, **options)
+    not at the first `next()`: a prompt longer than max_input_tokens (without truncation) or
+    too big for the arena is refused before anything runs."""
+    call = _Call(model, task, options)
     kind, prompts = _normalise_inputs(inputs)
     if len(prompts) != 1:
         raise InputError(f"stream=True takes one prompt, got {len(prompts)}")
-    if opts.num_return_sequences != 1:
+    if call.opts.num_return_sequences != 1:
         raise InputError("stream=True returns one sequence: num_return_sequences must be 1")
-    tok = model.tokenizer
-    if kind != "ids" or opts.stop:
-        tok = need_tokenizer(model, "text input" if kind != "ids" else "stop strings")
-    rows = _prompt_ids(model, kind, prompts, prefix, tok)
-    if opts.num_beams > 1:
-        return _stream_beam(model, rows, kind, opts, tok)
-    ids, mask = model.batch(rows)
-    return stream_tokens(model, ids, mask, kind, opts, tok)
+    if kind != "ids":
+        _check_prompt(prompts[0], _row_names(kind)(0))
+    call.set_kind(kind)
+    [row] = call.prepare(prompts, _row_names(kind), call.planner())
+    if isinstance(row, BaseException):
+        raise row
+    if call.opts.num_beams > 1:
+        return _stream_beam(model, [row], kind, call.opts, call.tok, call.rng)
+    ids, mask = model.batch([row])
+    return stream_tokens(model, ids, mask, kind, call.opts, call.tok)
 
 
-def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOptions, tok: Any) -> Iterator[Any]:
+def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOptions, tok: Any,
+                 rng: np.random.Generator | None) -> Iterator[Any]:
     ids, mask = model.batch(rows)
-    r = _run_batch(model, ids, mask, opts, tok)[0][0]
+    r = _run_batch(model, ids, mask, opts, tok, rng)[0][0]
     if kind != "ids":
         yield r.text
     else:
@@ -316,7 +635,14 @@ def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind:
 
 def generate(model: DecodingModel, inputs: Any, *, stream_output: bool = False, task: str | None = None,
              return_details: bool = False, attention_mask: Any = None, **options: Any) -> Any:
-    """The public generate(): see `T5Model.generate`."""
+    """The public generate(): see `Model.generate` (models/base.py). Besides the generation
+    options it takes the batching ones (options.BatchOptions): `max_batch_size` (prompts per
+    batch, default 32; the memory plan may allow fewer), `max_input_tokens` and `truncation`.
+    A list of any length runs in batches grouped by token length and comes back in input order.
+    A row that cannot run (not a string, blank, over max_input_tokens without truncation, too
+    big for the arena even alone) makes plain generate raise, naming the row, before anything
+    is decoded (as HF pipelines raise); with return_details=True it is a Result whose `error`
+    says why (text None, finish_reason "error") and the other rows are decoded."""
     for name, value in (("stream", stream_output), ("return_details", return_details)):
         if not isinstance(value, (bool, np.bool_)):  # "no" would be truthy: a silent stream
             raise InputError(f"{name} must be true or false (a bool), got {value!r:.40}")
@@ -324,7 +650,10 @@ def generate(model: DecodingModel, inputs: Any, *, stream_output: bool = False, 
         if return_details or attention_mask is not None:
             raise InputError("stream=True does not combine with return_details or attention_mask")
         return stream(model, inputs, task=task, **options)
-    kind, results = run(model, inputs, task=task, attention_mask=attention_mask, **options)
+    # per-row errors: plain generate raises the first (naming its row) before decoding anything,
+    # as HF pipelines raise; with return_details a failed row is a Result with `error` set
+    kind, results = run(model, inputs, task=task, attention_mask=attention_mask,
+                        row_errors=return_details, **options)
     if return_details:
         return results
     if kind == "ids":
