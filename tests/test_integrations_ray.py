@@ -99,6 +99,7 @@ def test_several_sequences_per_row_are_lists(model):
     ({"stream": True}, ConfigError, "'stream'"),
     ({"column": "x", "output_column": "x"}, ConfigError, "columns must differ"),
     ({"load_options": {"dtype": "int8"}}, ConfigError, "load_options"),
+    ({"num_threads": None, "load_options": {"num_threads": 2}}, ConfigError, "num_threads"),
 ])
 def test_bad_settings_fail_the_actor_at_once(model, kwargs, exc, needle):
     with pytest.raises(exc, match=needle):

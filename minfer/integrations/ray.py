@@ -79,6 +79,8 @@ class MinferPredictor:
             if name in generate_options:
                 raise ConfigError(f"MinferPredictor: {name!r} is not a generate option here "
                                   "(the class returns details per row itself)")
+        if "num_threads" in (load_options or {}):
+            raise ConfigError("MinferPredictor: pass num_threads itself, not in load_options")
         self.num_threads = num_threads if num_threads is not None else (actor_cpus() or 1)
         if isinstance(model, (str, os.PathLike)):
             from .. import load
@@ -159,7 +161,7 @@ def _column(batch: Any, name: str) -> list[Any]:
         if name not in batch:
             raise ConfigError(f"MinferPredictor: the batch has no column {name!r} "
                               f"(columns: {', '.join(map(str, batch)) or 'none'})")
-        return np.asarray(batch[name], dtype=object).tolist() if np.ndim(batch[name]) else []
+        return list(batch[name])
     columns = getattr(batch, "column_names", None)  # pyarrow.Table
     if columns is None and hasattr(batch, "columns") and hasattr(batch, "assign"):  # pandas
         columns = list(batch.columns)
