@@ -6,6 +6,8 @@ docs/architecture.md for how a token travels from the CLI to the logits.
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,18 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         small even for streaming is refused up front with the minimum that would work.
     num_threads: threads of the CPU kernels and BLAS (default: the cores this process may use).
     revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
+
+    The model keeps these arguments as `model.load_recipe` (a local folder made absolute; never
+    the token) and pickles as that recipe, a few hundred bytes: unpickling calls `load` again, so
+    Ray or Dask workers load their own copy (from a shared folder, or from the hub with their own
+    HF_TOKEN).
     """
     recorder = options.pop("_recorder", None)  # scheduling events, for tests
     if options:
         raise ConfigError(f"load(): unknown option {sorted(options)[0]!r}")
+    recipe = _recipe(model, device=device, dtype=dtype, workspace=workspace,
+                     memory_limit=memory_limit, num_threads=num_threads, revision=revision,
+                     offline=offline, cache_dir=cache_dir)
     from .hub import resolve_model
     from .tokenizer import load_tokenizer
     folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
@@ -69,7 +79,22 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     be = make_backend(device, dtype, workspace, memory_limit)
     be.num_threads = set_threads(num_threads)
     tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
-    return family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)
+    loaded = family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)
+    if recorder is None:
+        loaded._reload_call = functools.partial(load, **recipe)  # what the model pickles as
+    else:
+        loaded._no_reload_reason = "it was loaded with the private _recorder option (test events)"
+    return loaded
+
+
+def _recipe(model: Any, **arguments: Any) -> dict[str, Any]:
+    """The arguments of `load` that rebuild this model elsewhere: the name as given, or a local
+    folder as an absolute path (another process may run in another working directory); no token
+    (the other side authenticates with its own HF_TOKEN)."""
+    text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
+    if isinstance(text, str) and text.strip() and Path(text).expanduser().is_dir():
+        text = os.path.abspath(Path(text).expanduser())
+    return {"model": text, **arguments}
 
 
 def _stored_format(ckpt: Checkpoint) -> str | None:

@@ -240,3 +240,35 @@ def test_score_and_sessions_check_their_token_ids(xl_models, bad, needle):
 def test_score_refuses_a_bad_segment_length(xl_models, segment_len):
     with pytest.raises(InputError, match="segment_len must be a positive integer"):
         xl_models("adaptive_div4").score([3, 4, 5, 6], segment_len=segment_len)
+
+
+def _long_recall_prompt(n_tokens: int = 4000) -> tuple[str, str]:
+    """Held-out recall texts joined into an n-token prompt that ends asking for the last one's
+    key (stated a few tokens before the end: inside the memory window)."""
+    import json
+    rows = [json.loads(line) for line in
+            (ROOT / "weights" / "tiny-xl-recall" / "heldout.jsonl").read_text().splitlines()]
+    words = [w for r in rows[:-1] for w in r["text"].split()]
+    last = rows[-1]
+    ask = last["text"].split()[:last["ask_position"] + 1]
+    assert len(words) + len(ask) >= n_tokens
+    return " ".join(words[:n_tokens - len(ask)] + ask), last["answer"]
+
+
+def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
+    # start_decoding gives each prompt segment's scratch back before the next (as score does):
+    # a 4,000-token prompt fits the arena of one segment plus the memory. Before, every
+    # segment's scratch stayed until the prompt ended: this failed under a 16 MiB limit.
+    folder = ROOT / "weights" / "tiny-xl-recall"
+    prompt, answer = _long_recall_prompt()
+    model = minfer.load(folder)
+    assert len(model.tokenizer.encode(prompt, add_eos=False)) == 4000
+    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+    assert want.text.split()[0] == answer
+    peak = model.plan(1)["peak"]  # the segment memory + one tgt_len segment's scratch
+    for opts in ({"memory_limit": "16MiB"}, {"workspace": peak}):
+        with minfer.load(folder, **opts) as small:
+            before = small.backend.arena.used  # resident weights under a limit, else nothing
+            got = small.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+            assert got.token_ids == want.token_ids, opts
+            assert small.backend.arena.used == before

@@ -11,6 +11,7 @@ params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the contex
 
 from __future__ import annotations
 
+import pickle
 import threading
 from typing import Any, ClassVar
 
@@ -31,6 +32,14 @@ class Model(OwnsWeights, DecodingModel):
     """A loaded model: config, parameters placed on a backend, tokenizer, and the public API."""
 
     spec: ClassVar[Family]  # the family's declaration
+
+    # Pickling: `minfer.load` sets `_reload_call`, itself with its arguments (functools.partial).
+    # A model pickles as that call, a few hundred bytes, and unpickling loads it again; never its
+    # weights and arena (cloudpickle wrote 2.1 GB for a small model: the untouched 1 GiB arena,
+    # twice). A model built another way has no such call and refuses to pickle, saying why.
+    _reload_call: Any = None
+    _no_reload_reason: str = ("it was not made by minfer.load (built from in-memory objects), "
+                              "so there are no load arguments to send")
 
     def __init__(self, config: Any, params: dict, backend: Backend, folder: str,
                  hf_config: dict | None = None, generation_config: dict | None = None,
@@ -136,6 +145,18 @@ class Model(OwnsWeights, DecodingModel):
         from ..generation import generate
         return generate(self, inputs, stream_output=stream, task=task,
                         return_details=return_details, attention_mask=attention_mask, **options)
+
+    # -- pickling -------------------------------------------------------------------------------------
+    @property
+    def load_recipe(self) -> dict[str, Any] | None:
+        """The `minfer.load` arguments this model pickles as (None: it cannot be pickled)."""
+        return None if self._reload_call is None else dict(self._reload_call.keywords)
+
+    def __reduce__(self) -> tuple:
+        if self._reload_call is None:
+            raise pickle.PicklingError(f"{type(self).__name__} from {self.folder} cannot be "
+                                       f"pickled: {self._no_reload_reason}")
+        return self._reload_call, ()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.folder!r}, {self.config.summary()}, "

@@ -192,9 +192,10 @@ class XLModel(Model):
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                        max_len: int, repeat: int = 1,
                        memory: SegmentMemory | None = None) -> Iterator[XLDecodeState]:
-        """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments) and yield
-        the state the generation loops step, B * repeat rows (row i * repeat + j continues
-        prompt i). A memory passed in (a session's) is continued."""
+        """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments, each
+        segment's scratch given back before the next) and yield the state the generation loops
+        step, B * repeat rows (row i * repeat + j continues prompt i). A memory passed in (a
+        session's) is continued."""
         ids, _ = self.batch(input_ids, attention_mask)
         B = ids.shape[0]
         own = memory is None
@@ -207,13 +208,16 @@ class XLModel(Model):
             P = ids.shape[1]
             chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
             be, cfg, params = self.backend, self.config, self.params
-            with self.lock, be.arena.scope():
-                for start in range(0, P, chunk):
+            for start in range(0, P, chunk):
+                # each segment's scratch goes back before the next one (as in `score`): a prompt
+                # of any length runs in one segment's arena plus the memory
+                with self.lock, be.arena.scope():
                     part = ids[:, start:start + chunk]
                     h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
                     memory.advance(part.shape[1])
-                first = np.asarray(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
-                                   np.float32)                                   # (B, V)
+                    if start + chunk >= P:  # the last segment: its last position's log-probs
+                        first = np.array(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
+                                         np.float32)                             # (B, V)
             spread = np.repeat(np.arange(B), repeat)
             if repeat > 1:
                 with self.lock:

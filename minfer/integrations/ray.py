@@ -1,0 +1,196 @@
+"""Ray Data: generate over a dataset with a pool of actors, each loading the model once.
+
+    import ray, minfer.integrations.ray as mr
+    ds = ray.data.read_json("prompts.jsonl")
+    ds = ds.map_batches(mr.MinferPredictor, fn_constructor_kwargs={"model": "t5-small",
+                        "column": "prompt", "max_new_tokens": 64}, batch_size=32,
+                        compute=ray.data.ActorPoolStrategy(size=4), num_cpus=2)
+    ds.write_parquet("out/")
+
+`MinferPredictor` reads the text column, adds the generated text column, `finish_reason` and
+`error`: a row minfer refuses (an empty prompt, a lone surrogate, a prompt too long for the
+arena) gets its one-line message in `error` and None in the others, and the rest of the batch
+runs on; the batch never fails on a row. Threads: by default as many as the CPUs Ray gave the
+actor (`num_cpus=` of map_batches; 1 when unknown), so actors on one node do not oversubscribe it.
+
+Ray itself is imported only to ask for the actor's CPUs: the class also runs without Ray, on a
+dict of NumPy arrays, a pandas DataFrame or a pyarrow Table.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, MinferError
+from ..generation.options import resolve_options
+from ..kernels import set_threads
+
+__all__ = ["MinferPredictor", "actor_cpus"]
+
+# generate() arguments the class sets itself
+_RESERVED = ("stream", "return_details", "attention_mask")
+
+
+def actor_cpus() -> int | None:
+    """Whole CPUs Ray assigned to the current actor or task (None outside Ray, or when Ray did
+    not say)."""
+    try:
+        import ray
+        if not ray.is_initialized():
+            return None
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
+    except Exception:  # Ray missing, or not inside a worker
+        return None
+    return max(1, int(cpus)) if cpus else None
+
+
+class MinferPredictor:
+    """A callable class for `Dataset.map_batches(MinferPredictor, compute=ActorPoolStrategy(...),
+    fn_constructor_kwargs={...})`: the model is loaded once per actor, in `__init__`.
+
+    model: a hub name or a folder (loaded here with `load_options`), or a loaded model (it
+        pickles as its load recipe and is loaded again inside each actor).
+    column: the text column to read; output_column: the generated text column to add (with
+        num_return_sequences n > 1 each row holds a list of n texts, and `finish_reason` a list).
+    num_threads: CPU threads for the kernels and BLAS inside the actor (default: the CPUs Ray
+        assigned to it, else 1).
+    load_options: more `minfer.load` arguments (device, dtype, workspace, memory_limit, revision,
+        offline, cache_dir), for a name or folder.
+    generate_options: `generate` options (max_new_tokens, num_beams, stop, task, seed, ...),
+        checked here: a bad option fails the actor at once, not every row.
+    """
+
+    def __init__(self, model: Any, column: str = "text", output_column: str = "generated", *,
+                 num_threads: int | None = None, load_options: dict[str, Any] | None = None,
+                 finish_column: str = "finish_reason", error_column: str = "error",
+                 **generate_options: Any):
+        names = {"column": column, "output_column": output_column, "finish_column": finish_column,
+                 "error_column": error_column}
+        for what, name in names.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"MinferPredictor: {what} must be a non-empty string, got {name!r}")
+        if len({output_column, finish_column, error_column, column}) != 4:
+            raise ConfigError(f"MinferPredictor: the columns must differ, got {names}")
+        for name in _RESERVED:
+            if name in generate_options:
+                raise ConfigError(f"MinferPredictor: {name!r} is not a generate option here "
+                                  "(the class returns details per row itself)")
+        if "num_threads" in (load_options or {}):
+            raise ConfigError("MinferPredictor: pass num_threads itself, not in load_options")
+        self.num_threads = num_threads if num_threads is not None else (actor_cpus() or 1)
+        if isinstance(model, (str, os.PathLike)):
+            from .. import load
+            model = load(model, **{**(load_options or {}), "num_threads": self.num_threads})
+        elif load_options:
+            raise ConfigError("MinferPredictor: load_options apply to a model name or folder, "
+                              "not to a loaded model")
+        elif not hasattr(model, "generate"):
+            raise ConfigError(f"MinferPredictor: model must be a name, a folder or a loaded "
+                              f"minfer model, got {type(model).__name__}")
+        self.model = model
+        self.column, self.output_column = column, output_column
+        self.finish_column, self.error_column = finish_column, error_column
+        self.generate_options = generate_options
+        opts, _ = resolve_options(model, **generate_options)  # unknown or bad options: fail now
+        self.sequences = opts.num_return_sequences
+        self._lock = threading.Lock()      # one batch at a time per actor
+        self._threads_set_in: set[int] = set()
+        self._use_threads()
+
+    def _use_threads(self) -> None:
+        """numba's thread count is kept per calling thread: set it in each thread that runs."""
+        me = threading.get_ident()
+        if me not in self._threads_set_in:
+            self.model.backend.num_threads = set_threads(self.num_threads)
+            self._threads_set_in.add(me)
+
+    # -- one batch ------------------------------------------------------------------------------------
+    def __call__(self, batch: Any) -> Any:
+        """A dict of NumPy arrays, a pandas DataFrame or a pyarrow Table -> the same kind, with
+        the output, finish_reason and error columns added."""
+        values = _column(batch, self.column)
+        n = len(values)
+        texts: list[Any] = [None] * n
+        finish: list[Any] = [None] * n
+        errors: list[str | None] = [None] * n
+        prompts: dict[int, str] = {}
+        for i, v in enumerate(values):
+            if isinstance(v, str):
+                prompts[i] = str(v)  # numpy's str_ -> str
+            else:
+                errors[i] = (f"InputError: column {self.column!r}: expected a string, got "
+                             f"{type(v).__name__}" + (f" {v!r:.40}" if v is not None else ""))
+        with self._lock:
+            self._use_threads()
+            self._generate(list(prompts), prompts, texts, finish, errors)
+        if self.sequences == 1:
+            texts = [t[0] if t is not None else None for t in texts]
+            finish = [f[0] if f is not None else None for f in finish]
+        return _with_columns(batch, {self.output_column: texts, self.finish_column: finish,
+                                     self.error_column: errors})
+
+    def _generate(self, rows: list[int], prompts: dict[int, str], texts: list, finish: list,
+                  errors: list) -> None:
+        """Generate `rows` as one call; if minfer refuses it, split it in halves until each
+        refusal is pinned to its row (a batch with one bad row costs ~2 log2(B) calls)."""
+        if not rows:
+            return
+        try:
+            results = self.model.generate([prompts[i] for i in rows], return_details=True,
+                                          **self.generate_options)
+        except MinferError as e:
+            if len(rows) == 1:  # (the call's own prompt index means nothing to the row)
+                errors[rows[0]] = f"{type(e).__name__}: {str(e).removeprefix('inputs: prompt 0: ')}"
+                return
+            half = len(rows) // 2
+            self._generate(rows[:half], prompts, texts, finish, errors)
+            self._generate(rows[half:], prompts, texts, finish, errors)
+            return
+        for i, row in zip(rows, results):
+            texts[i] = [r.text for r in row]
+            finish[i] = [r.finish_reason for r in row]
+
+
+def _column(batch: Any, name: str) -> list[Any]:
+    """The values of column `name` as Python objects."""
+    if isinstance(batch, dict):
+        if name not in batch:
+            raise ConfigError(f"MinferPredictor: the batch has no column {name!r} "
+                              f"(columns: {', '.join(map(str, batch)) or 'none'})")
+        return list(batch[name])
+    columns = getattr(batch, "column_names", None)  # pyarrow.Table
+    if columns is None and hasattr(batch, "columns") and hasattr(batch, "assign"):  # pandas
+        columns = list(batch.columns)
+    if columns is None:
+        raise ConfigError(f"MinferPredictor: expected a batch as a dict of arrays, a pandas "
+                          f"DataFrame or a pyarrow Table, got {type(batch).__name__}")
+    if name not in columns:
+        raise ConfigError(f"MinferPredictor: the batch has no column {name!r} "
+                          f"(columns: {', '.join(map(str, columns)) or 'none'})")
+    if hasattr(batch, "column_names"):
+        return batch.column(name).to_pylist()
+    return batch[name].tolist()
+
+
+def _with_columns(batch: Any, new: dict[str, list]) -> Any:
+    """The batch, of the same kind, with `new` columns added (or replaced)."""
+    if isinstance(batch, dict):
+        out = dict(batch)
+        for name, values in new.items():
+            col = np.empty(len(values), dtype=object)  # None where a row failed
+            for i, v in enumerate(values):             # (a list per row stays one cell)
+                col[i] = v
+            out[name] = col
+        return out
+    if hasattr(batch, "column_names"):  # pyarrow.Table
+        import pyarrow as pa
+        for name, values in new.items():
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(name, pa.array(values))
+        return batch
+    return batch.assign(**new)  # pandas: a new frame, the input left as it was
