@@ -46,7 +46,7 @@ def check(out: dict, prompts: list, targets: list, want: dict) -> None:
                                        out["error"]):
         if t is None:
             assert text is None and finish is None and isinstance(err, str), p
-            assert "\n" not in err and err.startswith("InputError: ")
+            assert err and "\n" not in err and not err.startswith("inputs: prompt"), err
         else:
             assert err is None and text == want[p] == t and finish == "eos", p
 

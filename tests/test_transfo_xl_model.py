@@ -266,6 +266,10 @@ def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
     want = model.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
     assert want.text.split()[0] == answer
     peak = model.plan(1)["peak"]  # the segment memory + one tgt_len segment's scratch
+    # the plan of a prompt this long is that of the segments it runs in (the batch planner asks
+    # it: a plan for 4,000-token segments refused this prompt under `workspace=peak`)
+    assert model.plan(1, 4000)["peak"] == peak
+    assert model.plan(1, 300)["peak"] > peak   # a short prompt runs in one call
     for opts in ({"memory_limit": "16MiB"}, {"workspace": peak}):
         with minfer.load(folder, **opts) as small:
             before = small.backend.arena.used  # resident weights under a limit, else nothing

@@ -207,9 +207,6 @@ def need_tokenizer(model: DecodingModel, why: str) -> Any:
 # max_batch_size * 16 examples before it sorts and rebatches). Bounds both the memory a stream of
 # millions of prompts holds and how long the first output waits.
 SORT_WINDOW_BATCHES = 16
-# A Transformer-XL prompt up to this many tokens runs as one segment (transfo_xl/model.py:
-# PROMPT_CHUNK), a longer one in tgt_len segments; its memory plan is asked for no longer one.
-_XL_PROMPT_CALL = 512
 
 
 class BadRow:
@@ -268,8 +265,8 @@ class BatchPlanner:
         self._rows: dict[int, int] = {}
 
     def peak(self, batch: int, length: int) -> int:
-        n = length if self.enc_dec else min(length, _XL_PROMPT_CALL)
-        return int(self.plan(batch * self.repeat, n, self.max_new_tokens)["peak"])
+        # a model's plan knows how it runs a prompt of this length (Transformer-XL: in segments)
+        return int(self.plan(batch * self.repeat, length, self.max_new_tokens)["peak"])
 
     def max_rows(self, length: int) -> int:
         """The most prompts of this length in one batch (0: not even one fits)."""

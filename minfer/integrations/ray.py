@@ -20,6 +20,7 @@ dict of NumPy arrays, a pandas DataFrame or a pyarrow Table.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
@@ -122,7 +123,7 @@ class MinferPredictor:
             if isinstance(v, str):
                 prompts[i] = str(v)  # numpy's str_ -> str
             else:
-                errors[i] = (f"InputError: column {self.column!r}: expected a string, got "
+                errors[i] = (f"column {self.column!r}: expected a string, got "
                              f"{type(v).__name__}" + (f" {v!r:.40}" if v is not None else ""))
         with self._lock:
             self._use_threads()
@@ -143,16 +144,29 @@ class MinferPredictor:
             results = self.model.generate([prompts[i] for i in rows], return_details=True,
                                           **self.generate_options)
         except MinferError as e:
-            if len(rows) == 1:  # (the call's own prompt index means nothing to the row)
-                errors[rows[0]] = f"{type(e).__name__}: {str(e).removeprefix('inputs: prompt 0: ')}"
+            if len(rows) == 1:
+                errors[rows[0]] = _row_message(str(e))
                 return
             half = len(rows) // 2
             self._generate(rows[:half], prompts, texts, finish, errors)
             self._generate(rows[half:], prompts, texts, finish, errors)
             return
         for i, row in zip(rows, results):
+            failed = next((r.error for r in row if r.error is not None), None)
+            if failed is not None:   # generate's own per-row refusal (the batch still ran)
+                errors[i] = _row_message(failed)
+                continue
             texts[i] = [r.text for r in row]
             finish[i] = [r.finish_reason for r in row]
+
+
+def _row_message(message: str) -> str:
+    """generate's message for one row without its call-local "inputs: prompt N: " (the index
+    is the row's place in one generate call, which means nothing in the dataset)."""
+    return _CALL_INDEX.sub("", message, count=1)
+
+
+_CALL_INDEX = re.compile(r"^inputs: prompt \d+: ")
 
 
 def _column(batch: Any, name: str) -> list[Any]:

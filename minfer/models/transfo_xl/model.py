@@ -17,9 +17,7 @@ from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import FAMILY, MemoryBuffers, XLConfig
-
-PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
+from .spec import FAMILY, MemoryBuffers, XLConfig, prompt_segment
 
 
 class SegmentMemory:
@@ -192,7 +190,7 @@ class XLModel(Model):
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                        max_len: int, repeat: int = 1,
                        memory: SegmentMemory | None = None) -> Iterator[XLDecodeState]:
-        """Run the prompt (one call up to PROMPT_CHUNK tokens, else tgt_len segments, each
+        """Run the prompt (in `prompt_segment` segments, each
         segment's scratch given back before the next) and yield the state the generation loops
         step, B * repeat rows (row i * repeat + j continues prompt i). A memory passed in (a
         session's) is continued."""
@@ -206,7 +204,7 @@ class XLModel(Model):
             raise InputError("a session continues one row: repeat must be 1")
         try:
             P = ids.shape[1]
-            chunk = P if P <= PROMPT_CHUNK else self.config.tgt_len
+            chunk = prompt_segment(self.config, P)
             be, cfg, params = self.backend, self.config, self.params
             for start in range(0, P, chunk):
                 # each segment's scratch goes back before the next one (as in `score`): a prompt

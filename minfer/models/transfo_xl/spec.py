@@ -290,11 +290,20 @@ class LayerScratch(BufferSet):
                 "ctx": ((B, T, H * D), dtype), "ff": ((B, T, cfg.d_inner), dtype)}
 
 
+PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
+
+
+def prompt_segment(cfg: XLConfig, prompt_len: int) -> int:
+    """The segment length a prompt of `prompt_len` tokens runs in: all of it up to PROMPT_CHUNK
+    tokens (one call is fastest), else tgt_len (scratch bounded whatever the length)."""
+    return prompt_len if prompt_len <= PROMPT_CHUNK else cfg.tgt_len
+
+
 def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
               max_new_tokens: int | None = None) -> dict[str, int]:
-    """Arena bytes of a run: the segment memory plus one segment's scratch (segments of
-    `input_len`, default tgt_len; generation steps need less)."""
-    T = input_len or cfg.tgt_len
+    """Arena bytes of a run: the segment memory plus one segment's scratch (the segments a
+    prompt of `input_len` tokens runs in, default tgt_len; generation steps need less)."""
+    T = cfg.tgt_len if input_len is None else prompt_segment(cfg, input_len)
     memory = MemoryBuffers.nbytes(cfg, batch, dtype)
     scratch = LayerScratch.nbytes(cfg, batch, T, cfg.mem_len + T, dtype)
     return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
