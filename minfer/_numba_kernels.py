@@ -15,6 +15,16 @@ One body serves every storage format: `_matmul` takes the format as a compile-ti
 from __future__ import annotations
 
 import math
+import os
+
+# GNU OpenMP's idle threads spin 300,000 times before they sleep. On a machine whose cores other
+# processes also use, the spinning thread takes the core the working one needs: with one busy
+# process beside a 2-thread run on 2 cores, t5-small decoding fell from 163 to 64 tok/s
+# (batch 16: 809 -> 271). 1,000 spins cost nothing measurable on a quiet machine (168 / 800 tok/s)
+# and under that load gave 101 / 408 (benchmarks/README.md, "Threads on a busy machine"). Read
+# once, when numba loads libgomp at the first parallel call; the user's own setting wins.
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "1000"
 
 import numba
 import numpy as np

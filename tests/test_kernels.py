@@ -182,3 +182,20 @@ def test_attention_over_head_ranges_equals_all_heads_at_once(three_threads):
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     np.testing.assert_allclose(got, (p @ v).transpose(0, 2, 1, 3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("env, want", [({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                       ({"OMP_WAIT_POLICY": "active"}, None)])
+def test_openmp_spin_count_defaults_low_and_the_users_setting_wins(env, want):
+    # libgomp reads it when numba first loads it: the kernels module must set it before then,
+    # and only when the user chose no waiting policy of their own
+    pytest.importorskip("numba")
+    import os
+    import subprocess
+    import sys
+    code = ("import os, minfer._numba_kernels as k, numpy as np; "
+            "k.set_threads(1); print(os.environ.get('GOMP_SPINCOUNT'))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out[-1] == str(want)
