@@ -92,10 +92,11 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
 
 
 def _load(model: str, device: str, dtype: str | None, revision: str | None, workspace: str | None,
-          memory_limit: str | None, offline: bool) -> Any:
+          memory_limit: str | None, offline: bool, threads: int | None) -> Any:
     import minfer
     return minfer.load(model, device=device, dtype=dtype, revision=revision, workspace=workspace,
-                       memory_limit=memory_limit, offline=True if offline else None)
+                       memory_limit=memory_limit, offline=True if offline else None,
+                       num_threads=threads)
 
 
 model_options = [
@@ -104,8 +105,9 @@ model_options = [
     click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
     click.option("--dtype", default=None, metavar="DTYPE",
-                 help="float32 (CPU default), float16 (CUDA default) or int8 (weight-only int8 "
-                      "linear layers)."),
+                 help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
+                      "bfloat16, int8 (weight-only, per-row scales) or auto (as the checkpoint "
+                      "stores them)."),
     click.option("--workspace", default=None, metavar="SIZE",
                  help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
                       "--memory-limit, the part of the limit kept for them."),
@@ -113,6 +115,8 @@ model_options = [
                  help="Whole memory budget incl. weights, e.g. 2GiB: layers that do not fit are "
                       "streamed in as needed."),
     click.option("--offline", is_flag=True, help="Use only the local cache; never contact the hub."),
+    click.option("--threads", type=click.IntRange(min=1), default=None,
+                 help="CPU threads for the model's work  [default: the cores this process may use]."),
 ]
 
 
@@ -189,7 +193,7 @@ def cli() -> None:
               help="Bulk mode: keep the complete records already in --output, skip that many "
                    "input rows and append the rest.")
 @quiet_on_closed_pipe
-def generate(model, revision, device, dtype, workspace, memory_limit, offline, prompts, max_new_tokens,
+def generate(model, revision, device, dtype, workspace, memory_limit, offline, threads, prompts, max_new_tokens,
              min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
              no_repeat_ngram_size, num_beams, length_penalty, num_return_sequences, stop, seed,
              task, no_stream, as_json, max_batch_size, max_input_tokens, truncate, input_path,
@@ -235,7 +239,7 @@ def generate(model, revision, device, dtype, workspace, memory_limit, offline, p
                    num_return_sequences=num_return_sequences, stop=list(stop) or None, seed=seed,
                    max_batch_size=max_batch_size, max_input_tokens=max_input_tokens,
                    truncation=True if truncate else None)
-    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline, threads)
     if m.tokenizer is None:
         from minfer.generation.text import tokenizer_files  # the files this family would read
         _fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")
@@ -589,18 +593,19 @@ def _run_bulk(m: Any, bulk: _Bulk, task: str | None, options: dict) -> None:
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Batch size for the memory estimate.")
 @click.option("--src-len", type=click.IntRange(min=1), default=512, show_default=True,
-              help="Input tokens for the memory estimate (T5) / segment length (XL).")
+              help="Input tokens for the memory estimate (T5: the source; XL: the prompt, which "
+                   "runs in segments).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="New tokens for the memory estimate (T5).")
 @quiet_on_closed_pipe
-def info(model, revision, device, dtype, workspace, memory_limit, offline, batch, src_len, max_new_tokens) -> None:
+def info(model, revision, device, dtype, workspace, memory_limit, offline, threads, batch, src_len, max_new_tokens) -> None:
     """Architecture, parameters, files and memory needed by a model."""
     from minfer.arena import format_bytes
-    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline, threads)
     params = m.parameter_count()
     plan = m.plan(batch, src_len, max_new_tokens)
     shape = (f"batch {batch} x {src_len} -> {max_new_tokens} new" if m.is_encoder_decoder
-             else f"batch {batch}, segment {src_len}")
+             else f"batch {batch}, prompt {src_len}")
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.items()
                       if k != "peak")
     need = (f"workspace for {shape}", f"{format_bytes(plan['peak'])} ({parts})")
@@ -608,6 +613,7 @@ def info(model, revision, device, dtype, workspace, memory_limit, offline, batch
     lines = [("model", m.folder), *m.describe(),
              ("parameters", f"{params:,}"),
              ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
+             ("cpu threads", str(m.backend.num_threads)),
              *m.weight_plan.summary(),
              need,
              ("arena capacity", format_bytes(m.backend.arena.capacity)),
@@ -625,9 +631,9 @@ def info(model, revision, device, dtype, workspace, memory_limit, offline, batch
               help="Tokens per segment, memory carried between them  [default: the model's tgt_len].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @quiet_on_closed_pipe
-def score(model, revision, device, dtype, workspace, memory_limit, offline, file, segment_len, as_json) -> None:
+def score(model, revision, device, dtype, workspace, memory_limit, offline, threads, file, segment_len, as_json) -> None:
     """Perplexity of a Transformer-XL model on FILE ('-' for stdin), one WT103 line per line."""
-    m = _load(model, device, dtype, revision, workspace, memory_limit, offline)
+    m = _load(model, device, dtype, revision, workspace, memory_limit, offline, threads)
     if m.family != "transfo-xl":
         _fail(f"score needs a Transformer-XL model; {m.folder} is {m.family}")
     name = getattr(file, "name", "-")
@@ -664,9 +670,10 @@ def score(model, revision, device, dtype, workspace, memory_limit, offline, file
 @cli.command()
 @click.option("--model", "-m", required=True, metavar="PATH", help="Local model folder to convert.")
 @click.option("--output", "-o", required=True, metavar="DIR", help="New folder to write.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "int8"]), default="float32",
-              show_default=True, help="dtype of the written tensors (int8: layer matrices as int8 "
-                                      "with per-row scales, the rest float32).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
+              default="float32", show_default=True,
+              help="dtype of the written tensors (int8: layer matrices as int8 with per-row "
+                   "scales, the rest float32).")
 @quiet_on_closed_pipe
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""

@@ -68,6 +68,30 @@ def test_info(text_model_folder):
     assert "batch 2 x 64" in proc.stdout and "tokenizer.json" in proc.stdout
 
 
+def test_threads_option_reaches_the_model_and_bad_counts_are_refused(text_model_folder):
+    proc = run("info", "-m", str(text_model_folder), "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[-1] for line in proc.stdout.splitlines()
+            if line.startswith("cpu threads")] == ["1"]
+    bad = run("generate", "-m", str(text_model_folder), "--threads", "0", "x")
+    assert bad.returncode == 2 and "--threads" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_convert_writes_every_dtype_load_offers(tmp_path, text_model_folder):
+    # the CLI's choices are convert's own table (bfloat16 was missing from them)
+    from minfer.convert import _CODES
+    want = run("generate", "-m", str(text_model_folder), "--dtype", "bfloat16", "--no-stream",
+               "hello", "--max-new-tokens", "5")
+    assert want.returncode == 0, want.stderr
+    for dtype in _CODES:
+        out = tmp_path / dtype
+        proc = run("convert", "-m", str(text_model_folder), "-o", str(out), "--dtype", dtype)
+        assert proc.returncode == 0, (dtype, proc.stderr)
+    got = run("generate", "-m", str(tmp_path / "bfloat16"), "--dtype", "auto", "--no-stream",
+              "hello", "--max-new-tokens", "5")
+    assert got.returncode == 0 and got.stdout == want.stdout
+
+
 @pytest.mark.parametrize("command", [[], ["generate"], ["info"]])
 def test_help_documents_defaults(command):
     proc = run(*command, "--help")
