@@ -431,9 +431,9 @@ def profile_minfer(model_dir: Path, runs: int) -> int:
         return rng.standard_normal(shape).astype(np.float32)
 
     p = params["layers"][0].params  # a resident layer's weights as the math sees them
-    cat, x, pos = rand(1, K, C), rand(1, T, C), rand(K, C)
+    x, pos = rand(1, T, C), rand(K, C)
     q, k, v = rand(1, H, T, D), rand(1, H, K, D), rand(1, H, K, D)
-    r, probs, ff = rand(H, D, K), rand(1, H, T, K), rand(1, T, cfg.d_inner)
+    r, probs = rand(H, D, K), rand(1, H, T, K)
     body = {  # one layer
         "qkv projection of the segment": lambda: ops.linear(np, x, p["w_qkv"]),
         "r_net (position projection)": lambda: ops.linear(np, pos, p["w_r"]),

@@ -78,7 +78,7 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
     are read as escapes; any other backslash is refused rather than guessed."""
     out = []
     for value in values:
-        def one(m: re.Match) -> str:
+        def one(m: re.Match, value: str = value) -> str:
             if m.group(1) not in _ESCAPES:
                 what = (f"unknown escape '\\{m.group(1)}'" if m.group(1)
                         else "a lone backslash at the end")

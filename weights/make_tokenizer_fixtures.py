@@ -34,7 +34,6 @@ Rerun (deterministic; needs ../shared/t5-tokenizer; a few seconds):
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path

@@ -4,14 +4,18 @@
 - options.py     the generation options, their checks and their precedence
 - processors.py  logits processors and the sampler (pure, vectorised)
 - search.py      greedy / sampled token loop and beam search
-- text.py        prompts in, text out, streamed; the public `generate`
+- text.py        prompts in, text out, streamed; batches planned against the arena; the
+                 public `generate` and `run_iter` (any number of prompts, bounded memory)
+- batcher.py     continuous batching of requests that run at the same time
 """
 
-from .options import DEFAULT_MAX_NEW_TOKENS, GenerationOptions, resolve_options
+from .options import BatchOptions, DEFAULT_MAX_NEW_TOKENS, GenerationOptions, resolve_options
 from .protocol import DecodeState, DecodingModel, TokenIds
 from .search import Hypothesis, beam_search, token_loop
-from .text import Result, StopMatcher, generate, run, stream, stream_tokens
+from .text import (BadRow, Result, StopMatcher, generate, plan_batches, run, run_iter, stream,
+                   stream_tokens)
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerationOptions", "resolve_options", "DecodeState",
-           "DecodingModel", "TokenIds", "Hypothesis", "beam_search", "token_loop", "Result",
-           "StopMatcher", "generate", "run", "stream", "stream_tokens"]
+__all__ = ["BatchOptions", "DEFAULT_MAX_NEW_TOKENS", "GenerationOptions", "resolve_options",
+           "DecodeState", "DecodingModel", "TokenIds", "Hypothesis", "beam_search", "token_loop",
+           "BadRow", "Result", "StopMatcher", "generate", "plan_batches", "run", "run_iter",
+           "stream", "stream_tokens"]

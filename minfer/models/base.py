@@ -136,11 +136,21 @@ class Model(OwnsWeights, DecodingModel):
         stream: return an iterator of text pieces (token ids for id input) for one prompt.
         task: apply the checkpoint's task_specific_params (prefix and settings), e.g.
             "translation_en_to_de" or "summarization".
-        return_details: per prompt a list of `generation.Result` (text, ids, finish reason, time).
+        return_details: per prompt a list of `generation.Result` (text, token_ids, finish_reason,
+            prompt_tokens, new_tokens, seconds, score, error). A prompt that cannot run (empty,
+            too long, too big for the arena even alone) is then a Result with `error` set and
+            the others are decoded; without return_details the first such prompt raises,
+            naming it, before anything is decoded.
+        attention_mask: with a (B, T) id array, which positions are real (T5; padding right).
         options: max_new_tokens, min_new_tokens, do_sample, temperature, top_k, top_p,
             repetition_penalty, no_repeat_ngram_size, num_beams, length_penalty, early_stopping,
             num_return_sequences, stop, seed. Unset ones come from generation_config.json, then
             config.json, then minfer's defaults (max_new_tokens 256; never a silent 20-token cap).
+            How to run, never read from the checkpoint: max_batch_size (default 32; the memory
+            plan may allow fewer), max_input_tokens, truncation (cut longer prompts instead of
+            refusing them). Any number of prompts is cut into batches, shortest first, and the
+            results come back in input order. Calls from several threads at once are decoded
+            together (continuous batching).
         """
         from ..generation import generate
         return generate(self, inputs, stream_output=stream, task=task,
