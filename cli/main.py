@@ -106,7 +106,7 @@ model_options = [
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
     click.option("--dtype", default=None, metavar="DTYPE",
                  help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
-                      "bfloat16, int8 (weight-only, per-row scales) or auto (as the checkpoint "
+                      "bfloat16, int8 (weight-only, one scale per output channel) or auto (as the checkpoint "
                       "stores them)."),
     click.option("--workspace", default=None, metavar="SIZE",
                  help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
@@ -672,8 +672,8 @@ def score(model, revision, device, dtype, workspace, memory_limit, offline, thre
 @click.option("--output", "-o", required=True, metavar="DIR", help="New folder to write.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8"]),
               default="float32", show_default=True,
-              help="dtype of the written tensors (int8: layer matrices as int8 with per-row "
-                   "scales, the rest float32).")
+              help="dtype of the written tensors (int8: linear matrices as int8 with one scale "
+                   "per output channel, the rest float32).")
 @quiet_on_closed_pipe
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""
