@@ -230,13 +230,14 @@ def add_rms_norm(x, delta, weight, eps, h):
 
 
 @njit(fastmath=True, cache=True)
-def _attend_one(q, k, v, bias, ctx, b, h):
-    """One (row, head): softmax(q . k_j + bias_j) over keys j, then the weighted sum of v."""
-    S, D = k.shape[2], k.shape[3]
+def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
+    """One (row, head): softmax(q . k_j + bias_j) over keys j < S, then the weighted sum of v.
+    k[b, h] and v[b, h] are C-contiguous (N, D) cache rows: numba then knows each key is
+    contiguous and vectorises the dot products (on strided views it did not: 2.5x slower)."""
+    D = k.shape[3]
     qv = q[b, h]
     kb, vb = k[b, h], v[b, h]
     brow = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0]
-    scores = np.empty(S, np.float32)
     top = -np.inf
     for j in range(S):
         kj = kb[j]
@@ -253,30 +254,33 @@ def _attend_one(q, k, v, bias, ctx, b, h):
         total += e
     out = ctx[b, h]
     out[:] = 0.0
+    inv = np.float32(1.0) / total
     for j in range(S):
-        p = scores[j] / total
+        p = scores[j] * inv
         vj = vb[j]
         for d in range(D):
             out[d] += p * vj[d]
 
 
 @njit(fastmath=True, cache=True)
-def attend_query(q, k, v, bias, ctx):
-    """One query position per (row, head): q (B, H, D), keys/values (B, H, S, D) (views of a KV
-    cache), additive bias (Bb, Hb, S) broadcast over rows / heads when Bb / Hb is 1, -> ctx
-    (B, H, D). Softmax is max-subtracted: a fully masked row gives uniform weights, not NaN."""
+def attend_query(q, k, v, S, bias, ctx):
+    """One query position per (row, head): q (B, H, D), the first S keys/values of C-contiguous
+    caches (B, H, N, D), additive bias (Bb, Hb, >=S) broadcast over rows / heads when Bb / Hb is
+    1, -> ctx (B, H, D). Softmax is max-subtracted: a fully masked row gives uniform weights,
+    not NaN."""
     B, H = q.shape[0], q.shape[1]
+    scores = np.empty(S, np.float32)
     for b in range(B):
         for h in range(H):
-            _attend_one(q, k, v, bias, ctx, b, h)
+            _attend_one(q, k, v, S, bias, ctx, b, h, scores)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def attend_query_parallel(q, k, v, bias, ctx):
+def attend_query_parallel(q, k, v, S, bias, ctx):
     """`attend_query` with the (row, head) pairs spread over the threads (large batches)."""
     B, H = q.shape[0], q.shape[1]
     for bh in prange(B * H):
-        _attend_one(q, k, v, bias, ctx, bh // H, bh % H)
+        _attend_one(q, k, v, S, bias, ctx, bh // H, bh % H, np.empty(S, np.float32))
 
 
 # Only ReLU is compiled: numba's exp / tanh / erf are scalar calls (no vector math library), so

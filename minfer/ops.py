@@ -168,18 +168,24 @@ def logsumexp_(xp: Any, x: Any) -> Any:
     return out
 
 
-def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any) -> None:
+def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
+              keys: int | None = None) -> None:
     """softmax(q k^T + bias) v into ctx. q (B, H, T, D), k/v (B, H, S, D), bias broadcast to
     (B, H, T, S), scores a (B, H, T, S) scratch, ctx a (B, T, H, D) output. No scaling: callers
-    that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation)."""
+    that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation). `keys`: only the
+    first `keys` positions of k/v take part (KV caches: pass the whole cache and its filled
+    length, so the compiled kernel reads contiguous rows instead of a strided view)."""
     B, H, T, D = q.shape
+    S = k.shape[2] if keys is None else keys
     kc = compiled(xp, q) if T == 1 else None
     if kc is not None:  # one query position (decoding): one compiled pass over the keys
-        S = k.shape[2]
         bias3 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)[:, :, 0]   # (Bb, Hb, S)
         run = kc.attend_query_parallel if B * H * S * D > PARALLEL_ATTENTION_WORK else kc.attend_query
-        run(q[:, :, 0], k, v, bias3, ctx[:, 0])
+        run(np.ascontiguousarray(q[:, :, 0]), np.ascontiguousarray(k), np.ascontiguousarray(v),
+            S, bias3, ctx[:, 0])   # (contiguous already, but for views of other arrays: copied)
         return
+    if S != k.shape[2]:
+        k, v = k[:, :, :S], v[:, :, :S]
     ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
 
     def heads(h0: int, h1: int) -> None:

@@ -60,15 +60,17 @@ def numpy_attention(q, k_, v, bias):
                                                 (16, 8, 40, 64, (1, 8, 1, 40))])
 def test_one_query_attention_with_broadcast_bias(B, H, S, D, bias_shape):
     q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
-    cache = rng.standard_normal((2, B, H, S + 5, D)).astype(np.float32)[:, :, :, :S]  # cache views
+    full = rng.standard_normal((2, B, H, S + 5, D)).astype(np.float32)   # caches of 5 more
+    cache = full[:, :, :, :S]                                             # the filled part
     bias = rng.standard_normal(bias_shape).astype(np.float32)
     if bias_shape[0] == B > 1:
         bias[1] = np.finfo(np.float32).min                 # a row whose every key is masked
-    ctx = np.empty((B, 1, H, D), np.float32)
-    ops.attention(np, q, cache[0], cache[1], bias, None, ctx)
     want = numpy_attention(q, cache[0], cache[1], bias).transpose(0, 2, 1, 3)
-    np.testing.assert_allclose(ctx, want, rtol=1e-4, atol=1e-5)
-    assert not np.isnan(ctx).any()
+    for k, v, keys in ((cache[0], cache[1], None), (full[0], full[1], S)):   # a view / a length
+        ctx = np.empty((B, 1, H, D), np.float32)
+        ops.attention(np, q, k, v, bias, None, ctx, keys=keys)
+        np.testing.assert_allclose(ctx, want, rtol=1e-4, atol=1e-5)
+        assert not np.isnan(ctx).any()
 
 
 @pytest.mark.parametrize("name", ["relu", "gelu_new", "gelu", "silu"])

@@ -152,8 +152,8 @@ class StepAttention:
             k_cache[:, :, t:t + 1] = k[rows]
             v_cache[:, :, t:t + 1] = v[rows]
             qr = q[rows]
-            ops.attention(self.xp, qr, k_cache[:, :, :t + 1], v_cache[:, :, :t + 1], bias,
-                          ws.scores_as(qr.shape[0], qr.shape[1], 1, t + 1), ctx[rows])
+            ops.attention(self.xp, qr, k_cache, v_cache, bias,
+                          ws.scores_as(qr.shape[0], qr.shape[1], 1, t + 1), ctx[rows], keys=t + 1)
 
     def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
         ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])
