@@ -353,14 +353,24 @@ def top_k(a, k, idx, val):
 def gather_rows(cache, rows, length):
     """cache (L, B, H, N, D): row b of every layer becomes old row rows[b] (b < len(rows)), for
     the first `length` positions; rows may repeat (beams following their parents)."""
-    L, H, D = cache.shape[0], cache.shape[2], cache.shape[4]
+    L, B, H, D = cache.shape[0], cache.shape[1], cache.shape[2], cache.shape[4]
     n = rows.shape[0]
+    # only rows that change move (a beam that keeps its parent stays), and only the sources
+    # they read are saved first (a source may itself be overwritten)
+    slot = np.full(B, -1, np.int64)
+    count = 0
+    for b in range(n):
+        if rows[b] != b and slot[rows[b]] < 0:
+            slot[rows[b]] = count
+            count += 1
     for l in prange(L):
-        tmp = np.empty((n, H, length, D), cache.dtype)
+        tmp = np.empty((count, H, length, D), cache.dtype)
+        for r in range(B):
+            if slot[r] >= 0:
+                tmp[slot[r]] = cache[l, r, :, :length]
         for b in range(n):
-            tmp[b] = cache[l, rows[b], :, :length]
-        for b in range(n):
-            cache[l, b, :, :length] = tmp[b]
+            if rows[b] != b:
+                cache[l, b, :, :length] = tmp[slot[rows[b]]]
 
 
 def warm_up() -> None:

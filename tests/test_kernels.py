@@ -95,7 +95,7 @@ def test_top_k_equals_a_stable_descending_sort_with_ties():
                                       np.argsort(-a, axis=1, kind="stable")[:, :k_])
 
 
-@pytest.mark.parametrize("rows", [[2, 0, 1], [1, 1, 1], [0], [3, 2, 1, 0]])
+@pytest.mark.parametrize("rows", [[2, 0, 1], [1, 1, 1], [0], [3, 2, 1, 0], [0, 1, 3, 3], [0, 0, 2, 1], [0, 1]])
 def test_gather_rows_moves_filled_positions_of_every_layer(rows):
     cache = rng.standard_normal((3, 4, 2, 9, 5)).astype(np.float32)
     want = cache.copy()
