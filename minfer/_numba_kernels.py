@@ -387,6 +387,12 @@ def warm_up() -> None:
         widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
     widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
+    cache = np.zeros((1, 1, 1, 2, 4), np.float32)        # (L, B, H, N, D)
+    q, ctx = np.zeros((1, 1, 4), np.float32), np.empty((1, 1, 4), np.float32)
+    bias = np.zeros((1, 1, 4), np.float32)[:, :, 2:]      # (Bb, Hb, S): a strided view, as used
+    for attend in (attend_query, attend_query_parallel):
+        attend(q, cache[0], cache[0], 2, bias, ctx)
+    gather_rows(cache, np.zeros(1, np.int64), 1)
 
 
 # -- threads ---------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from typing import Any, Callable
 from .errors import ConfigError
 
 MODES = ("numba", "numpy")
-BLOCK_ROWS = 32  # output rows per task: enough work per task, and both threads stay busy
 
 
 def _mode_from_env() -> str:
@@ -45,20 +44,15 @@ _mode = _mode_from_env()
 _compiled: Any = None   # the module of compiled kernels, once built
 
 
-def set_mode(mode: str) -> None:
-    """'numba' (compiled kernels on the CPU) or 'numpy' (plain NumPy/BLAS everywhere)."""
-    global _mode
-    if mode not in MODES:
-        raise ConfigError(f"kernels {mode!r}: expected one of {', '.join(MODES)}")
-    _mode = mode
-
-
 def mode() -> str:
     return _mode
 
 
 def active() -> Any:
-    """The compiled kernels when they are selected and numba can be imported, else None."""
+    """The compiled kernels when they are selected and numba can be imported, else None. In a
+    thread that has not yet used the thread count `set_threads` chose, applies it first: numba
+    keeps that count per calling thread, so a server's worker threads (or the batcher's leaders)
+    would otherwise run the kernels on every core whatever `num_threads` said."""
     global _compiled
     if _mode != "numba":
         return None
@@ -68,7 +62,14 @@ def active() -> Any:
         except ImportError:   # numba missing: the NumPy path, which computes the same things
             return None
         _compiled = _numba_kernels
+    if _kernel_threads and getattr(_applied, "threads", None) != _kernel_threads:
+        _compiled.set_threads(_kernel_threads)
+        _applied.threads = _kernel_threads
     return _compiled
+
+
+_kernel_threads = 0                 # numba threads set_threads chose (0: numba's default)
+_applied = threading.local()        # .threads: the count this thread last gave numba
 
 
 def set_threads(n: int | None) -> int:
@@ -89,7 +90,9 @@ def set_threads(n: int | None) -> int:
     threads = (usable or 1) if n is None else n
     k = active()
     if k is not None:
-        k.set_threads(min(threads, k.max_threads()))
+        global _kernel_threads
+        _kernel_threads = min(threads, k.max_threads())
+        active()        # applies it in this thread now; other threads on their next kernel call
         _set_blas_threads(1)
         _threads = threads
     elif n is not None:

@@ -126,3 +126,40 @@ def test_xl_threads_scoring_and_generating_agree_with_sequential():
     run_threads(4, work)
     assert got_scores == want_scores and got_gen == want_gen
     assert m.backend.arena.used == 0
+
+
+def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event():
+    # Between taking an event and reporting the rows it stopped, a consumer must not see its
+    # request stepped by another thread's leader: a stopped row would get one more token.
+    import collections
+
+    from minfer.generation.batcher import Batcher
+
+    class Model:
+        def step_together(self, states, feeds):
+            return [None] * len(states)
+
+    class Request:   # the Decoding attributes the batcher reads
+        def __init__(self, runs_ahead):
+            self.error, self.finished, self.state = None, False, None
+            self.events, self.runs_ahead, self.consumed, self.steps = collections.deque(), runs_ahead, True, 0
+
+        def ready(self):
+            return True
+
+        def feed(self):
+            return None
+
+        def advance(self, scores):
+            self.steps += 1
+            return self.steps
+
+    model, stops, free = Model(), Request(runs_ahead=False), Request(runs_ahead=True)
+    batcher = Batcher(model)
+    batcher.join(stops)
+    batcher.join(free)
+    assert batcher.next_event(stops) == 1          # it led the first step for both
+    batcher._step()                                # another thread leads while it handles event 1
+    assert (stops.steps, free.steps) == (1, 2)
+    assert batcher.next_event(stops) == 2          # back for more: stepped again
+    assert stops.steps == 2

@@ -201,3 +201,28 @@ def test_openmp_spin_count_defaults_low_and_the_users_setting_wins(env, want):
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out[-1] == str(want)
+
+
+def test_the_thread_count_reaches_threads_that_did_not_set_it():
+    # numba keeps its thread count per calling thread: a server's worker thread (or the
+    # batcher's leader) must still run the kernels on the count load(num_threads=) chose
+    numba = pytest.importorskip("numba")
+    import threading
+    if kernels.active() is None or numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs the compiled kernels and numba with 2 or more threads")
+    before = kernels.set_threads(None)
+    try:
+        for n in (1, 2):
+            kernels.set_threads(n)
+            seen = []
+
+            def worker():
+                kernels.active()
+                seen.append(numba.get_num_threads())
+
+            t = threading.Thread(target=worker)
+            t.start()
+            t.join()
+            assert seen == [n]
+    finally:
+        kernels.set_threads(before)

@@ -7,8 +7,8 @@ consumer has taken all it produced, through `model.step_together` (the families 
 and read each weight once for all of them), and hands each request its tokens. There is no
 thread of our own: callers take turns leading, so one thread interleaving two streams drives
 both and eight threads each sending a prompt share every step. A request with stop strings is
-stepped only once its consumer has taken its last tokens (a stop string can end a row); one
-without runs ahead of its consumer, so threads that are slow to come back for their tokens do
+stepped only once its consumer has taken and handled its last tokens (a stop string can end a
+row); one without runs ahead of its consumer, so threads that are slow to come back for their tokens do
 not split the batch.
 
 Results equal stepping each request alone up to float rounding: a batched product sums in
@@ -61,7 +61,11 @@ class Batcher:
         has none."""
         while True:
             with self.cv:
+                # coming back means every event popped before has been handled (its stop
+                # strings checked): the request may be stepped again
+                decoding.consumed = True
                 if decoding.events:
+                    decoding.consumed = False     # being handled until the next call
                     return decoding.events.popleft()
                 if decoding.error is not None:
                     raise decoding.error
@@ -81,7 +85,7 @@ class Batcher:
     def _step(self) -> None:
         with self.cv:   # a request whose consumer may still stop rows waits for it to catch up
             waiting = [r for r in self.requests if r.error is None and not r.finished
-                       and (not r.events or r.runs_ahead)]
+                       and (r.runs_ahead or (not r.events and r.consumed))]
         batch = [r for r in waiting if r.ready()]   # rows stopped since their last step leave
         if not batch:
             return

@@ -52,6 +52,7 @@ class Decoding:
         self.events: collections.deque = collections.deque()
         self.error: Exception | None = None
         self.runs_ahead = not opts.stop   # no stop string can end a row from outside
+        self.consumed = True              # its consumer has handled every event it took
 
     def ready(self) -> bool:
         """Drop the rows that ended at the last step (eos, or a stop string the consumer found);

@@ -99,15 +99,8 @@ class MinferPredictor:
         opts, _ = resolve_options(model, **generate_options)  # unknown or bad options: fail now
         self.sequences = opts.num_return_sequences
         self._lock = threading.Lock()      # one batch at a time per actor
-        self._threads_set_in: set[int] = set()
-        self._use_threads()
-
-    def _use_threads(self) -> None:
-        """numba's thread count is kept per calling thread: set it in each thread that runs."""
-        me = threading.get_ident()
-        if me not in self._threads_set_in:
-            self.model.backend.num_threads = set_threads(self.num_threads)
-            self._threads_set_in.add(me)
+        # (kernels.active applies the count in whichever thread Ray calls the actor from)
+        self.model.backend.num_threads = set_threads(self.num_threads)
 
     # -- one batch ------------------------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
@@ -126,7 +119,6 @@ class MinferPredictor:
                 errors[i] = (f"column {self.column!r}: expected a string, got "
                              f"{type(v).__name__}" + (f" {v!r:.40}" if v is not None else ""))
         with self._lock:
-            self._use_threads()
             self._generate(list(prompts), prompts, texts, finish, errors)
         if self.sequences == 1:
             texts = [t[0] if t is not None else None for t in texts]
