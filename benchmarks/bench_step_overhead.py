@@ -45,7 +45,7 @@ def main() -> int:
     for dtype in args.dtypes.split(","):
         model = minfer.load(folder, dtype=dtype, num_threads=args.threads)
 
-        def run(new: int) -> float:
+        def run(new: int, model=model) -> float:
             t = time.perf_counter()
             model.generate([ids], max_new_tokens=new, min_new_tokens=new)
             return time.perf_counter() - t

@@ -216,7 +216,7 @@ def test_the_thread_count_reaches_threads_that_did_not_set_it():
             kernels.set_threads(n)
             seen = []
 
-            def worker():
+            def worker(seen=seen):
                 kernels.active()
                 seen.append(numba.get_num_threads())
 

@@ -30,13 +30,13 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, InputError
+from ..io.limits import MAX_LENGTH, is_int
 from .protocol import DecodingModel
 
 # When neither the call nor the checkpoint says how long to decode. Deliberately long: a silent
 # 20-token cut (HF's max_length default) truncates real outputs; eos ends most generations sooner.
 DEFAULT_MAX_NEW_TOKENS = 256
 
-MAX_LENGTH = 2**31 - 1          # lengths and n-gram sizes (the arena refuses long before)
 MAX_ROWS = 4096                 # beams / sequences per prompt: rows are copied before the arena
                                 # is asked, so an absurd count must fail before that copy
 MAX_SEED = 2**64 - 1
@@ -59,8 +59,8 @@ def shown(value: Any, limit: int = 60) -> str:
 
 
 def is_integer(value: Any) -> bool:
-    """An int or NumPy integer, not a bool (bool is an int subclass; np.bool_ is not an integer)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+    """An int or NumPy integer, not a bool (np.bool_ is not an np.integer)."""
+    return is_int(value) or isinstance(value, np.integer)
 
 
 def _integer(low: int, high: int) -> Callable[[Any], int]:

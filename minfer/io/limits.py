@@ -33,8 +33,16 @@ MAX_ARRAY_BYTES = 1 << 62
 # Tensors in one file or one sharded index. The largest real checkpoints hold ~100k tensors in
 # all (DeepSeek-V3: 91k over 163 shards); parsing a header costs ~3 us and ~800 bytes per entry.
 MAX_TENSORS = 1 << 18
+# Lengths, vocabulary sizes and n-gram sizes read from files or options: int32-sized, as token
+# ids are everywhere else (the arena refuses real runs long before).
+MAX_LENGTH = 2**31 - 1
 
 _JSON_CHUNK = 1 << 18   # bytes per vectorised step of json_nesting: ~6 MiB of scratch
+
+
+def is_int(value: Any) -> bool:
+    """An integer as JSON and pickles hold them: int but not bool (bool is an int subclass)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def quoted(text: str, limit: int = 120) -> str:

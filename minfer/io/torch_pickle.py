@@ -48,7 +48,7 @@ import numpy as np
 
 from ..errors import CheckpointError, TokenizerError
 from .limits import (MAX_ARRAY_BYTES, MAX_NAME_CHARS, MAX_NESTING, MAX_RANK, MAX_TENSORS,
-                     first_line, quoted)
+                     first_line, is_int, quoted)
 from .tensors import STORAGE, TensorInfo, bf16_to_float32
 
 TORCH_MAGIC = 0x1950A86A20F9469CFC6C
@@ -134,12 +134,8 @@ class _Tensor:
         raise pickle.UnpicklingError("a tensor cannot be modified")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _int_tuple(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, (tuple, list)) and all(_is_int(v) and v >= 0 for v in value):
+    if isinstance(value, (tuple, list)) and all(is_int(v) and v >= 0 for v in value):
         return tuple(value)
     return None
 
@@ -151,7 +147,7 @@ def _rebuild_tensor(storage, storage_offset, size, stride, *_ignored) -> _Tensor
     if (shape is None or strides is None or len(shape) != len(strides) or len(shape) > MAX_RANK
             or math.prod(max(n, 1) for n in shape) > MAX_ARRAY_BYTES):
         raise pickle.UnpicklingError(f"malformed tensor size {_repr(size)} / stride {_repr(stride)}")
-    if not _is_int(storage_offset) or storage_offset < 0:
+    if not is_int(storage_offset) or storage_offset < 0:
         raise pickle.UnpicklingError(f"malformed storage offset {_repr(storage_offset)}")
     return _Tensor(storage, storage_offset, shape, strides)   # extent checked by TorchFile
 
@@ -471,7 +467,7 @@ class _Reader:
         """The storage a persistent id names (the same object for the same key)."""
         if not isinstance(stype, _StorageType):
             raise self.fail(f"storage type is a {type(stype).__name__}, not a torch storage class")
-        if not isinstance(key, str) or not _is_int(numel) or numel < 0:
+        if not isinstance(key, str) or not is_int(numel) or numel < 0:
             raise self.fail(f"malformed storage reference (key {_repr(key, 40)}, "
                             f"numel {_repr(numel, 40)})")
         known = self.storages.get(key)
@@ -605,7 +601,7 @@ def _legacy_persistent(reader: _Reader) -> Callable[[Any], _Storage]:
         if view is None:
             return root
         if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
-                and _is_int(view[1]) and _is_int(view[2]) and view[1] >= 0 and view[2] >= 0
+                and is_int(view[1]) and is_int(view[2]) and view[1] >= 0 and view[2] >= 0
                 and view[1] + view[2] <= root.numel):
             raise reader.fail(f"malformed storage view {_repr(view, 80)}")
         known = reader.storages.get(view[0])
@@ -932,7 +928,7 @@ def load_pickled_vocab(path: str | os.PathLike) -> dict[str, Any]:
         if len(data) != size:
             raise reader.fail(f"changed size while being read ({len(data)} of {size} bytes)")
         obj, pos = reader.unpickle(data, 0, failure="not a pickled vocabulary")
-        if _is_int(obj) and obj == TORCH_MAGIC:     # torch.save's legacy format
+        if is_int(obj) and obj == TORCH_MAGIC:     # torch.save's legacy format
             obj = _read_legacy_rest(reader, data, pos, persistent=False)
     if not isinstance(obj, dict):
         raise reader.fail(f"holds a {type(obj).__name__}, expected a pickled dict")

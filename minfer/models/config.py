@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..errors import ConfigError
+from ..io.limits import MAX_LENGTH, is_int
 from ..generation.options import shown  # one short repr for every message
 
 # Caps on sizes (inclusive). Widths: the largest released models are ~2**15 wide; 2**20 leaves
@@ -23,15 +24,9 @@ from ..generation.options import shown  # one short repr for every message
 # buckets: 2**16. Vocabularies, lengths: 2**31 - 1 (token ids are int32-sized everywhere else).
 MAX_WIDTH = 2**20
 MAX_COUNT = 2**16
-MAX_LENGTH = 2**31 - 1
-MAX_VOCAB = 2**31 - 1
+MAX_VOCAB = MAX_LENGTH
 
 _MISSING = object()
-
-
-def is_int(value: Any) -> bool:
-    """A JSON integer: int but not bool (bool is an int subclass in Python)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ConfigReader:
