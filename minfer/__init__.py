@@ -20,6 +20,7 @@ from .kernels import set_threads
 from .models.registry import family_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
+from .params.formats import FORMATS
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError", "ConfigError", "CheckpointError",
            "InputError", "ArenaExhausted", "ModelNotFoundError", "StreamingError", "TokenizerError",
@@ -103,4 +104,5 @@ def _stored_format(ckpt: Checkpoint) -> str | None:
     if ckpt.quantized_names():
         return "int8"
     codes = {ckpt.info(n).dtype for n in ckpt.names() if len(ckpt.info(n).shape) == 2}
-    return {frozenset({"BF16"}): "bfloat16", frozenset({"F16"}): "float16"}.get(frozenset(codes))
+    halves = {f.file_code: name for name, f in FORMATS.items() if name in ("float16", "bfloat16")}
+    return halves.get(codes.pop()) if len(codes) == 1 else None

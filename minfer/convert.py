@@ -31,12 +31,12 @@ from .errors import ConfigError
 from .io.checkpoint import Checkpoint
 from .io.tensors import STORAGE
 from .models.registry import family_of
-from .params.formats import SCALE_SUFFIX, quantize_int8, to_bfloat16_bits
+from .params.formats import FORMATS, SCALE_SUFFIX, quantize_int8, to_bfloat16_bits
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "spiece.model", "vocab.json", "vocab.txt")
 # dtype -> the safetensors dtype of every tensor that is not an int8 matrix
-_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "F32"}
+_CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items()}
 
 
 def _float_data(w: np.ndarray, code: str) -> np.ndarray:

@@ -185,6 +185,7 @@ class WeightFormat:
     int8, its per-output-channel scales)."""
     name: str
     storage: Any                               # numpy dtype of the stored array
+    file_code: str                             # its safetensors dtype (the matrix's, for int8)
     scaled: bool = False                       # int8: scales beside the matrix
     widen: Callable[[Any, Any], None] = _widen_cast
     kernel_name: str = ""                      # the compiled product for this storage
@@ -234,12 +235,12 @@ class WeightFormat:
 
 
 FORMATS: dict[str, WeightFormat] = {
-    "float32": WeightFormat("float32", np.float32, kernel_name="matmul_f32"),
-    "float16": WeightFormat("float16", np.float16, kernel_name="matmul_f16",
+    "float32": WeightFormat("float32", np.float32, "F32", kernel_name="matmul_f32"),
+    "float16": WeightFormat("float16", np.float16, "F16", kernel_name="matmul_f16",
                             widen_name="widen_f16"),
-    "bfloat16": WeightFormat("bfloat16", np.uint16, widen=_widen_bfloat16,
+    "bfloat16": WeightFormat("bfloat16", np.uint16, "BF16", widen=_widen_bfloat16,
                              kernel_name="matmul_bf16", widen_name="widen_bf16"),
-    "int8": WeightFormat("int8", np.int8, scaled=True, kernel_name="matmul_i8",
+    "int8": WeightFormat("int8", np.int8, "I8", scaled=True, kernel_name="matmul_i8",
                          widen_name="widen_i8"),
 }
 

@@ -30,7 +30,6 @@ from .spec import Derived, Linear, Tensor, Unit, View, WeightTable
 
 BLOCK_BYTES = 16 << 20  # large fixed matrices are read and placed in row blocks of this size
 # the file dtype whose bytes a weight format keeps as they are (int8: with its per-row scales)
-STORED_AS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int8": "I8"}
 
 
 # =====================================================================================================
@@ -148,7 +147,7 @@ class _Reader:
                 rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """The slot's arrays in `fmt`: the stored bytes themselves when every source is stored
         in that format, else encoded from float32."""
-        code = STORED_AS.get(fmt.name)
+        code = fmt.file_code
         if not entry.transpose and all(self.ckpt.info(self.stand_in.get(s, s)).dtype == code
                                        for s in entry.sources):
             parts = [self.ckpt.read_stored(self.stand_in.get(s, s), r)
