@@ -160,18 +160,7 @@ class GenerationOptions:
     def validate(self, origin: dict[str, str] | None = None) -> "GenerationOptions":
         """The options checked and normalised (Python scalars, stop a tuple). `origin` names the
         file a value came from (then a bad one is a ConfigError naming it); else the call."""
-        values = {}
-        for name, check in _CHECKS.items():
-            value = getattr(self, name)
-            try:
-                values[name] = check(value)
-            except _Bad as e:
-                where = (origin or {}).get(name)
-                if where is not None:
-                    raise ConfigError(f"{where}: '{name}' must be {e}, got {shown(value)}") from None
-                raise InputError(f"{name} must be {e}, got {shown(value)}{_HINTS.get(name, '')}") \
-                    from None
-        opts = dataclasses.replace(self, **values)
+        opts = _checked(self, _CHECKS, origin)
         if opts.num_return_sequences > opts.num_beams and (opts.num_beams > 1 or not opts.do_sample):
             # beam search (sampled or not) returns some of its beams; only plain sampling draws
             # any number of independent sequences
@@ -253,20 +242,33 @@ class BatchOptions:
     truncation: bool = False
 
     def validate(self) -> "BatchOptions":
-        checks = {"max_batch_size": _integer(1, MAX_BATCH_SIZE),
-                  "max_input_tokens": lambda v: None if v is None else _integer(1, MAX_LENGTH)(v),
-                  "truncation": _switch}
-        values = {}
-        for name, check in checks.items():
-            value = getattr(self, name)
-            try:
-                values[name] = check(value)
-            except _Bad as e:
-                raise InputError(f"{name} must be {e}, got {shown(value)}") from None
-        opts = dataclasses.replace(self, **values)
+        opts = _checked(self, _BATCH_CHECKS)
         if opts.truncation and opts.max_input_tokens is None:
             raise InputError("truncation=True needs max_input_tokens (the length to cut prompts to)")
         return opts
+
+
+_BATCH_CHECKS = {"max_batch_size": _integer(1, MAX_BATCH_SIZE),
+                 "max_input_tokens": lambda v: None if v is None else _integer(1, MAX_LENGTH)(v),
+                 "truncation": _switch}
+
+
+def _checked(options: Any, checks: dict[str, Callable[[Any], Any]],
+             origin: dict[str, str] | None = None) -> Any:
+    """A copy of the options dataclass with each field through its check; a field that fails is
+    a ConfigError naming the file `origin` says it came from, else an InputError naming it."""
+    values = {}
+    for name, check in checks.items():
+        value = getattr(options, name)
+        try:
+            values[name] = check(value)
+        except _Bad as e:
+            where = (origin or {}).get(name)
+            if where is not None:
+                raise ConfigError(f"{where}: '{name}' must be {e}, got {shown(value)}") from None
+            raise InputError(f"{name} must be {e}, got {shown(value)}{_HINTS.get(name, '')}") \
+                from None
+    return dataclasses.replace(options, **values)
 
 
 BATCH_OPTION_NAMES = tuple(f.name for f in dataclasses.fields(BatchOptions))
