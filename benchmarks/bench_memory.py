@@ -145,14 +145,24 @@ def large(args) -> int:
             continue
         over = (f"{(r['peak_rss'] - limit) / mib:+.0f} MiB" if label != "none" else "")
         same = r["ids"] == rows["none"].get("ids")
-        print(f"| {label} | {r['peak_rss'] / mib:.0f} MiB | {over} | "
-              f"{r['rss_after_imports'] / mib:.0f} MiB | {r['load_s']:.1f} | "
-              f"{statistics.median(r['tok_s']):.2f} | {r['resident']} / {r['streamed']} | "
+        peak, imports, load, layers = measured_cells(r)
+        print(f"| {label} | {peak} | {over} | {imports} | {load} | "
+              f"{statistics.median(r['tok_s']):.2f} | {layers} | "
               f"{'equal to unlimited' if same else 'DIFFER'} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": b5.machine_info(), "large": rows},
-                                              indent=1) + "\n")
+    save_json(args.json, "large", rows)
     return 0
+
+
+def measured_cells(r: dict) -> tuple[str, str, str, str]:
+    """A measured run's table cells: peak RSS, RSS after imports, load seconds, layers."""
+    mib = 2 ** 20
+    return (f"{r['peak_rss'] / mib:.0f} MiB", f"{r['rss_after_imports'] / mib:.0f} MiB",
+            f"{r['load_s']:.1f}", f"{r['resident']} / {r['streamed']}")
+
+
+def save_json(path: str | None, key: str, rows: object) -> None:
+    if path:
+        Path(path).write_text(json.dumps({"machine": b5.machine_info(), key: rows}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -203,13 +213,11 @@ def main() -> int:
         ids = "equal to unlimited" if r["ids_equal_unlimited"] else "DIFFER from unlimited"
         if r["dtype"] == "int8":
             ids += f"; {r['match_float32']}/64 = float32"
-        print(f"| {r['dtype']} | {limit} | {r['peak_rss'] / mib:.0f} MiB | "
-              f"{r['rss_after_imports'] / mib:.0f} MiB | {r['load_s']:.1f} | "
+        peak, imports, load, layers = measured_cells(r)
+        print(f"| {r['dtype']} | {limit} | {peak} | {imports} | {load} | "
               f"{statistics.median(speeds):.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | "
-              f"{r['resident']} / {r['streamed']} | {ids} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": b5.machine_info(), "rows": rows},
-                                              indent=1) + "\n")
+              f"{layers} | {ids} |")
+    save_json(args.json, "rows", rows)
     return 0
 
 
