@@ -107,7 +107,8 @@ class PackedWeight:
     widen(src, dst): rows of `bits` -> float rows; kernel(x, bits, [scale,] out): the compiled
     small-M product, or None (off, or not on the CPU); bits: what both read (the stored array,
     or float16 viewed as its uint16 bits for the compiled code); scratch: the runtime's shared
-    flat float buffer (one product at a time)."""
+    flat float buffer (one product at a time), None for a slot already stored in the compute
+    dtype (float32 on the CPU with the kernels on: nothing to widen, BLAS reads it directly)."""
 
     def __init__(self, stored: Any, scale: Any, widen: Callable[[Any, Any], None],
                  kernel: Callable | None, scratch: Any, bits: Any = None):
@@ -115,6 +116,7 @@ class PackedWeight:
         self.bits = stored if bits is None else bits
         self.scratch = scratch
         self.shape = stored.shape
+        self.plain = scratch is None      # stored in the compute dtype: no widening, no scale
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
@@ -130,6 +132,10 @@ class PackedWeight:
             self._widened_product(xp, x, out, 0, N, self.scratch)
             return out
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
+        if self.plain:   # BLAS at one thread per part of the output columns
+            kernels.split(N, lambda i, a, b: xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
+                          count)
+            return out
         size = self.scratch.size // count
         kernels.split(N, lambda i, a, b: self._widened_product(
             xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count)
@@ -151,29 +157,12 @@ class PackedWeight:
 
     def rows(self, xp: Any, ids: Any, out: Any) -> Any:
         """Rows `ids` (n,) as floats into out (n, K): embedding lookups."""
+        if self.plain:
+            return xp.take(self.stored, ids, axis=0, out=out)
         self.widen(self.bits[ids], out)
         if self.scale is not None:
             out *= self.scale[ids][:, None]
         return out
-
-
-class KernelWeight(PackedWeight):
-    """A float32 slot on the CPU: small-M products in the compiled kernel, the rest in BLAS."""
-
-    def __init__(self, w: Any, kernel: Callable):
-        super().__init__(w, None, _widen_cast, kernel, None)
-
-    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        if takes_kernel(x.shape[0], self.shape[1]):
-            self.kernel(x if x.flags.c_contiguous else np.ascontiguousarray(x), self.stored, out)
-            return out
-        w = self.stored   # BLAS at one thread per part of the output columns (kernels.split)
-        kernels.split(w.shape[0], lambda i, a, b: np.matmul(x, w[a:b].T, out=out[:, a:b]),
-                      kernels.parts(w.shape[0], MIN_PART_COLUMNS))
-        return out
-
-    def rows(self, xp: Any, ids: Any, out: Any) -> Any:
-        return xp.take(self.stored, ids, axis=0, out=out)
 
 
 # =====================================================================================================
@@ -219,7 +208,8 @@ class WeightFormat:
         `kernels` is the compiled-kernel module on the CPU, or None."""
         w = arrays[name]
         if np.dtype(self.storage) == np.dtype(compute_dtype) and not self.scaled:
-            return w if kernels is None else KernelWeight(w, getattr(kernels, self.kernel_name))
+            return w if kernels is None else PackedWeight(w, None, _widen_cast,
+                                                          getattr(kernels, self.kernel_name), None)
         scale = arrays.get(name + SCALE_SUFFIX)
         if kernels is None:
             return PackedWeight(w, scale, self.widen, None, scratch)
