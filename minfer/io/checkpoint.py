@@ -148,13 +148,7 @@ class Checkpoint:
         array, C-contiguous. Reading by rows bounds the memory a large embedding needs. Unless
         `check` (default: `self.check_values`) is False, its values are checked as read
         (`check_weight_values`)."""
-        f = self._where.get(name)
-        if f is None:
-            raise CheckpointError(f"{self.folder}: tensor '{quoted(name)}' is missing")
-        info = f.tensors[name]
-        if rows is not None and not (len(info.shape) >= 1 and 0 <= rows[0] <= rows[1] <= info.shape[0]):
-            raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{quoted(name)}' "
-                                  f"{list(info.shape)}")
+        f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
         if name in self._scales:
             scale_name = self._scales[name]
@@ -167,9 +161,6 @@ class Checkpoint:
         else:
             if info.dtype == "BF16":
                 raw = bf16_to_float32(raw)
-            elif info.dtype not in FLOAT_CODES:
-                raise CheckpointError(f"{info.file}: tensor '{quoted(name)}' has integer dtype "
-                                      f"{info.dtype}, expected a floating-point weight")
             try:
                 if not self.use_mmap and raw.flags.writeable:  # raw is a private copy
                     out = np.ascontiguousarray(raw, dtype=dtype)
@@ -182,6 +173,21 @@ class Checkpoint:
             check_weight_values(out, f"{info.file}: tensor '{quoted(name)}'", rows[0] if rows else 0)
         return out
 
+    def _located(self, name: str, rows: tuple[int, int] | None) -> tuple[Any, TensorInfo]:
+        """The file holding tensor `name` and its info; a missing name, rows outside it or an
+        integer tensor that is not an int8 weight with scales are one-line errors."""
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.folder}: tensor '{quoted(name)}' is missing")
+        info = f.tensors[name]
+        if rows is not None and not (len(info.shape) >= 1 and 0 <= rows[0] <= rows[1] <= info.shape[0]):
+            raise CheckpointError(f"{info.file}: rows {rows} outside tensor '{quoted(name)}' "
+                                  f"{list(info.shape)}")
+        if name not in self._scales and info.dtype not in FLOAT_CODES:
+            raise CheckpointError(f"{info.file}: tensor '{quoted(name)}' has integer dtype "
+                                  f"{info.dtype}, expected a floating-point weight")
+        return f, info
+
     def stored_dtypes(self) -> set[str]:
         return {f.tensors[n].dtype for n, f in self._where.items()}
 
@@ -190,19 +196,18 @@ class Checkpoint:
         """The tensor (or rows [a, b)) exactly as stored, no conversion: its storage dtype (BF16
         as uint16 bits), plus the float32 per-row scales of an int8 weight (else None). What a
         model whose weight format matches the file reads, with no float32 copy."""
-        self.read(name, np.float32, (0, 0) if rows is None else (rows[0], rows[0]))  # the checks
-        f = self._where[name]
+        f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
         if self.use_mmap:                 # a private copy, not a view of the mapped file
             raw = np.array(raw)
         if name not in self._scales:
-            if self.check_values and f.tensors[name].dtype in FLOAT_CODES:
+            if self.check_values:
                 flat = raw.reshape(-1)
                 for a in range(0, flat.size, _CHECK_CHUNK):   # bfloat16 widened a chunk at a time
                     chunk = flat[a:a + _CHECK_CHUNK]
-                    if f.tensors[name].dtype == "BF16":
+                    if info.dtype == "BF16":
                         chunk = bf16_to_float32(chunk)
-                    check_weight_values(chunk, f"{f.tensors[name].file}: tensor '{quoted(name)}'")
+                    check_weight_values(chunk, f"{info.file}: tensor '{quoted(name)}'")
             return raw, None
         scale_name = self._scales[name]
         scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
