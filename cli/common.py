@@ -1,0 +1,110 @@
+"""What every command shares: exit statuses, one-line failures, closed pipes, UTF-8 input, and
+the model options (declared once here; `with_model_options` gives a command all of them as one
+`ModelOptions` argument, which `load_model` turns into `minfer.load`'s call).
+
+Every failure is one line on stderr ("minfer: error: ...") and a non-zero exit: 1 for a problem
+with the model or input, 2 for a bad command line, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, BinaryIO
+
+import click
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> None:
+    click.echo(f"minfer: error: {' '.join(str(message).split())}", err=True)
+    sys.exit(code)
+
+
+def exit_on_closed_pipe() -> None:
+    """The reader of stdout went away: nothing is wrong, stop quietly. stdout is pointed at
+    /dev/null so that the interpreter's last flush cannot fail again (the Python docs' recipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(EXIT_OK)
+
+
+def quiet_on_closed_pipe(command):
+    """Click turns EPIPE inside a command into exit status 1; catch it first (see above)."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except BrokenPipeError:
+            exit_on_closed_pipe()
+    return run
+
+
+def read_text(stream: BinaryIO, name: str) -> str:
+    r"""All of a byte stream as UTF-8 text, newlines normalised as text mode would (\r\n, \r ->
+    \n); an invalid byte is a one-line error naming the stream and the byte's offset."""
+    data = stream.read()
+    if isinstance(data, str):  # a text stream without .buffer (an embedding program's stdin)
+        return data
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"{name}: not valid UTF-8 at byte {e.start} ({data[e.start:e.start + 1]!r}: {e.reason})")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+# -- the model options --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelOptions:
+    """How to load the model: what every command that loads one accepts."""
+    model: str
+    revision: str | None
+    device: str
+    dtype: str | None
+    workspace: str | None
+    memory_limit: str | None
+    offline: bool
+    threads: int | None
+
+
+_MODEL_OPTIONS = [
+    click.option("--model", "-m", required=True, metavar="NAME_OR_PATH",
+                 help="Hub name (t5-small, google/flan-t5-base, ...) or a local folder in the HF layout."),
+    click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
+    click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
+    click.option("--dtype", default=None, metavar="DTYPE",
+                 help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
+                      "bfloat16, int8 (weight-only, one scale per output channel) or auto (as the checkpoint "
+                      "stores them)."),
+    click.option("--workspace", default=None, metavar="SIZE",
+                 help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
+                      "--memory-limit, the part of the limit kept for them."),
+    click.option("--memory-limit", default=None, metavar="SIZE",
+                 help="Whole memory budget incl. weights, e.g. 2GiB: layers that do not fit are "
+                      "streamed in as needed."),
+    click.option("--offline", is_flag=True, help="Use only the local cache; never contact the hub."),
+    click.option("--threads", type=click.IntRange(min=1), default=None,
+                 help="CPU threads for the model's work  [default: the cores this process may use]."),
+]
+_MODEL_FIELDS = [f.name for f in fields(ModelOptions)]
+
+
+def with_model_options(command):
+    """Give a command the model options, passed to it as one `load: ModelOptions` argument."""
+    @functools.wraps(command)
+    def run(**kwargs):
+        load = ModelOptions(**{name: kwargs.pop(name) for name in _MODEL_FIELDS})
+        return command(load=load, **kwargs)
+    for option in reversed(_MODEL_OPTIONS):
+        run = option(run)
+    return run
+
+
+def load_model(opts: ModelOptions) -> Any:
+    import minfer
+    return minfer.load(opts.model, device=opts.device, dtype=opts.dtype, revision=opts.revision,
+                       workspace=opts.workspace, memory_limit=opts.memory_limit,
+                       offline=True if opts.offline else None, num_threads=opts.threads)

@@ -1,0 +1,46 @@
+"""`minfer info`: a model's architecture, parameters, files, weight placement and the memory a run
+of a given shape needs."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from .common import load_model, quiet_on_closed_pipe, with_model_options
+
+
+@click.command()
+@with_model_options
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Batch size for the memory estimate.")
+@click.option("--src-len", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Input tokens for the memory estimate (T5: the source; XL: the prompt, which "
+                   "runs in segments).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="New tokens for the memory estimate (T5).")
+@quiet_on_closed_pipe
+def info(load, batch, src_len, max_new_tokens) -> None:
+    """Architecture, parameters, files and memory needed by a model."""
+    from minfer.arena import format_bytes
+    m = load_model(load)
+    params = m.parameter_count()
+    plan = m.plan(batch, src_len, max_new_tokens)
+    shape = (f"batch {batch} x {src_len} -> {max_new_tokens} new" if m.is_encoder_decoder
+             else f"batch {batch}, prompt {src_len}")
+    parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.items()
+                      if k != "peak")
+    need = (f"workspace for {shape}", f"{format_bytes(plan['peak'])} ({parts})")
+    files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
+    lines = [("model", m.folder), *m.describe(),
+             ("parameters", f"{params:,}"),
+             ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
+             ("cpu threads", str(m.backend.num_threads)),
+             *m.weight_plan.summary(),
+             need,
+             ("arena capacity", format_bytes(m.backend.arena.capacity)),
+             ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
+             ("files", ", ".join(files))]
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        click.echo(f"{key:<{width}}  {value}")
