@@ -131,18 +131,16 @@ def test_xl_threads_scoring_and_generating_agree_with_sequential():
 def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event():
     # Between taking an event and reporting the rows it stopped, a consumer must not see its
     # request stepped by another thread's leader: a stopped row would get one more token.
-    import collections
-
-    from minfer.generation.batcher import Batcher
+    from minfer.generation.batcher import Batcher, Request
 
     class Model:
         def step_together(self, states, feeds):
             return [None] * len(states)
 
-    class Request:   # the Decoding attributes the batcher reads
+    class Stub(Request):   # the Decoding parts the batcher calls
         def __init__(self, runs_ahead):
-            self.error, self.finished, self.state = None, False, None
-            self.events, self.runs_ahead, self.consumed, self.steps = collections.deque(), runs_ahead, True, 0
+            super().__init__(runs_ahead)
+            self.state, self.steps = None, 0
 
         def ready(self):
             return True
@@ -154,7 +152,7 @@ def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event(
             self.steps += 1
             return self.steps
 
-    model, stops, free = Model(), Request(runs_ahead=False), Request(runs_ahead=True)
+    model, stops, free = Model(), Stub(runs_ahead=False), Stub(runs_ahead=True)
     batcher = Batcher(model)
     batcher.join(stops)
     batcher.join(free)
@@ -163,3 +161,172 @@ def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event(
     assert (stops.steps, free.steps) == (1, 2)
     assert batcher.next_event(stops) == 2          # back for more: stepped again
     assert stops.steps == 2
+
+
+# -- what a server meets: abandoned streams, the garbage collector, a bounded arena ------------------
+def run_bounded(work, seconds=60):
+    """work() in a thread; a hang fails the test instead of hanging the suite."""
+    box = {}
+
+    def wrap():
+        try:
+            box["out"] = work()
+        except BaseException as e:  # surfaced below
+            box["error"] = e
+    t = threading.Thread(target=wrap, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), "hung"
+    if "error" in box:
+        raise box["error"]
+    return box.get("out")
+
+
+def abandon_in_a_cycle(stream):
+    """Drop a stream that was read once inside a reference cycle: only the cyclic garbage
+    collector finalises it, whenever it next runs."""
+    next(stream)
+    cycle = {"stream": stream}
+    cycle["self"] = cycle
+
+
+def test_a_stream_the_gc_finalises_while_its_thread_leads_a_step_does_not_hang(model, monkeypatch):
+    import gc
+    real = type(model).step_together
+
+    abandoned = []
+
+    def collecting(self, states, tokens):   # the GC runs inside this thread's step
+        if abandoned:
+            abandoned.pop()
+            gc.collect()
+        return real(self, states, tokens)
+    monkeypatch.setattr(type(model), "step_together", collecting)
+    before = model.backend.arena.used
+
+    def work():
+        for i in range(4):
+            abandon_in_a_cycle(model.generate(PROMPTS[i], stream=True))
+            abandoned.append(i)
+            assert model.generate(PROMPTS[10:13]) == [model.generate(p) for p in PROMPTS[10:13]]
+    run_bounded(work)
+    gc.collect()
+    assert model.backend.arena.used == before
+
+
+def test_closing_a_stream_while_another_thread_steps_it_returns_and_frees_after_the_step(model):
+    before = model.backend.arena.used
+    entered, go = threading.Event(), threading.Event()
+    real = type(model).step_together
+    stream = model.generate(PROMPTS[0], stream=True, max_new_tokens=40, min_new_tokens=40)
+    next(stream)
+
+    def slow(states, tokens):   # a step in progress on another thread
+        entered.set()
+        go.wait(30)
+        return real(model, states, tokens)
+    model.step_together = slow
+    try:
+        leader = threading.Thread(target=lambda: model.generate(PROMPTS[1], max_new_tokens=3))
+        leader.start()
+        assert entered.wait(30)
+        run_bounded(stream.close, seconds=10)          # returns while the step still runs
+        assert model.backend.arena.used > before       # its state is in use: not freed yet
+        go.set()
+        leader.join(60)
+    finally:
+        del model.step_together
+    assert model.backend.arena.used == before
+
+
+@pytest.fixture(scope="module")
+def wide_vocab(tmp_path_factory):
+    """A T5 whose logits (V = 8192) dominate a step: stacking many requests' rows for one step
+    needs more scratch than a small arena has free."""
+    from factories import write_t5
+    folder = write_t5(tmp_path_factory.mktemp("wide") / "m", seed=1, vocab_size=8192, d_model=32,
+                      d_kv=8, num_heads=4, d_ff=64)
+    free = minfer.load(folder)
+    prompts = [[5 + (i * 37 + j * 11) % 8000 for j in range(6 + i % 5)] + [1] for i in range(48)]
+    return folder, free, prompts
+
+
+def bounded_model(folder, free, rows=4, length=11):
+    """The same model under a memory limit: its weights plus room for `rows` one-row requests of
+    `length` prompt tokens and 6 new ones."""
+    plan = free.plan(1, length, 6)["peak"]
+    weights = free.weight_plan.fixed + sum(free.weight_plan.unit_bytes.values()) + 4096
+    return minfer.load(folder, memory_limit=int(weights + rows * plan), workspace=int(rows * plan))
+
+
+def test_concurrent_requests_under_a_bounded_arena_wait_instead_of_failing(wide_vocab):
+    folder, free, prompts = wide_vocab
+    m = bounded_model(folder, free)
+    want = {}
+    for i, p in enumerate(prompts):
+        kind = i % 3   # greedy, beam search, stream: all queue for the same memory
+        want[i] = (free.generate([p], max_new_tokens=6, num_beams=2) if kind == 1
+                   else free.generate([p], max_new_tokens=6))
+    got = {}
+    barrier = threading.Barrier(16)
+
+    def work(k):
+        barrier.wait()
+        for i in range(k, len(prompts), 16):
+            if i % 3 == 1:
+                got[i] = m.generate([prompts[i]], max_new_tokens=6, num_beams=2)
+            elif i % 3 == 2:
+                got[i] = [[0] + list(m.generate([prompts[i]], max_new_tokens=6, stream=True))]
+            else:
+                got[i] = m.generate([prompts[i]], max_new_tokens=6)
+    run_threads(16, work)
+    assert got == want
+    assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle
+
+
+def test_a_finished_request_gives_its_memory_back_before_its_consumer_reads(wide_vocab):
+    folder, free, prompts = wide_vocab
+    m = minfer.load(folder)
+    idle = m.backend.arena.used
+    short = m.generate([prompts[0]], stream=True, max_new_tokens=2, min_new_tokens=2)
+    next(short)
+    held = m.backend.arena.used
+    longer = m.generate([prompts[1]], stream=True, max_new_tokens=6, min_new_tokens=6)
+    list(longer)             # its steps ran the short one (no stop strings) to its end
+    assert m.backend.arena.used == idle < held
+    assert list(short) == free.generate([prompts[0]], max_new_tokens=2, min_new_tokens=2)[0][2:]
+
+
+def test_one_thread_interleaving_streams_waits_for_its_own_running_stream(wide_vocab):
+    folder, free, prompts = wide_vocab
+    m = bounded_model(folder, free, rows=1)      # room for one request at a time
+
+    def interleave():
+        first = m.generate([prompts[0]], stream=True, max_new_tokens=6)
+        next(first)
+        # the second does not fit beside the first; the first runs ahead of its consumer, so
+        # this thread drives it to its end, and the second runs in the memory it gave back
+        second = list(m.generate([prompts[1]], stream=True, max_new_tokens=6))
+        return second, list(first)
+    second, rest = run_bounded(interleave)
+    assert second == free.generate([prompts[1]], max_new_tokens=6)[0][1:]
+    assert rest == free.generate([prompts[0]], max_new_tokens=6)[0][2:]
+
+
+def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_path):
+    from conftest import make_text_model_folder
+    from minfer.errors import ArenaExhausted
+    folder = make_text_model_folder(tmp_path / "m")
+    free = minfer.load(folder)
+    m = bounded_model(folder, free, rows=1.5, length=len(free.tokenizer.encode("a b c")))
+
+    def interleave():
+        first = m.generate("a b c", stream=True, max_new_tokens=6, stop=["never"])
+        next(first)          # stop strings: it advances only when this thread reads it
+        try:
+            with pytest.raises(ArenaExhausted, match="cannot hand out"):
+                list(m.generate("d e f", stream=True, max_new_tokens=6))
+        finally:
+            first.close()
+    run_bounded(interleave, 20)
+    assert m.generate("d e f", max_new_tokens=6) == free.generate("d e f", max_new_tokens=6)

@@ -1,15 +1,28 @@
-"""Continuous batching: the decode steps of requests that run at the same time are taken together.
+"""Continuous batching: the decode steps of requests that run at the same time are taken together,
+and a request waits for arena memory that requests in flight will give back.
 
 Every greedy or sampled generation is a `search.Decoding` (its state, its sequences, its chooser)
 registered with its model's `Batcher`. A caller that needs a request's next tokens and finds
 none becomes the leader, one at a time: it runs one step for every registered request whose
 consumer has taken all it produced, through `model.step_together` (the families stack the rows
-and read each weight once for all of them), and hands each request its tokens. There is no
-thread of our own: callers take turns leading, so one thread interleaving two streams drives
-both and eight threads each sending a prompt share every step. A request with stop strings is
-stepped only once its consumer has taken and handled its last tokens (a stop string can end a
-row); one without runs ahead of its consumer, so threads that are slow to come back for their tokens do
-not split the batch.
+and read each weight once for all of them; rows that do not fit the arena together are stepped
+in smaller groups), and hands each request its tokens. There is no thread of our own: callers
+take turns leading, so one thread interleaving two streams drives both and eight threads each
+sending a prompt share every step. A request with stop strings is stepped only once its consumer
+has taken and handled its last tokens (a stop string can end a row); one without runs ahead of
+its consumer, so threads that are slow to come back for their tokens do not split the batch.
+
+Memory: a request's decode state (its arena hold) is given back as soon as its decoding ends
+(finished, failed, or abandoned by its consumer), not when the consumer has read the last
+token. `admit` starts a request; when the arena cannot hold it now but requests in flight will
+give memory back, it waits for them (leading their steps when nobody else does) and tries again,
+so concurrent requests queue for memory instead of failing. It fails at once only when nothing
+in flight can free memory: then the request does not fit beside what stays (the weights,
+sessions, and this thread's own open streams, which cannot advance while it waits).
+
+Cleanup never blocks: a consumer that abandons its request (closing the stream, or the garbage
+collector finalising it, possibly on the very thread that is leading a step) only marks it gone;
+if a step is using its state, the leader gives the state back when the step ends.
 
 Results equal stepping each request alone up to float rounding: a batched product sums in
 another order than a one-row one, which can only matter where two tokens' scores tie to ~1e-6.
@@ -17,11 +30,16 @@ another order than a one-row one, which can only matter where two tokens' scores
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
+from ..errors import ArenaExhausted
 from .protocol import DecodingModel
+
+T = TypeVar("T")
 
 _batchers: "weakref.WeakKeyDictionary[Any, Batcher]" = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
@@ -36,40 +54,155 @@ def batcher_of(model: DecodingModel) -> "Batcher":
         return batcher
 
 
+class Request:
+    """What the batcher reads and keeps of a registered request (search.Decoding subclasses it):
+    `ready()` (False once no row is left), `feed()` (the tokens the next step reads), `advance
+    (scores)` (the event the step produces) and `state` are the decoding's own."""
+
+    def __init__(self, runs_ahead: bool):
+        self.events: collections.deque = collections.deque()   # produced, not yet taken
+        self.error: Exception | None = None
+        self.finished = False
+        self.runs_ahead = runs_ahead   # no stop string can end a row from outside
+        self.consumed = True           # its consumer has handled every event it took
+        self.gone = False              # abandoned by its consumer
+        self.owner = threading.get_ident()   # the thread consuming it (the last to ask)
+        self.release: Callable[[], None] | None = None   # gives its state back (once)
+
+    @property
+    def active(self) -> bool:
+        return self.error is None and not self.finished and not self.gone
+
+
 class Batcher:
     def __init__(self, model: DecodingModel):
         self._model = weakref.ref(model)    # the registry is weak: a batcher keeps no model alive
-        self.cv = threading.Condition()
-        self.requests: list[Any] = []       # registered Decodings
+        self.cv = threading.Condition()     # reentrant: a finaliser may run inside a held section
+        self.requests: list[Request] = []   # registered
         self.leading = False
+        self.stepping: list[Request] = []   # the requests whose states a step is using
+        self.holders: list[int] = []        # threads running unbatched requests (beam search)
+        self.admitting: set[int] = set()    # threads waiting for memory (they consume nothing)
+        self.released = 0                   # how many times memory was given back
 
-    def join(self, decoding: Any) -> None:
+    # -- registration -----------------------------------------------------------------------------
+    def join(self, request: Request, release: Callable[[], None] | None = None) -> None:
+        """Register a request; `release` gives its decode state back (called once, when its
+        decoding ends or it is abandoned)."""
         with self.cv:
-            self.requests.append(decoding)
+            request.release = release
+            self.requests.append(request)
 
-    def leave(self, decoding: Any) -> None:
-        """Unregister (a finished or abandoned request); waits for a step using it to end."""
+    def leave(self, request: Request) -> None:
+        """Unregister a finished or abandoned request. Never waits: when a step is using its
+        state, the leader releases the state once the step is over."""
         with self.cv:
-            while self.leading and decoding in self.requests:
-                self.cv.wait()
-            if decoding in self.requests:
-                self.requests.remove(decoding)
-            self.cv.notify_all()
+            request.gone = True
+            if request in self.stepping:
+                return
+            if request in self.requests:
+                self.requests.remove(request)
+            release = self._take_release(request)
+        self._run_releases([release])
 
-    def next_event(self, decoding: Any) -> Any:
+    def _take_release(self, request: Request) -> Callable[[], None] | None:
+        release, request.release = request.release, None
+        return release
+
+    def _run_releases(self, releases: list) -> None:
+        releases = [r for r in releases if r is not None]
+        if not releases:
+            return
+        try:
+            for release in releases:
+                release()
+        finally:
+            with self.cv:
+                self.released += 1
+                self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def admitted(self, open_state: Callable[[], Any]) -> Iterator[Any]:
+        """The state of an unbatched request (beam search): `open_state()`'s context, entered
+        through `admit`; while it is open, requests waiting for memory wait for it too."""
+        me = threading.get_ident()
+        with contextlib.ExitStack() as stack:
+            state = self.admit(lambda: stack.enter_context(open_state()))
+            with self.cv:
+                self.holders.append(me)
+            try:
+                yield state
+            finally:
+                try:
+                    stack.close()      # the memory first, then the news that it is back
+                finally:
+                    with self.cv:
+                        self.holders.remove(me)
+                        self.released += 1
+                        self.cv.notify_all()
+
+    # -- admission --------------------------------------------------------------------------------
+    def admit(self, start: Callable[[], T]) -> T:
+        """`start()` (which takes a request's arena memory, raising ArenaExhausted when it
+        cannot), retried while requests in flight will give memory back (see module doc)."""
+        while True:
+            with self.cv:
+                seen = self.released
+            try:
+                return start()
+            except ArenaExhausted:
+                if not self._wait_for_memory(seen):
+                    raise
+
+    def _wait_for_memory(self, seen: int) -> bool:
+        """Wait until memory was given back since `seen` (True), leading steps of other requests
+        while nobody else does; False when nothing in flight can give any back."""
+        me = threading.get_ident()
+        with self.cv:
+            self.admitting.add(me)
+            self.cv.notify_all()   # threads waiting on this one's requests re-evaluate
+        try:
+            while True:
+                with self.cv:
+                    if self.released != seen:
+                        return True
+                    # requests that advance without this thread: those that run ahead of their
+                    # consumers, or whose consumers are other threads not themselves waiting
+                    movers = [r for r in self.requests if r.active and r.release is not None
+                              and (r.runs_ahead or (r.owner != me and r.owner not in self.admitting))]
+                    others = [t for t in self.holders if t != me]
+                    if not movers and not others:
+                        return False
+                    if self.leading or not any(self._eligible(r) for r in movers):
+                        self.cv.wait(timeout=1.0)
+                        continue
+                    self.leading = True
+                try:
+                    self._step()
+                finally:
+                    with self.cv:
+                        self.leading = False
+                        self.cv.notify_all()
+        finally:
+            with self.cv:
+                self.admitting.discard(me)
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def next_event(self, request: Request) -> Any:
         """The request's next (rows, tokens), or None when it has finished; leads steps while it
         has none."""
         while True:
             with self.cv:
+                request.owner = threading.get_ident()
                 # coming back means every event popped before has been handled (its stop
                 # strings checked): the request may be stepped again
-                decoding.consumed = True
-                if decoding.events:
-                    decoding.consumed = False     # being handled until the next call
-                    return decoding.events.popleft()
-                if decoding.error is not None:
-                    raise decoding.error
-                if decoding.finished:
+                request.consumed = True
+                if request.events:
+                    request.consumed = False     # being handled until the next call
+                    return request.events.popleft()
+                if request.error is not None:
+                    raise request.error
+                if request.finished:
                     return None
                 if self.leading:
                     self.cv.wait()
@@ -82,17 +215,35 @@ class Batcher:
                     self.leading = False
                     self.cv.notify_all()
 
+    @staticmethod
+    def _eligible(r: Request) -> bool:
+        # a request whose consumer may still stop rows waits for it to catch up
+        return r.active and (r.runs_ahead or (not r.events and r.consumed))
+
     def _step(self) -> None:
-        with self.cv:   # a request whose consumer may still stop rows waits for it to catch up
-            waiting = [r for r in self.requests if r.error is None and not r.finished
-                       and (r.runs_ahead or (not r.events and r.consumed))]
-        batch = [r for r in waiting if r.ready()]   # rows stopped since their last step leave
-        if not batch:
-            return
+        with self.cv:
+            candidates = [r for r in self.requests if self._eligible(r)]
+            self.stepping = candidates   # from here on, leave() defers their release to us
+        try:
+            # (a request abandoned while this list was made has been released: not stepped)
+            batch = [r for r in candidates if not r.gone and r.ready()]   # rows stopped since
+            if batch:                                                       # their last step leave
+                self._step_batch(batch)
+        finally:
+            with self.cv:
+                ended = [r for r in self.stepping if r.gone or r.finished or r.error is not None]
+                for r in ended:
+                    if r.gone and r in self.requests:
+                        self.requests.remove(r)
+                releases = [self._take_release(r) for r in ended]
+                self.stepping = []
+            self._run_releases(releases)   # ended decodings give their memory back at once
+
+    def _step_batch(self, batch: list[Request]) -> None:
         try:
             scores = self._model().step_together([r.state for r in batch],
                                                  [r.feed() for r in batch])
-        except Exception as e:   # the step failed for everyone in it (exhausted arena, ...)
+        except Exception as e:   # the step failed for everyone in it
             for r in batch:
                 r.error = e
             return

@@ -9,14 +9,14 @@ and early_stopping True / False / "never" behave as HF defines them.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
 
 from ..errors import InputError
-from .batcher import batcher_of
+from .batcher import Request, batcher_of
 from .options import GenerationOptions
 from .processors import log_softmax, process, sample, top_k_indices, warp
 from .protocol import DecodingModel
@@ -31,7 +31,7 @@ class Hypothesis:
     finish_reason: str = "length"      # "eos", "length" or "stop"
 
 
-class Decoding:
+class Decoding(Request):
     """One request's greedy or sampled decoding, a step at a time, so that the batcher can take
     the steps of concurrent requests together: `feed()` gives the tokens the next step reads,
     `advance(scores)` chooses each live row's token and returns (rows, tokens). Rows that emit
@@ -40,6 +40,7 @@ class Decoding:
 
     def __init__(self, model: DecodingModel, state: Any, opts: GenerationOptions,
                  rng: np.random.Generator | None, stopped: set[int]):
+        super().__init__(runs_ahead=not opts.stop)   # no stop string can end a row from outside
         self.state, self.opts, self.rng, self.stopped = state, opts, rng, stopped
         self.eos_ids = model.token_ids.eos
         self.eos = np.asarray(self.eos_ids, np.int64)
@@ -48,11 +49,6 @@ class Decoding:
         self.seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)  # (b, 1+N)
         self.seqs[:, 0] = state.first_tokens
         self.t = 0
-        self.finished = False
-        self.events: collections.deque = collections.deque()
-        self.error: Exception | None = None
-        self.runs_ahead = not opts.stop   # no stop string can end a row from outside
-        self.consumed = True              # its consumer has handled every event it took
 
     def ready(self) -> bool:
         """Drop the rows that ended at the last step (eos, or a stop string the consumer found);
@@ -115,17 +111,25 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
     start = start_decoding or model.start_decoding
-    with start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat) as state:
+    batcher = batcher_of(model)
+    # the state's context is closed by the batcher (`release`), as soon as the decoding ends or
+    # its consumer abandons it, even while another thread's step is using it
+    stack = contextlib.ExitStack()
+    state = batcher.admit(lambda: stack.enter_context(
+        start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat)))
+    try:
         decoding = Decoding(model, state, opts, rng, stopped if stopped is not None else set())
-        if info is not None:
-            info["first"] = decoding.seqs[:, 0].copy()  # what each row started from
-        batcher = batcher_of(model)
-        batcher.join(decoding)
-        try:
-            while (event := batcher.next_event(decoding)) is not None:
-                yield event
-        finally:
-            batcher.leave(decoding)
+    except BaseException:
+        stack.close()
+        raise
+    if info is not None:
+        info["first"] = decoding.seqs[:, 0].copy()  # what each row started from
+    batcher.join(decoding, release=stack.close)
+    try:
+        while (event := batcher.next_event(decoding)) is not None:
+            yield event
+    finally:
+        batcher.leave(decoding)
 
 
 def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -144,7 +148,8 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
 
-    with model.start_decoding(input_ids, attention_mask, N, repeat=K) as state:
+    with batcher_of(model).admitted(lambda: model.start_decoding(input_ids, attention_mask, N,
+                                                                  repeat=K)) as state:
         fill = token_ids.eos[0] if len(eos) else token_ids.pad   # HF pads with eos
         running = np.full((B, K, L), fill, np.int64)
         running[:, :, 0] = np.asarray(state.first_tokens).reshape(B, K)

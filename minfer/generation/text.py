@@ -252,14 +252,17 @@ class BatchPlanner:
     """How many prompts of a given token length may share a batch: `max_batch_size` at most, and
     no more than the model's memory plan (`model.plan(rows, input_len, max_new_tokens)["peak"]`,
     every row's decode state sized for max_new_tokens, times beams or samples per prompt) lets fit
-    in what the arena has free when the planner is made. Models without `plan` (test doubles of
-    the decoding protocol) are bounded by max_batch_size alone."""
+    in what the arena has free when the planner is made, but always one prompt that fits in what
+    the arena has free when no request runs (`model.free_when_idle`): that one waits for memory
+    (batcher.admit) rather than fail. Models without `plan` (test doubles of the decoding
+    protocol) are bounded by max_batch_size alone."""
 
     def __init__(self, model: DecodingModel, max_new_tokens: int, repeat: int, max_batch_size: int):
         self.plan = getattr(model, "plan", None)
         self.arena = getattr(getattr(model, "backend", None), "arena", None)
         self.available = (self.arena.available if self.arena is not None and self.plan is not None
                           else None)
+        self.idle = max(getattr(model, "free_when_idle", 0), self.available or 0)
         self.enc_dec = bool(model.is_encoder_decoder)
         self.max_new_tokens, self.repeat, self.max_batch_size = max_new_tokens, repeat, max_batch_size
         self._rows: dict[int, int] = {}
@@ -269,7 +272,7 @@ class BatchPlanner:
         return int(self.plan(batch * self.repeat, length, self.max_new_tokens)["peak"])
 
     def max_rows(self, length: int) -> int:
-        """The most prompts of this length in one batch (0: not even one fits)."""
+        """The most prompts of this length in one batch (0: not even one ever fits)."""
         if self.available is None:
             return self.max_batch_size
         if length not in self._rows:   # the peak grows with the batch: binary search, once
@@ -280,6 +283,8 @@ class BatchPlanner:
                     lo = mid
                 else:
                     hi = mid - 1
+            if lo == 0 and self.peak(1, length) <= self.idle:
+                lo = 1      # fits once other requests are done: it will wait for them
             self._rows[length] = lo
         return self._rows[length]
 
@@ -288,9 +293,10 @@ class BatchPlanner:
         if self.max_rows(length) > 0:
             return None
         return ArenaExhausted(getattr(self.arena, "name", "arena"), self.peak(1, length),
-                              self.available, self.arena.capacity,
+                              self.idle, self.arena.capacity,
                               f"{where} ({length} prompt tokens, up to {self.max_new_tokens} new "
-                              f"tokens{f' x {self.repeat} rows' if self.repeat > 1 else ''})")
+                              f"tokens{f' x {self.repeat} rows' if self.repeat > 1 else ''}; the "
+                              "bytes available are those left when no other request runs)")
 
 
 class _Call:

@@ -57,6 +57,7 @@ class Model(OwnsWeights, DecodingModel):
         # each owns its state (arena holds), and decode steps of requests that run at the same
         # time are taken together (generation/batcher.py), so the lock costs little.
         self.lock = threading.RLock()
+        self.free_when_idle = backend.arena.available   # set again once the weights are placed
 
     @property
     def family(self) -> str:
@@ -94,6 +95,9 @@ class Model(OwnsWeights, DecodingModel):
         model = cls(config, params, backend, str(ckpt.folder), ckpt.config, generation_config,
                     tokenizer)
         model.attach_runtime(plan, runtime)
+        # what stays in the arena whatever runs (the weights under a limit): a request that does
+        # not fit in the rest can never run, one that does may have to wait for others
+        model.free_when_idle = backend.arena.available
         return model
 
     # -- inputs and sizes -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from ...errors import InputError
 from ...generation.protocol import DecodeState
 from ..base import Model, as_batch
 from . import math as t5
-from .spec import FAMILY, DecodeBuffers, PassScratch
+from .spec import FAMILY, DecodeBuffers, StepScratch
 
 
 class T5DecodeState(DecodeState):
@@ -102,19 +102,46 @@ class T5Model(Model):
 
     def step_together(self, states: list[T5DecodeState], tokens: list[np.ndarray]) -> list[np.ndarray]:
         """One step for several decode states: their rows stacked, every product run once over
-        all of them (the weights read once), attention per state over its own caches."""
-        if len(states) == 1:
-            return [states[0].step(tokens[0])]
-        be, cfg = self.backend, self.config
+        all of them (the weights read once), attention per state over its own caches. The stacked
+        rows' scratch comes from what the arena has free: states that do not fit together are
+        stepped in smaller groups, and a state alone uses its own step scratch (part of its
+        plan), so a request that fits alone is never failed by the company it keeps."""
         for state in states:
             state.check_room()
+        out: list[np.ndarray] = []
+        with self.lock:
+            for group in self._groups_that_fit(states):
+                if len(group) == 1:
+                    out.append(states[group[0]].step(tokens[group[0]]))
+                else:
+                    out.extend(self._step_stacked([states[i] for i in group],
+                                                  [tokens[i] for i in group]))
+        return out
+
+    def _groups_that_fit(self, states: list[T5DecodeState]) -> list[list[int]]:
+        """Consecutive runs of states whose stacked step scratch fits the arena's free bytes."""
+        be, cfg = self.backend, self.config
+        free = be.arena.available
+        groups: list[list[int]] = []
+        rows = keys = 0
+        for i, s in enumerate(states):
+            r, k = rows + s.batch, max(keys, s.length + 1, s.buf.cross_k.shape[3])
+            if groups and StepScratch.nbytes(cfg, r, k, be.dtype) <= free:
+                groups[-1].append(i)
+                rows, keys = r, k
+            else:
+                groups.append([i])
+                rows, keys = s.batch, max(s.length + 1, s.buf.cross_k.shape[3])
+        return groups
+
+    def _step_stacked(self, states: list[T5DecodeState], tokens: list[np.ndarray]) -> list[np.ndarray]:
+        be, cfg = self.backend, self.config
         R = sum(state.batch for state in states)
         keys = max(max(s.length + 1 for s in states), max(s.buf.cross_k.shape[3] for s in states))
         with self.lock, be.arena.scope():
-            ws = PassScratch.allocate(be.arena, cfg, R, 1, keys, be.dtype, True)  # cross
-            logits = be.arena.alloc((R, 1, cfg.vocab_size), be.dtype, "step logits")
+            ws = StepScratch.allocate(be.arena, cfg, R, keys, be.dtype)
             out = t5.decode_steps(be, cfg, self.params, [(s.live, s.length) for s in states],
-                                  np.concatenate(tokens), ws, logits)
+                                  np.concatenate(tokens), ws, ws.logits)
             host = np.array(be.to_host(out), np.float32)   # a copy: the scope ends here
         for state in states:
             state.length += 1

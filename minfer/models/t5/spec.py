@@ -264,6 +264,18 @@ class DecoderScratch(PassScratch):
 
 
 @dataclass
+class StepScratch(PassScratch):
+    """A step taken together for R rows of several decode states (continuous batching): the
+    products' rows stacked, attention over at most K keys, and the R rows' logits."""
+    logits: Any = None     # (R, 1, V)
+
+    @classmethod
+    def specs(cls, cfg: T5Config, R: int, K: int, dtype: Any) -> BufferSpec:
+        return {**PassScratch.specs(cfg, R, 1, K, dtype, cross=True),
+                "logits": ((R, 1, cfg.vocab_size), dtype)}
+
+
+@dataclass
 class DecodeBuffers(PassScratch):
     """One request's incremental decoding state, kept for its whole length: the KV caches of N
     positions, the cross-attention K/V, the bias tables, and the one-position step scratch."""
