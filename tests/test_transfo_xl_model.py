@@ -269,10 +269,72 @@ def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
     # the plan of a prompt this long is that of the segments it runs in (the batch planner asks
     # it: a plan for 4,000-token segments refused this prompt under `workspace=peak`)
     assert model.plan(1, 4000)["peak"] == peak
-    assert model.plan(1, 300)["peak"] > peak   # a short prompt runs in one call
+    assert model.plan(1, 300)["peak"] > peak   # a short prompt runs in one call (segments would
+                                               # not see all it sees: mem_len 48 < 300 - 16)
     for opts in ({"memory_limit": "16MiB"}, {"workspace": peak}):
         with minfer.load(folder, **opts) as small:
             before = small.backend.arena.used  # resident weights under a limit, else nothing
             got = small.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
             assert got.token_ids == want.token_ids, opts
             assert small.backend.arena.used == before
+
+
+# -- whose memory: sessions, memories of other models, prompts that fit only in segments ---------------
+@needs_xl_fixtures
+def test_a_closed_session_refuses_to_generate_and_never_writes_the_next_sessions_memory(xl_models):
+    model = xl_models("adaptive_div4")
+    prompt = reference("adaptive_div4")["greedy_prompt"][0].tolist()
+    with model.session() as fresh:
+        want = fresh.generate(prompt, max_new_tokens=6)
+    old = model.session()
+    old.generate(prompt[:3], max_new_tokens=2)
+    stream = old.generate(prompt[3:], max_new_tokens=6, stream=True)   # made before the close
+    old.close()
+    with pytest.raises(InputError, match="session: it was closed"):
+        old.generate(prompt, max_new_tokens=2)
+    with pytest.raises(InputError, match="session: it was closed"):
+        old.score(prompt)
+    with model.session() as new:   # takes the block the closed session gave back
+        got = new.generate(prompt, max_new_tokens=3)
+        with pytest.raises(InputError, match="released"):
+            list(stream)
+        got += new.generate([], max_new_tokens=3)
+    assert got == want
+
+
+@needs_xl_fixtures
+@pytest.mark.parametrize("other", ["adaptive_div4_bin", "plain_softmax", "adaptive_div1_proj"])
+def test_a_memory_made_by_another_model_is_refused_naming_it(xl_models, other):
+    model, stranger = xl_models("adaptive_div4"), xl_models(other)
+    theirs = stranger.new_memory(1)
+    try:
+        for call in (lambda: model.forward([[3, 4, 5]], theirs),
+                     lambda: model.score([3, 4, 5, 6], memory=theirs),
+                     lambda: list(model.start_decoding(np.array([[3, 4]]), np.ones((1, 2), np.int64),
+                                                       4, memory=theirs).__enter__().first_tokens)):
+            with pytest.raises(InputError, match="made by another model"):
+                call()
+    finally:
+        theirs.release()
+    with pytest.raises(InputError, match="expected a SegmentMemory"):
+        model.forward([[3, 4, 5]], np.zeros((2, 1, 12, 16), np.float32))
+
+
+def test_a_prompt_of_one_calls_length_runs_in_exact_segments_when_one_call_does_not_fit():
+    # tiny-xl-recall: mem_len 48, tgt_len 16, no same_length: a prompt of up to 64 tokens run in
+    # 16-token segments sees what one call would (the memory holds the rest)
+    folder = ROOT / "weights" / "tiny-xl-recall"
+    model = minfer.load(folder)
+    prompt = _long_recall_prompt(60)[0]
+    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+    peak = model.plan(1)["peak"]   # the memory and one 16-token segment's scratch
+    assert model.plan(1, 60)["peak"] == peak
+    with minfer.load(folder, workspace=peak) as small:
+        got = small.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+        assert got.error is None and got.token_ids == want.token_ids
+        # 300 tokens: segments would not see what one call sees, and one call does not fit:
+        # refused (naming the bytes), never answered differently
+        long_prompt = _long_recall_prompt(300)[0]
+        assert model.plan(1, 300)["peak"] > peak
+        bad = small.generate(long_prompt, max_new_tokens=4, return_details=True)[0][0]
+        assert bad.error is not None and "cannot hand out" in bad.error

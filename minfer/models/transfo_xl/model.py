@@ -17,7 +17,7 @@ from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import FAMILY, MemoryBuffers, XLConfig, prompt_segment
+from .spec import FAMILY, MemoryBuffers, prompt_segment, segment_scratch_bytes
 
 
 class SegmentMemory:
@@ -30,8 +30,12 @@ class SegmentMemory:
     once, when the position is new, instead of at every later call (HF recomputes them: mem_len+1
     rows per generated token). `release()` (or garbage collection) hands the block back."""
 
-    def __init__(self, backend: Any, cfg: XLConfig, batch: int):
+    def __init__(self, model: "XLModel", batch: int):
+        backend, cfg = model.backend, model.config
         self.cfg, self.batch = cfg, batch
+        # whose memory it is: its states are that model's layer inputs, its shape that model's
+        # (another model's memory of the same width would be read without complaint)
+        self._model = weakref.ref(model)
         self._hold = backend.arena.hold(MemoryBuffers.specs(cfg, batch, backend.dtype))
         self.buffers = MemoryBuffers(**self._hold.buffers)
         self.length = 0
@@ -58,6 +62,9 @@ class SegmentMemory:
     @property
     def released(self) -> bool:
         return not self._finalizer.alive
+
+    def belongs_to(self, model: "XLModel") -> bool:
+        return self._model() is model
 
     def to_host(self) -> np.ndarray:
         """(L, B, M, C) float32 copy of the filled memory."""
@@ -107,13 +114,14 @@ class XLModel(Model):
     def new_memory(self, batch: int = 1) -> SegmentMemory:
         """An empty segment memory for `batch` rows (an arena hold: `release()` when done)."""
         with self.lock:   # a hold, not inside another thread's scratch scope
-            return SegmentMemory(self.backend, self.config, batch)
+            return SegmentMemory(self, batch)
 
     def _run(self, ids: np.ndarray, memory: SegmentMemory, head: str = "all") -> Any:
         """One forward call over (B, T) ids with `memory` (advanced). Returns on the host the
         log-probs of every position (B*T, V) (`head="all"`), of the last one (B, V) ("last"),
         or nothing ("none": the call only extends the memory)."""
         B, T = ids.shape
+        self._check_memory(memory, B)   # (a closed session's stream must not write a freed block)
         with self.lock, self.backend.arena.scope():
             h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
                                   memory.length)
@@ -124,11 +132,20 @@ class XLModel(Model):
             return np.asarray(self.backend.to_host(
                 xl.log_probs(self.backend, self.config, self.params, h)), np.float32)
 
-    def _check_memory(self, memory: SegmentMemory, batch: int) -> None:
-        if memory.released or memory.batch != batch:
-            raise InputError(f"memory: holds {memory.batch} rows"
-                             + (" and was released" if memory.released else "")
-                             + f", input_ids has {batch}")
+    def _check_memory(self, memory: Any, batch: int) -> None:
+        """A memory this model made, not yet released, for `batch` rows; else a one-line error."""
+        if not isinstance(memory, SegmentMemory):
+            raise InputError(f"memory: expected a SegmentMemory (model.new_memory()), got "
+                             f"{type(memory).__name__}")
+        if not memory.belongs_to(self):
+            raise InputError(f"memory: made by another model ({memory.cfg.n_layer} layers, "
+                             f"mem_len {memory.cfg.mem_len}, d_model {memory.cfg.d_model}), not "
+                             f"by this one ({self.folder}): use this model's new_memory()")
+        if memory.released:
+            raise InputError("memory: it was released (a closed session, or release() called): "
+                             "start a new one")
+        if memory.batch != batch:
+            raise InputError(f"memory: holds {memory.batch} rows, input_ids has {batch}")
 
     # -- the public surface ---------------------------------------------------------------------------
     def forward(self, input_ids: Any, memory: SegmentMemory | None = None) -> tuple[np.ndarray, SegmentMemory]:
@@ -163,9 +180,9 @@ class XLModel(Model):
             raise InputError(f"segment_len must be a positive integer, got {segment_len!r}")
         T = int(T)
         own = memory is None
+        if not own:
+            self._check_memory(memory, 1)
         memory = self.new_memory(1) if own else memory
-        if memory.released or memory.batch != 1:
-            raise InputError("score: memory must be a live one-row memory")
         be, cfg, params = self.backend, self.config, self.params
         total, n = 0.0, arr.shape[1] - 1
         t0 = time.perf_counter()
@@ -202,10 +219,14 @@ class XLModel(Model):
             memory.batch = B              # the prompt runs once per input, then rows spread
         elif repeat != 1:
             raise InputError("a session continues one row: repeat must be 1")
+        else:
+            self._check_memory(memory, B)
         try:
             P = ids.shape[1]
-            chunk = prompt_segment(self.config, P)
             be, cfg, params = self.backend, self.config, self.params
+            with self.lock:   # one call when its scratch fits now; else segments, if they are exact
+                whole = segment_scratch_bytes(cfg, be.dtype, B, P) <= be.arena.available
+                chunk = prompt_segment(cfg, P, whole, memory.length)
             for start in range(0, P, chunk):
                 # each segment's scratch goes back before the next one (as in `score`): a prompt
                 # of any length runs in one segment's arena plus the memory
@@ -239,12 +260,18 @@ class XLSession:
         self.memory = model.new_memory(1)
         self.last_token: int | None = None  # the last token seen, not yet run through the model
 
+    def _check_open(self) -> None:
+        if self.memory.released:
+            raise InputError("session: it was closed (its memory was given back): open a new "
+                             "one with model.session()")
+
     def _feed_pending(self) -> None:
         if self.last_token is not None:
             self.model._run(np.array([[self.last_token]]), self.memory, head="none")
             self.last_token = None
 
     def score(self, inputs: Any, segment_len: int | None = None) -> dict:
+        self._check_open()
         self._feed_pending()
         return self.model.score(inputs, segment_len, memory=self.memory)
 
@@ -252,6 +279,7 @@ class XLSession:
         """Continue the session: the prompt (may be empty "" to just continue) goes after what
         the session has seen; the generated tokens are remembered for the next call."""
         model = self.model
+        self._check_open()
         opts, _ = resolve_options(model, **options)
         if opts.num_beams != 1 or opts.num_return_sequences != 1:
             raise InputError("a session continues one sequence: num_beams and "

@@ -293,19 +293,39 @@ class LayerScratch(BufferSet):
 PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
 
 
-def prompt_segment(cfg: XLConfig, prompt_len: int) -> int:
-    """The segment length a prompt of `prompt_len` tokens runs in: all of it up to PROMPT_CHUNK
-    tokens (one call is fastest), else tgt_len (scratch bounded whatever the length)."""
-    return prompt_len if prompt_len <= PROMPT_CHUNK else cfg.tgt_len
+def segments_equal_one_call(cfg: XLConfig, prompt_len: int, memory_len: int = 0) -> bool:
+    """Whether running a prompt in tgt_len segments gives what one call gives (up to rounding):
+    every position still sees all it would see in one call (the memory keeps the rest: mem_len
+    covers the `memory_len` positions already held plus the prompt before the last segment),
+    and the attention span does not depend on the call's length (no same_length)."""
+    return not cfg.same_length and cfg.mem_len >= memory_len + prompt_len - cfg.tgt_len
+
+
+def prompt_segment(cfg: XLConfig, prompt_len: int, whole_fits: bool = True,
+                   memory_len: int = 0) -> int:
+    """The segment length a prompt of `prompt_len` tokens runs in: all of it in one call up to
+    PROMPT_CHUNK tokens (fastest), unless its scratch does not fit (`whole_fits`) and segments
+    give the same result; longer prompts in tgt_len segments (scratch bounded whatever the
+    length)."""
+    if prompt_len <= PROMPT_CHUNK and (
+            whole_fits or not segments_equal_one_call(cfg, prompt_len, memory_len)):
+        return prompt_len
+    return min(prompt_len, cfg.tgt_len)
+
+
+def segment_scratch_bytes(cfg: XLConfig, dtype: Any, batch: int, T: int) -> int:
+    """One forward call's scratch over T new positions after a full memory."""
+    return LayerScratch.nbytes(cfg, batch, T, cfg.mem_len + T, dtype)
 
 
 def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
               max_new_tokens: int | None = None) -> dict[str, int]:
-    """Arena bytes of a run: the segment memory plus one segment's scratch (the segments a
-    prompt of `input_len` tokens runs in, default tgt_len; generation steps need less)."""
-    T = cfg.tgt_len if input_len is None else prompt_segment(cfg, input_len)
+    """Arena bytes of a run: the segment memory plus one segment's scratch: the smallest
+    segments a prompt of `input_len` tokens may run in (default tgt_len; it runs in one call
+    when that fits, see `prompt_segment`; generation steps need less)."""
+    T = cfg.tgt_len if input_len is None else prompt_segment(cfg, input_len, whole_fits=False)
     memory = MemoryBuffers.nbytes(cfg, batch, dtype)
-    scratch = LayerScratch.nbytes(cfg, batch, T, cfg.mem_len + T, dtype)
+    scratch = segment_scratch_bytes(cfg, dtype, batch, T)
     return {"memory": memory, "segment_scratch": scratch, "peak": memory + scratch}
 
 
