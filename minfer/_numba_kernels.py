@@ -43,6 +43,11 @@ BLOCK = 32                      # output rows per parallel task
 # int8 2.5 / 2.9 / 6.2 against 4.1 / 4.8 / 7.3; at M=16 the tiles win (17.1 against 20.7).
 STREAM_MAX_ROWS = 8
 F32, F16, BF16, I8 = 0, 1, 2, 3  # storage formats (compile-time constants)
+# The fused step functions take fastmath's reassociation (which vectorises their sums) but not its
+# "no NaN / no inf" assumptions, and NumPy's error model (x / 0 is inf, not ZeroDivisionError):
+# an overflowed score must come out as NaN logits, which generation names in a one-line error,
+# never as a raw exception from inside a kernel or a finite value LLVM made up.
+NON_FINITE_SAFE = dict(fastmath={"reassoc", "contract", "arcp", "nsz", "afn"}, error_model="numpy")
 NO_SCALE = np.ones(0, np.float32)
 
 
@@ -209,7 +214,7 @@ def matmul_i8(x, w, scale, out):
 
 
 # -- fused step functions ---------------------------------------------------------------------------------
-@njit(fastmath=True, cache=True)
+@njit(cache=True, **NON_FINITE_SAFE)
 def add_rms_norm(x, delta, weight, eps, h):
     """x (R, C) += delta (R, C) (skipped when delta has no rows), then h = weight * x /
     sqrt(mean(x^2) + eps) per row: a residual add and the RMS norm after it, in one pass."""
@@ -229,7 +234,7 @@ def add_rms_norm(x, delta, weight, eps, h):
             hr[c] = xr[c] * inv * weight[c]
 
 
-@njit(fastmath=True, cache=True)
+@njit(cache=True, **NON_FINITE_SAFE)
 def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
     """One (row, head): softmax(q . k_j + bias_j) over keys j < S, then the weighted sum of v.
     k[b, h] and v[b, h] are C-contiguous (N, D) cache rows: numba then knows each key is
@@ -262,7 +267,7 @@ def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
             out[d] += p * vj[d]
 
 
-@njit(fastmath=True, cache=True)
+@njit(cache=True, **NON_FINITE_SAFE)
 def attend_query(q, k, v, S, bias, ctx):
     """One query position per (row, head): q (B, H, D), the first S keys/values of C-contiguous
     caches (B, H, N, D), additive bias (Bb, Hb, >=S) broadcast over rows / heads when Bb / Hb is
@@ -275,7 +280,7 @@ def attend_query(q, k, v, S, bias, ctx):
             _attend_one(q, k, v, S, bias, ctx, b, h, scores)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, cache=True, **NON_FINITE_SAFE)
 def attend_query_parallel(q, k, v, S, bias, ctx):
     """`attend_query` with the (row, head) pairs spread over the threads (large batches)."""
     B, H = q.shape[0], q.shape[1]

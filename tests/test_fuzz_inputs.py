@@ -189,3 +189,32 @@ def test_score_fuzz(segment, text):
     assert_worked_or_one_line(code, out, err)
     if code == 0:
         assert "perplexity" in out
+
+
+# -- non-finite values inside the model ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def overflowing_folder(tmp_path_factory):
+    """A T5 whose first decoder self-attention's q and k are legal float32 weights so large that
+    the attention scores overflow to inf."""
+    from factories import write_t5
+    from safetensors.numpy import load_file, save_file
+    folder = write_t5(tmp_path_factory.mktemp("overflow") / "m", seed=1)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in tensors:
+        if name.startswith("decoder.block.0.layer.0.SelfAttention.") and name[-8:-7] in "qk":
+            tensors[name] = tensors[name] * np.float32(1e20)
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"num_beams": 2}, {"do_sample": True}])
+def test_overflowing_scores_are_one_line_errors_in_every_search(overflowing_folder, kernel_mode, how):
+    import warnings
+
+    import minfer
+    from minfer.errors import InputError
+    m = minfer.load(overflowing_folder)
+    with warnings.catch_warnings(), pytest.raises(InputError, match="not finite|no token has a finite"):
+        warnings.simplefilter("ignore", RuntimeWarning)   # NumPy says "overflow" on the way
+        out = m.generate([[5, 6, 7, 1]], max_new_tokens=4, **how)
+        list(out) if how.get("stream") else out

@@ -226,3 +226,25 @@ def test_the_thread_count_reaches_threads_that_did_not_set_it():
             assert seen == [n]
     finally:
         kernels.set_threads(before)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_non_finite_attention_scores_give_nan_not_an_exception(bad, parallel):
+    # an overflowed query made the compiled softmax divide by zero: a raw ZeroDivisionError,
+    # where NumPy gives NaN that generation turns into a one-line error
+    q = np.ones((2, 2, 4), np.float32)
+    q[0, 1, 0] = bad
+    cache = rng.standard_normal((2, 2, 5, 4)).astype(np.float32)
+    ctx = np.zeros((2, 2, 4), np.float32)
+    run = k.attend_query_parallel if parallel else k.attend_query
+    run(q, cache, cache, 5, np.zeros((1, 1, 5), np.float32), ctx)
+    assert np.isnan(ctx[0, 1]).all()
+    assert np.isfinite(ctx[1]).all() and np.isfinite(ctx[0, 0]).all()
+
+
+def test_non_finite_norm_input_gives_non_finite_output_not_an_exception():
+    x = np.array([[np.inf, 1.0, 2.0], [1.0, 2.0, 3.0]], np.float32)
+    h = np.empty_like(x)
+    k.add_rms_norm(x, np.empty((0, 3), np.float32), np.ones(3, np.float32), 0.0, h)
+    assert not np.isfinite(h[0]).all() and np.isfinite(h[1]).all()

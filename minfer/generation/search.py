@@ -164,6 +164,9 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             b = len(live)
             logits = state.step(running[live, :, cur - 1].reshape(-1))          # (b*K, V)
             V = logits.shape[1]
+            if not np.isfinite(logits).all():   # else every beam sinks to "impossible", unnamed
+                raise InputError(f"step {cur - 1}: the model's logits are not finite (its "
+                                 "weights or activations overflowed)")
             logp = log_softmax(logits)
             logp = process(logp, running[live, :, :cur].reshape(b * K, cur), opts, cur - 1,
                            token_ids.eos)
