@@ -31,6 +31,12 @@ from typing import Any, Callable
 from .errors import ConfigError
 
 MODES = ("numba", "numpy")
+# The threading layers numba may be told to use (NUMBA_THREADING_LAYER), each with the layers
+# that can serve it, by the module that loads each layer's library.
+_LAYER_MODULES = {"omp": "omppool", "tbb": "tbbpool", "workqueue": "workqueue"}
+_LAYER_CHOICES = {"default": ("omp", "tbb", "workqueue"), "safe": ("tbb",),
+                  "threadsafe": ("tbb", "omp"), "forksafe": ("tbb", "omp", "workqueue"),
+                  **{name: (name,) for name in _LAYER_MODULES}}
 
 
 def _mode_from_env() -> str:
@@ -40,36 +46,96 @@ def _mode_from_env() -> str:
     return mode
 
 
-_mode = _mode_from_env()
+# Read at first use, not at import: a bad value is then a one-line error of the call that needs
+# it (the command line's handler catches it), not a traceback from `import minfer`.
+_mode: str | None = None
 _compiled: Any = None   # the module of compiled kernels, once built
+_after_fork = False     # this process was forked from one whose OpenMP threads had started
 
 
 def mode() -> str:
+    global _mode
+    if _mode is None:
+        _mode = _mode_from_env()
     return _mode
 
 
-def active() -> Any:
-    """The compiled kernels when they are selected and numba can be imported, else None. In a
-    thread that has not yet used the thread count `set_threads` chose, applies it first: numba
-    keeps that count per calling thread, so a server's worker threads (or the batcher's leaders)
-    would otherwise run the kernels on every core whatever `num_threads` said."""
+def compiled() -> Any:
+    """The module of compiled kernels when they are selected and numba can be imported, else
+    None; starts no threads (loading wraps the weights with it; see `active`)."""
     global _compiled
-    if _mode != "numba":
+    if mode() != "numba" or _after_fork:
         return None
     if _compiled is None:
         try:
             from . import _numba_kernels
         except ImportError:   # numba missing: the NumPy path, which computes the same things
             return None
+        _check_threading_layer()
         _compiled = _numba_kernels
-    if _kernel_threads and getattr(_applied, "threads", None) != _kernel_threads:
-        _compiled.set_threads(_kernel_threads)
-        _applied.threads = _kernel_threads
     return _compiled
+
+
+def active() -> Any:
+    """The compiled kernels, to run now (None: the NumPy path). In a thread that has not yet used
+    the thread count `set_threads` chose, applies it first: numba keeps that count per calling
+    thread, so a server's worker threads (or the batcher's leaders) would otherwise run the
+    kernels on every core whatever `num_threads` said. Applying it starts numba's threads, which
+    is why loading does not call this: a process may still fork safely after `minfer.load`."""
+    k = compiled()
+    if k is not None and _kernel_threads and getattr(_applied, "threads", None) != _kernel_threads:
+        k.set_threads(_kernel_threads)
+        _applied.threads = _kernel_threads
+    return k
+
+
+def _check_threading_layer() -> None:
+    """NUMBA_THREADING_LAYER names a layer this machine can load, or a one-line ConfigError
+    (numba itself says so only at the first parallel call, in a multi-line ValueError). Only
+    imports the layers' modules: starting threads here would make a later fork unsafe."""
+    import importlib
+
+    import numba
+    asked = str(numba.config.THREADING_LAYER).lower()
+    choices = _LAYER_CHOICES.get(asked)
+    if choices is None:
+        raise ConfigError(f"NUMBA_THREADING_LAYER={asked!r}: expected one of "
+                          f"{', '.join(_LAYER_CHOICES)}")
+    for layer in choices:
+        try:
+            importlib.import_module(f"numba.np.ufunc.{_LAYER_MODULES[layer]}")
+            return
+        except (ImportError, OSError):
+            continue
+    hint = " (pip install tbb)" if "tbb" in choices else ""
+    raise ConfigError(f"NUMBA_THREADING_LAYER={asked!r}: no threading layer it allows "
+                      f"({', '.join(choices)}) can be loaded on this machine{hint}; unset it to "
+                      "let numba choose")
 
 
 _kernel_threads = 0                 # numba threads set_threads chose (0: numba's default)
 _applied = threading.local()        # .threads: the count this thread last gave numba
+
+
+def _in_forked_child() -> None:
+    """After fork, in the child: GNU OpenMP cannot run in a process forked from one whose OpenMP
+    threads had started (numba terminates the child at its first parallel call), so such a child
+    computes on the NumPy path (the same results, slower; use the spawn start method for the
+    kernels' speed). Thread pools did not survive the fork: they are made again when needed."""
+    global _after_fork, _pool
+    _pool = None
+    _applied.__dict__.clear()
+    if _compiled is not None:
+        import numba
+        try:
+            started = numba.threading_layer() == "omp"
+        except ValueError:   # no parallel layer started in the parent: the kernels are safe
+            started = False
+        _after_fork = _after_fork or started
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def set_threads(n: int | None) -> int:
@@ -88,11 +154,11 @@ def set_threads(n: int | None) -> int:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ConfigError(f"num_threads must be a positive integer, got {n!r}")
     threads = (usable or 1) if n is None else n
-    k = active()
+    k = compiled()
     if k is not None:
         global _kernel_threads
         _kernel_threads = min(threads, k.max_threads())
-        active()        # applies it in this thread now; other threads on their next kernel call
+        _applied.__dict__.clear()   # every thread applies it at its next kernel call
         _set_blas_threads(1)
         _threads = threads
     elif n is not None:
@@ -116,7 +182,7 @@ _pool_lock = threading.Lock()
 
 def parts(n: int, min_part: int = 1) -> int:
     """How many parts `split` cuts n items into: one per thread, each at least min_part."""
-    if _threads <= 1 or active() is None:
+    if _threads <= 1 or compiled() is None:
         return 1
     return max(1, min(_threads, n // max(min_part, 1)))
 

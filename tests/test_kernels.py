@@ -248,3 +248,86 @@ def test_non_finite_norm_input_gives_non_finite_output_not_an_exception():
     h = np.empty_like(x)
     k.add_rms_norm(x, np.empty((0, 3), np.float32), np.ones(3, np.float32), 0.0, h)
     assert not np.isfinite(h[0]).all() and np.isfinite(h[1]).all()
+
+
+# -- the process around the kernels: environment variables, fork ---------------------------------------
+def _run_python(code, env=None, timeout=120):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout, cwd=root)
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"MINFER_KERNELS": "garbage"}, "MINFER_KERNELS='garbage': expected one of numba, numpy"),
+    ({"NUMBA_THREADING_LAYER": "bogus"}, "NUMBA_THREADING_LAYER='bogus': expected one of"),
+    ({"NUMBA_THREADING_LAYER": "safe"}, "NUMBA_THREADING_LAYER='safe': no threading layer"),
+])
+def test_bad_kernel_environment_is_one_line_in_the_cli_and_a_config_error_in_the_api(env, needle):
+    import importlib.util
+    if "safe" in env.values() and importlib.util.find_spec("tbb") is not None:
+        pytest.skip("tbb is installed: the 'safe' layer loads")
+    cli = _run_python("from minfer_cli.main import main; "
+                      "main(['generate', '-m', 'weights/tiny-t5-dates', 'date: 4th of July 1976'])",
+                      env)
+    lines = cli.stderr.strip().splitlines()
+    assert cli.returncode == 1 and len(lines) == 1 and needle in lines[0], cli.stderr
+    api = _run_python("import minfer\n"
+                      "try:\n    minfer.load('weights/tiny-t5-dates').generate('date: 1 May 2000')\n"
+                      "except minfer.ConfigError as e:\n    print('ConfigError:', e)\n", env)
+    assert api.returncode == 0 and needle in api.stdout, api.stdout + api.stderr
+
+
+@pytest.mark.parametrize("run_first", [False, True])
+def test_fork_after_load_and_after_a_run_gives_working_children(run_first):
+    # GNU OpenMP cannot run in a child forked after its threads started (numba terminates the
+    # child): loading starts none, and a child forked after a run computes on the NumPy path
+    code = f"""
+import multiprocessing as mp
+import minfer
+m = minfer.load('weights/tiny-t5-dates')
+prompts = ['date: 4th of July 1976', 'spell: 1234', 'date: March 5, 2021']
+want = [m.generate(p) for p in prompts] if {run_first} else None
+
+def work(p):
+    return m.generate(p)
+
+with mp.get_context('fork').Pool(2) as pool:
+    got = pool.map_async(work, prompts).get(timeout=60)
+print(got if want is None else got == want)
+"""
+    out = _run_python(code, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "unsafe" not in out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == ("True" if run_first else
+                    str(['1976-07-04', 'one thousand two hundred thirty-four', '2021-03-05']))
+
+
+def test_a_forked_child_streams_layers_with_its_own_prefetch_thread(tmp_path):
+    # the prefetch thread of a model under a memory limit stays in the parent: the child's copies
+    # waited for it forever
+    code = f"""
+import multiprocessing as mp, sys
+sys.path.insert(0, 'tests')
+import minfer
+from factories import SHAPE, write_t5
+from pathlib import Path
+folder = write_t5(Path({str(tmp_path / "m")!r}), seed=3, **SHAPE)
+want = minfer.load(folder).generate([[5, 6, 7, 8, 1]], max_new_tokens=5)
+m = minfer.load(folder, memory_limit='1MiB', workspace='400KiB')
+assert m.weight_plan.streamed
+assert m.generate([[5, 6, 7, 8, 1]], max_new_tokens=5) == want
+
+def work(p):
+    return m.generate([p], max_new_tokens=5)
+
+with mp.get_context('fork').Pool(2) as pool:
+    print(pool.map_async(work, [[5, 6, 7, 8, 1]] * 2).get(timeout=60) == [want, want])
+"""
+    out = _run_python(code, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

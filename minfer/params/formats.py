@@ -120,7 +120,10 @@ class PackedWeight:
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
-        if self.kernel is not None and takes_kernel(x.shape[0], self.shape[1]):
+        # (asked at every call: a process forked after the kernels' threads started must not
+        # run them, kernels.py)
+        fast = self.kernel is not None and kernels.active() is not None
+        if fast and takes_kernel(x.shape[0], self.shape[1]):
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
                 self.kernel(x, self.bits, out)
@@ -128,7 +131,9 @@ class PackedWeight:
                 self.kernel(x, self.bits, self.scale, out)
             return out
         N = self.shape[0]
-        if self.kernel is None:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
+        if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
+            if self.plain:
+                return xp.matmul(x, self.stored.T, out=out)
             self._widened_product(xp, x, out, 0, N, self.scratch)
             return out
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch

@@ -149,7 +149,7 @@ class WeightRuntime:
         shared scratch (one product at a time)."""
         scratch = None if self.scratch is None else self.scratch.view(self.float_dtype)
         return fmt.wrap(name, arrays, self.float_dtype, scratch,
-                        kernels.active() if self._kernel_eligible else None)
+                        kernels.compiled() if self._kernel_eligible else None)
 
     # -- running a stack --------------------------------------------------------------------------
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:

@@ -89,8 +89,15 @@ class Transfers:
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minfer-prefetch")
+        self._pid = os.getpid()
 
     def issue(self, source: HostSource, slot: Any, unit: str, slot_index: int = 0) -> Any:
+        if self._pid != os.getpid():
+            # a forked child: the pool's thread stayed in the parent, and the pool would wait
+            # for it forever; this process gets its own (the pack file is read by offset, so
+            # sharing its descriptor is safe)
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minfer-prefetch")
+            self._pid = os.getpid()
         return self._pool.submit(source.copy_into, slot)
 
     def wait(self, ticket: Any) -> None:
