@@ -39,9 +39,12 @@ COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokeni
 _CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items()}
 
 
-def _float_data(w: np.ndarray, code: str) -> np.ndarray:
-    """A float32 tensor in the stored dtype `code` (bfloat16 as its rounded uint16 bits)."""
-    return to_bfloat16_bits(w) if code == "BF16" else w.astype(STORAGE[code], copy=False)
+def _float_data(ckpt: Checkpoint, name: str, code: str) -> np.ndarray:
+    """A float tensor in the stored dtype `code` (bfloat16 as its rounded uint16 bits; float16
+    read as such, so a value beyond its range is refused naming the tensor, not written as inf)."""
+    if code == "BF16":
+        return to_bfloat16_bits(ckpt.read(name, np.float32))
+    return ckpt.read(name, STORAGE[code])
 
 
 def _plan(ckpt: Checkpoint, dtype: str, linear: set[str]
@@ -128,7 +131,7 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
             elif name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in linear:
                 pending, data = quantize_int8(ckpt.read(name[:-len(SCALE_SUFFIX)], np.float32))
             else:
-                data = _float_data(ckpt.read(name, np.float32), code)
+                data = _float_data(ckpt, name, code)
             data = np.ascontiguousarray(data, dtype=STORAGE[code])  # little-endian, as declared
             assert data.shape == shape, (name, data.shape, shape)
             f.write(data.reshape(-1).view(np.uint8))

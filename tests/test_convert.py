@@ -156,3 +156,31 @@ def test_convert_refuses_a_source_with_bad_values(folder, tmp_path):
     with pytest.raises(minfer.CheckpointError, match=f"tensor '{name}' holds NaN"):
         convert(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["decoder.block.1.layer.0.SelfAttention.v.weight",
+                                    "encoder.final_layer_norm.weight"])
+def test_a_value_beyond_float16_is_refused_naming_it_when_narrowing(folder, tmp_path, target):
+    # a legal float32 weight of 1e5 used to load as inf with dtype="float16" (a warning only), and
+    # convert --dtype float16 wrote a file that then failed to load
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from minfer.convert import convert
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors[target] = tensors[target].copy()
+    tensors[target].reshape(-1)[3] = 1e5
+    save_file(tensors, str(src / "model.safetensors"))
+    where = "[0, 3]" if tensors[target].ndim == 2 else "[3]"
+    needle = f"tensor '{target}' holds 100000 at {where}, beyond float16's range"
+    with pytest.raises(minfer.CheckpointError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        convert(src, tmp_path / "out16", "float16")
+    assert not (tmp_path / "out16").exists()
+    if tensors[target].ndim == 2:   # linear slots are stored float16 on the CPU too
+        with pytest.raises(minfer.CheckpointError, match="beyond float16's range"):
+            minfer.load(src, dtype="float16")
+    convert(src, tmp_path / "outbf", "bfloat16")   # bfloat16 has float32's range
+    assert minfer.load(tmp_path / "outbf").generate(IDS, max_new_tokens=2)

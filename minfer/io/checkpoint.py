@@ -161,6 +161,10 @@ class Checkpoint:
         else:
             if info.dtype == "BF16":
                 raw = bf16_to_float32(raw)
+            if np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize < raw.dtype.itemsize:
+                # narrowing (to float16): a value beyond its range would silently become inf
+                check_fits(raw, dtype, f"{info.file}: tensor '{quoted(name)}'",
+                           rows[0] if rows else 0)
             try:
                 if not self.use_mmap and raw.flags.writeable:  # raw is a private copy
                     out = np.ascontiguousarray(raw, dtype=dtype)
@@ -248,6 +252,26 @@ def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> No
             note = "" if not np.isfinite(value) else (
                 f" (beyond the +-{MAX_ABS_WEIGHT:g} a weight can hold: wrong byte order or corrupt?)")
             raise CheckpointError(f"{what} holds {value:g} at {index}{note}".replace("nan", "NaN"))
+
+
+def check_fits(values: np.ndarray, dtype: Any, what: str, first_row: int = 0) -> None:
+    """Raise a CheckpointError naming `what` and the first finite element of float `values`
+    beyond what `dtype` can hold (float16: +-65504), before a cast turns it into inf (NaN and
+    inf themselves are check_weight_values' to name). A chunk at a time, like that check."""
+    limit = float(np.finfo(dtype).max)
+    flat = values.reshape(-1)
+    for i in range(0, flat.size, _CHECK_CHUNK):
+        chunk = flat[i:i + _CHECK_CHUNK]
+        over = np.abs(chunk) > limit
+        over &= np.isfinite(chunk)
+        if over.any():
+            j = i + int(np.argmax(over))
+            index = [int(k) for k in np.unravel_index(j, values.shape)] if values.ndim else []
+            if index:
+                index[0] += first_row
+            raise CheckpointError(f"{what} holds {float(flat[j]):g} at {index}, beyond "
+                                  f"{np.dtype(dtype).name}'s range (+-{limit:g}): keep it "
+                                  "float32 or bfloat16 (dtype='float32' or 'bfloat16')")
 
 
 def _open_weights(path: Path) -> SafetensorsFile:

@@ -135,11 +135,13 @@ class _Reader:
         return [(s, rows if rows is not None else (entry.rows if i == 0 else None))
                 for i, s in enumerate(entry.sources[:1] if rows is not None else entry.sources)]
 
-    def linear(self, entry: Linear, rows: tuple[int, int] | None = None) -> np.ndarray:
-        """(out, in) float32, C-contiguous: the sources fused along out (of a source stored
+    def linear(self, entry: Linear, rows: tuple[int, int] | None = None,
+               dtype: Any = np.float32) -> np.ndarray:
+        """(out, in) in `dtype` (float32, or float16 for a float16 slot: each source checked as
+        it narrows, named), C-contiguous: the sources fused along out (of a source stored
         (in, out): transposed). `rows`: only these rows of a single-source slot (reading a large
         one in blocks)."""
-        parts = [self(s, np.float32, r) for s, r in self._source_rows(entry, rows)]
+        parts = [self(s, dtype, r) for s, r in self._source_rows(entry, rows)]
         w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
         return np.ascontiguousarray(w.T) if entry.transpose else w
 
@@ -157,7 +159,8 @@ class _Reader:
             if fmt.scaled:
                 out[name + SCALE_SUFFIX] = np.concatenate([s for _, s in parts])
             return out
-        return fmt.encode(name, self.linear(entry, rows))
+        narrow = np.float16 if np.dtype(fmt.storage) == np.float16 else np.float32
+        return fmt.encode(name, self.linear(entry, rows, narrow))
 
     def tensor(self, entry: Tensor, dtype: Any) -> np.ndarray:
         a = self(entry.source, dtype, entry.rows)
