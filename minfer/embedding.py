@@ -39,7 +39,13 @@ def pool(states: np.ndarray, mask: np.ndarray, modes: Sequence[str]) -> np.ndarr
     out = []
     for mode in modes:
         if mode == "cls_token":
-            out.append(states[:, 0])
+            first = states[:, 0]
+            if "max_tokens" in modes:
+                # sentence-transformers 5.1 (the oracle) sets masked states to -1e9 in place for
+                # max pooling, and its CLS output is a view of position 0: a row whose first
+                # token is masked (a prompt left out of the pooling) gets -1e9 there
+                first = np.where(m[:, 0] > 0, first, np.float32(-1e9))
+            out.append(first)
         elif mode == "max_tokens":
             out.append(np.where(m > 0, states, np.float32(-1e9)).max(axis=1))
         elif mode in ("mean_tokens", "mean_sqrt_len_tokens"):
