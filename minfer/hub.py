@@ -114,11 +114,11 @@ def check_subfolder(subfolder: str | None, what: str = "subfolder") -> str:
     (absolute, "..", odd characters) is a one-line ConfigError."""
     if subfolder is None:
         return ""
-    if (not isinstance(subfolder, str) or not _SUBFOLDER.fullmatch(subfolder.strip("/"))
+    if (not isinstance(subfolder, str) or not _SUBFOLDER.fullmatch(subfolder.rstrip("/"))
             or any(part in (".", "..") for part in subfolder.split("/"))):
         raise ConfigError(f"{what}={subfolder!r}: expected a folder inside the model folder or "
                           "repo, such as 'text_encoder_2' (names joined by '/', no '..')")
-    return subfolder.strip("/")
+    return subfolder.rstrip("/")
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, *,
