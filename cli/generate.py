@@ -152,6 +152,7 @@ def generate(load, prompts, max_new_tokens,
                    max_batch_size=max_batch_size, max_input_tokens=max_input_tokens,
                    truncation=True if truncate else None)
     m = load_model(load)
+    m.check_can_generate()   # an encoder-only model: one line, before any prompt is read
     if m.tokenizer is None:
         from minfer.generation.text import tokenizer_files  # the files this family would read
         fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")

@@ -192,6 +192,7 @@ def test_embeddings_match_sentence_transformers(case):
     assert "pooling" in m.parts
     got = m.embed(texts)
     assert got.dtype == np.float32 and got.shape == ref["embeddings"].shape
+    assert np.abs(np.diff(ref["embeddings"], axis=0)).max() > 1e-2   # texts differ
     assert np.abs(got - ref["embeddings"]).max() <= 1e-5
     for key in ref:
         if key.startswith("embeddings_prompt_"):
@@ -204,8 +205,9 @@ def test_embedding_settings_are_read():
     st = m.sentence_modules
     assert st.transformer.name == "0_Transformer" and st.do_lower_case and st.max_seq_length == 16
     assert st.default_prompt_name == "query" and not st.pooling.include_prompt
-    assert st.pooling.modes == ("cls_token", "max_tokens", "mean_sqrt_len_tokens")
-    assert [s.activation for s in st.steps] == ["tanh", "relu"] and st.dimension == 8
+    assert st.pooling.modes == ("max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+                                "lasttoken")
+    assert [s.activation for s in st.steps] == ["tanh", "identity"] and st.dimension == 8
     # the default prompt differs from none, and an explicit prompt equals the named one
     texts = ["Hello world", "x"]
     assert np.abs(m.embed(texts) - m.embed(texts, prompt="")).max() > 1e-3

@@ -140,18 +140,21 @@ CASES = {c.name: c for c in (
          sentence=dict(max_seq_length=12, pooling=dict(pooling_mode_mean_tokens=True),
                        dense=[dict(out=20, bias=False, act="Identity")], normalize=True,
                        safe=False)),
-    # a newer folder: the encoder in 0_Transformer, type names with the class repeated, three
-    # poolings, Dense with bias and tanh, lower-casing, prompts with a default left out of the
-    # pooling (include_prompt false), bfloat16 encoder weights
+    # a newer folder: the encoder in 0_Transformer, type names with the class repeated, four
+    # poolings, two Dense layers with bias (tanh, identity), lower-casing, prompts with a default
+    # left out of the pooling (include_prompt false), bfloat16 encoder weights
     Case("st_prompts", "sentence", dict(_TINY, vocab_size=600, d_model=16, d_kv=4, num_heads=4,
                                          d_ff=32, feed_forward_proj="gated-gelu",
                                          tie_word_embeddings=False),
          dtype="bfloat16", tokenizer=True, first_seed=1100,
          sentence=dict(max_seq_length=16, do_lower_case=True, subfolder="0_Transformer",
                        new_type_names=True,
-                       pooling=dict(pooling_mode_cls_token=True, pooling_mode_max_tokens=True,
-                                    pooling_mode_mean_sqrt_len_tokens=True, include_prompt=False),
-                       dense=[dict(out=24, bias=True, act="Tanh"), dict(out=8, bias=True, act="ReLU")],
+                       pooling=dict(pooling_mode_max_tokens=True,
+                                    pooling_mode_mean_sqrt_len_tokens=True,
+                                    pooling_mode_weightedmean_tokens=True,
+                                    pooling_mode_lasttoken=True, include_prompt=False),
+                       dense=[dict(out=24, bias=True, act="Tanh"),
+                              dict(out=8, bias=True, act="Identity")],
                        normalize=False, prompts={"query": "query: ", "passage": "passage: "},
                        default_prompt_name="query", safe=True)),
 )}
