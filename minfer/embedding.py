@@ -125,8 +125,8 @@ def prompt_for(modules: SentenceModules | None, prompt_name: str | None,
 def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = None,
           prompt: str | None = None, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
     """Texts -> (N, E) float32 embeddings (a single text: (1, E)); see the module docstring.
-    Rows run in batches of similar length (at most `batch_size`, fewer when the model's memory
-    plan says so); results keep the input order."""
+    Rows run in batches of similar length (at most `batch_size`; `encode` runs a batch in fewer
+    rows at a time when the arena cannot hold it); results keep the input order."""
     tok = model.tokenizer
     if tok is None:
         raise InputError(f"embed() needs a tokenizer, and {model.folder} has none: encode token "
@@ -149,8 +149,8 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
         skip = len(tokens_of(model, text_prompt, modules)) - 1   # its tokens, not its </s>
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: np.ndarray | None = None
-    for batch in _batches(model, [len(ids[i]) for i in order], batch_size):
-        rows = [order[k] for k in batch]
+    for start in range(0, len(order), batch_size):   # encode() splits what the arena cannot hold
+        rows = order[start:start + batch_size]
         width = max(len(ids[i]) for i in rows)
         pad = model.token_ids.pad
         grid = np.full((len(rows), width), pad, np.int64)
@@ -181,17 +181,3 @@ def tokens_of(model: Any, text: str, modules: SentenceModules | None) -> list[in
         eos = model.tokenizer.eos_id
         ids = ids[:limit - 1] + [eos] if eos is not None and ids[-1] == eos else ids[:limit]
     return ids
-
-
-def _batches(model: Any, lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Consecutive runs of the (sorted) rows: at most batch_size, and no more than the model's
-    memory plan fits in the arena's free bytes for the run's longest row."""
-    free = model.backend.arena.available
-    out, start = [], 0
-    while start < len(lengths):
-        end = min(start + batch_size, len(lengths))
-        while end - start > 1 and model.plan(end - start, lengths[end - 1])["peak"] > free:
-            end = start + max(1, (end - start) // 2)
-        out.append(list(range(start, end)))
-        start = end
-    return out

@@ -228,3 +228,14 @@ def test_a_folder_without_modules_embeds_by_mean_pooling():
     for i, text in enumerate(texts):
         states = m.encode(text)[0]
         assert np.allclose(got[i], states.mean(axis=0), atol=1e-6)
+
+
+def test_encode_runs_a_batch_the_arena_cannot_hold_in_passes():
+    ref = reference("umt5_encoder")
+    full = model("umt5_encoder")
+    one = full.plan(1, ref["input_ids"].shape[1])["encoder_scratch"]
+    assert full.plan(3, ref["input_ids"].shape[1])["encoder_scratch"] > one + 4096
+    small = minfer.load(FIXTURES / "umt5_encoder", workspace=one + 4096)
+    assert small._rows_per_pass(3, ref["input_ids"].shape[1]) == 1
+    got = small.encode(ref["input_ids"], ref["attention_mask"])
+    assert rel_err(got, full.encode(ref["input_ids"], ref["attention_mask"])) < 1e-6

@@ -83,10 +83,27 @@ class T5Model(Model):
         if not use_attention_mask:
             mask = np.ones_like(mask)
         be = self.backend
-        with self.lock, be.arena.scope():
-            out = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
-            t5.encode(be, self.config, self.params, ids, mask, out)
-            return np.array(be.to_host(out), dtype=np.float32)
+        B, T = ids.shape
+        out = np.empty((B, T, self.config.d_model), np.float32)
+        with self.lock:
+            # rows in passes that fit the arena's free bytes (a batch of 8 x 512 tokens of a
+            # 64-head encoder needs 1.7 GB of scratch; under a memory limit it runs 4 + 4)
+            step = self._rows_per_pass(B, T)
+            for a in range(0, B, step):
+                with be.arena.scope():
+                    part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
+                                          "encoder output")
+                    t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
+                    out[a:a + step] = be.to_host(part)
+        return out
+
+    def _rows_per_pass(self, batch: int, length: int) -> int:
+        """The most rows of `length` tokens whose encoder pass fits the arena's free bytes (at
+        least 1: a row that does not fit fails in the arena, naming the bytes)."""
+        free, rows = self.backend.arena.available, batch
+        while rows > 1 and self.plan(rows, length)["encoder_scratch"] > free:
+            rows = (rows + 1) // 2
+        return rows
 
     def _encoder_batch(self, inputs: Any, attention_mask: Any, padding: str,
                        max_length: int | None, truncation: bool) -> tuple[np.ndarray, np.ndarray]:
