@@ -191,16 +191,52 @@ def _result_fields(r: Any) -> dict:
     return fields
 
 
+def bulk_options(item: str, output_help: str):
+    """The bulk-mode options every command with --input shares (`item`: what a row holds,
+    "prompt" or "text")."""
+    options = [
+        click.option("--input", "-i", "input_path", default=None, metavar="PATH",
+                     help=f"Bulk mode: read {item}s from PATH ('-' for stdin), one per line, or "
+                          "JSON Lines (see --input-format); write one result per input line to "
+                          "--output."),
+        click.option("--output", "-o", "output_path", default=None, metavar="PATH",
+                     help=f"Bulk mode: {output_help}  [default: -]."),
+        click.option("--input-format", type=click.Choice(["auto", "text", "jsonl"]),
+                     default="auto", show_default=True,
+                     help="auto: JSON Lines for *.jsonl, *.ndjson, *.json or with --input-field, "
+                          f"else text (one {item} per line)."),
+        click.option("--input-field", default=None, metavar="NAME",
+                     help=f"JSON Lines: the field holding the {item}; the object's other fields "
+                          "are copied into its output  [default: text]."),
+        click.option("--resume", is_flag=True,
+                     help="Bulk mode: keep the complete records already in --output, skip that "
+                          "many input rows and append the rest."),
+    ]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
+
+
+def open_to_resume(path: str) -> BinaryIO | None:
+    """The output file of an earlier run, open for reading and cutting (None: there is none)."""
+    try:
+        return open(path, "r+b")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        fail(f"--output {path}: cannot open: {e.strerror or e}")
+
+
 def resume_point(path: str) -> tuple[int, bool]:
     """(complete records already in `path`, whether anything after them was cut off). The file
     is cut after the last complete, valid record: a line the last run was writing when it
     stopped is dropped, to be written again. No file: (0, False)."""
-    try:
-        f = open(path, "r+b")
-    except FileNotFoundError:
+    f = open_to_resume(path)
+    if f is None:
         return 0, False
-    except OSError as e:
-        fail(f"--output {path}: cannot open: {e.strerror or e}")
     with f:
         good = end = 0
         for line in f:   # our own records, one a line

@@ -22,8 +22,8 @@ from typing import Any, BinaryIO, Iterator
 import click
 import numpy as np
 
-from .bulk import (Bulk, Progress, bulk_rows, bulk_settings, close_files, kept_note, open_files,
-                   resume_point, rows_to_come)
+from .bulk import (Bulk, Progress, bulk_options, bulk_rows, bulk_settings, close_files, kept_note,
+                   open_files, open_to_resume, resume_point, rows_to_come)
 from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 WINDOW = 256   # rows read, embedded and written at a time in bulk mode
@@ -39,21 +39,7 @@ NPY_HEADER = 128   # bytes of the .npy header we write: fixed, so it can be rewr
 @click.option("--prompt", default=None, metavar="TEXT", help="Prepend this text to every input.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Texts per encoder batch at most (fewer when the workspace cannot hold them).")
-@click.option("--input", "-i", "input_path", default=None, metavar="PATH",
-              help="Bulk mode: read texts from PATH ('-' for stdin), one per line, or JSON Lines "
-                   "(see --input-format).")
-@click.option("--output", "-o", "output_path", default=None, metavar="PATH",
-              help="Bulk mode: JSON Lines ('-' for stdout), or a .npy file of (rows, dim) float32  "
-                   "[default: -].")
-@click.option("--input-format", type=click.Choice(["auto", "text", "jsonl"]), default="auto",
-              show_default=True,
-              help="auto: JSON Lines for *.jsonl, *.ndjson, *.json or with --input-field, else text.")
-@click.option("--input-field", default=None, metavar="NAME",
-              help="JSON Lines: the field holding the text; other fields are copied into the "
-                   "output records  [default: text].")
-@click.option("--resume", is_flag=True,
-              help="Bulk mode: keep the rows already in --output, skip that many input rows and "
-                   "append the rest.")
+@bulk_options("text", "JSON Lines ('-' for stdout), or a .npy file of (rows, dim) float32")
 @quiet_on_closed_pipe
 def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path, input_format,
           input_field, resume) -> None:
@@ -181,12 +167,9 @@ def _write_npy_header(out: BinaryIO, rows: int, dim: int) -> None:
 def _npy_resume_point(path: str, dim: int) -> tuple[int, bool]:
     """(whole rows already in the .npy file at `path`, whether a partial row was cut off). The
     file is cut after its last whole row and its header says that many. No file: (0, False)."""
-    try:
-        f = open(path, "r+b")
-    except FileNotFoundError:
+    f = open_to_resume(path)
+    if f is None:
         return 0, False
-    except OSError as e:
-        fail(f"--output {path}: cannot open: {e.strerror or e}")
     with f:
         try:
             version = np.lib.format.read_magic(f)
