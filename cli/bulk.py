@@ -128,7 +128,7 @@ def bulk_settings(prompts: tuple, input_path: str | None, output_path: str | Non
     return Bulk(input_path, output_path, jsonl, field or "text", resume)
 
 
-def _bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, str, dict]]:
+def bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, str, dict]]:
     """(prompt or BadRow, its name, the fields copied into its record) per input line after the
     first `skip`. Every line is a row (an empty one too: it fails as a row), so output line k
     always answers input line k and --resume can count."""
@@ -154,18 +154,18 @@ def _bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, s
             yield BadRow(str(e)), where, {}
             continue
         if not isinstance(obj, dict):
-            yield BadRow(f"{where}: expected a JSON object, got {_json_type(obj)}"), where, {}
+            yield BadRow(f"{where}: expected a JSON object, got {json_type(obj)}"), where, {}
             continue
         extra = {k: v for k, v in obj.items() if k != bulk.field}
         prompt = obj.get(bulk.field)
         if bulk.field not in obj:
             prompt = BadRow(f"{where}: no {bulk.field!r} field (--input-field names the prompt's)")
         elif not isinstance(prompt, str):
-            prompt = BadRow(f"{where}: field {bulk.field!r} is {_json_type(prompt)}, not a string")
+            prompt = BadRow(f"{where}: field {bulk.field!r} is {json_type(prompt)}, not a string")
         yield prompt, where, extra
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
              type(None): "null", int: "a number", float: "a number"}
     return names.get(type(value), type(value).__name__)
@@ -191,16 +191,52 @@ def _result_fields(r: Any) -> dict:
     return fields
 
 
-def _resume_point(path: str) -> tuple[int, bool]:
+def bulk_options(item: str, output_help: str):
+    """The bulk-mode options every command with --input shares (`item`: what a row holds,
+    "prompt" or "text")."""
+    options = [
+        click.option("--input", "-i", "input_path", default=None, metavar="PATH",
+                     help=f"Bulk mode: read {item}s from PATH ('-' for stdin), one per line, or "
+                          "JSON Lines (see --input-format); write one result per input line to "
+                          "--output."),
+        click.option("--output", "-o", "output_path", default=None, metavar="PATH",
+                     help=f"Bulk mode: {output_help}  [default: -]."),
+        click.option("--input-format", type=click.Choice(["auto", "text", "jsonl"]),
+                     default="auto", show_default=True,
+                     help="auto: JSON Lines for *.jsonl, *.ndjson, *.json or with --input-field, "
+                          f"else text (one {item} per line)."),
+        click.option("--input-field", default=None, metavar="NAME",
+                     help=f"JSON Lines: the field holding the {item}; the object's other fields "
+                          "are copied into its output  [default: text]."),
+        click.option("--resume", is_flag=True,
+                     help="Bulk mode: keep the complete records already in --output, skip that "
+                          "many input rows and append the rest."),
+    ]
+
+    def apply(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return apply
+
+
+def open_to_resume(path: str) -> BinaryIO | None:
+    """The output file of an earlier run, open for reading and cutting (None: there is none)."""
+    try:
+        return open(path, "r+b")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        fail(f"--output {path}: cannot open: {e.strerror or e}")
+
+
+def resume_point(path: str) -> tuple[int, bool]:
     """(complete records already in `path`, whether anything after them was cut off). The file
     is cut after the last complete, valid record: a line the last run was writing when it
     stopped is dropped, to be written again. No file: (0, False)."""
-    try:
-        f = open(path, "r+b")
-    except FileNotFoundError:
+    f = open_to_resume(path)
+    if f is None:
         return 0, False
-    except OSError as e:
-        fail(f"--output {path}: cannot open: {e.strerror or e}")
     with f:
         good = end = 0
         for line in f:   # our own records, one a line
@@ -217,7 +253,7 @@ def _resume_point(path: str) -> tuple[int, bool]:
     return good, cut
 
 
-def _count_lines(path: str) -> int:
+def count_lines(path: str) -> int:
     """Lines of a file (a last one without a newline counts), read in bounded chunks."""
     lines, last = 0, b"\n"
     with open(path, "rb") as f:
@@ -227,24 +263,25 @@ def _count_lines(path: str) -> int:
     return lines + (last != b"\n")
 
 
-class _Progress:
+class Progress:
     """Rows and new tokens done; a tqdm bar on stderr when it is a terminal (prompts/s,
     tokens/s, ETA when the number of rows is known)."""
 
-    def __init__(self, total: int | None):
+    def __init__(self, total: int | None, unit: str = "prompt", tokens: bool = True):
         self.rows = self.tokens = 0
         self.start = time.perf_counter()
-        self.bar = None
+        self.bar, self.show_tokens = None, tokens
         if sys.stderr is not None and sys.stderr.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="prompt", file=sys.stderr, leave=False,
+            self.bar = tqdm(total=total, unit=unit, file=sys.stderr, leave=False,
                             dynamic_ncols=True)
 
-    def __call__(self, rows: int, tokens: int) -> None:
+    def __call__(self, rows: int, tokens: int = 0) -> None:
         self.rows += rows
         self.tokens += tokens
-        if self.bar is not None:
+        if self.bar is not None and self.show_tokens:
             self.bar.set_postfix_str(f"{self.tokens / self.elapsed():.0f} tokens/s", refresh=False)
+        if self.bar is not None:
             self.bar.update(rows)
 
     def elapsed(self) -> float:
@@ -255,24 +292,47 @@ class _Progress:
             self.bar.close()
 
 
-def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
-    """Bulk mode: input rows -> JSON Lines records in input order, written as each window of
-    rows is done (flushed then), so memory stays flat and an interrupted run can --resume."""
-    skip, cut = _resume_point(bulk.output_path) if bulk.resume else (0, False)
+def open_files(bulk: Bulk, out_mode: str) -> tuple[BinaryIO, BinaryIO]:
+    """The input stream and the output file (opened in `out_mode`), or a one-line failure."""
     try:
         source = (getattr(sys.stdin, "buffer", sys.stdin) if bulk.input_path == "-"
                   else open(bulk.input_path, "rb"))
-        out = (sys.stdout.buffer if bulk.output_path == "-"
-               else open(bulk.output_path, "ab" if bulk.resume else "wb"))
+        out = (sys.stdout.buffer if bulk.output_path == "-" else open(bulk.output_path, out_mode))
     except OSError as e:
         fail(f"{e.filename}: cannot open: {e.strerror or e}")
-    total = None
+    return source, out
+
+
+def close_files(source: BinaryIO, out: BinaryIO) -> None:
+    if out is not sys.stdout.buffer:
+        out.close()
+    if source is not getattr(sys.stdin, "buffer", sys.stdin):
+        source.close()
+
+
+def rows_to_come(bulk: Bulk, skip: int) -> int | None:
+    """Input rows after the `skip` already done, counted for the progress bar's ETA (only when
+    the bar shows, on a terminal, and the input is a file)."""
     if os.path.isfile(bulk.input_path) and sys.stderr is not None and sys.stderr.isatty():
-        total = max(_count_lines(bulk.input_path) - skip, 0)
-    progress = _Progress(total)
+        return max(count_lines(bulk.input_path) - skip, 0)
+    return None
+
+
+def kept_note(bulk: Bulk, skip: int, cut: bool) -> str:
+    """What the summary line says of the records a --resume kept."""
+    kept = f" after the {skip} already in {bulk.out_name}" if skip else ""
+    return kept + (" (an incomplete record there was dropped and written again)" if cut else "")
+
+
+def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
+    """Bulk mode: input rows -> JSON Lines records in input order, written as each window of
+    rows is done (flushed then), so memory stays flat and an interrupted run can --resume."""
+    skip, cut = resume_point(bulk.output_path) if bulk.resume else (0, False)
+    source, out = open_files(bulk, "ab" if bulk.resume else "wb")
+    progress = Progress(rows_to_come(bulk, skip))
     failed, first, written = 0, None, 0
     try:
-        rows = _bulk_rows(source, bulk, skip)
+        rows = bulk_rows(source, bulk, skip)
         for (_, _, extra), results, window_done in results_in_order(m, rows, task, options, progress):
             record = _bulk_record(extra, results)
             # a lone surrogate (a "\ud800" escape in the input) is written back as that escape
@@ -287,12 +347,8 @@ def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
         out.flush()
     finally:
         progress.close()
-        if out is not sys.stdout.buffer:
-            out.close()
-        if source is not getattr(sys.stdin, "buffer", sys.stdin):
-            source.close()
-    kept = f" after the {skip} already in {bulk.out_name}" if skip else ""
-    kept += " (an incomplete record there was dropped and written again)" if cut else ""
+        close_files(source, out)
+    kept = kept_note(bulk, skip, cut)
     rate = (f"{progress.rows / progress.elapsed():.1f} prompts/s, "
             f"{progress.tokens / progress.elapsed():.1f} tokens/s")
     if failed:

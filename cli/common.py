@@ -68,6 +68,9 @@ class ModelOptions:
     memory_limit: str | None
     offline: bool
     threads: int | None
+    subfolder: str | None = None
+    tokenizer_subfolder: str | None = None
+    parts: str | None = None
 
 
 _MODEL_OPTIONS = [
@@ -88,6 +91,13 @@ _MODEL_OPTIONS = [
     click.option("--offline", is_flag=True, help="Use only the local cache; never contact the hub."),
     click.option("--threads", type=click.IntRange(min=1), default=None,
                  help="CPU threads for the model's work  [default: the cores this process may use]."),
+    click.option("--subfolder", default=None, metavar="FOLDER",
+                 help="The model's folder inside the repo or local folder, e.g. text_encoder_2."),
+    click.option("--tokenizer-subfolder", default=None, metavar="FOLDER",
+                 help="Read the tokenizer from this folder of the same repo, e.g. tokenizer_2."),
+    click.option("--parts", type=click.Choice(["all", "encoder"]), default=None,
+                 help="Load only the encoder of a full T5 checkpoint (encode / embed), or all  "
+                      "[default: what the folder holds]."),
 ]
 _MODEL_FIELDS = [f.name for f in fields(ModelOptions)]
 
@@ -107,4 +117,6 @@ def load_model(opts: ModelOptions) -> Any:
     import minfer
     return minfer.load(opts.model, device=opts.device, dtype=opts.dtype, revision=opts.revision,
                        workspace=opts.workspace, memory_limit=opts.memory_limit,
-                       offline=True if opts.offline else None, num_threads=opts.threads)
+                       offline=True if opts.offline else None, num_threads=opts.threads,
+                       subfolder=opts.subfolder, tokenizer_subfolder=opts.tokenizer_subfolder,
+                       parts=opts.parts)

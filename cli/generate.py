@@ -20,7 +20,8 @@ import click
 
 from minfer.generation.options import DEFAULT_MAX_BATCH_SIZE
 
-from .bulk import MAX_LINE_BYTES, bulk_settings, lines, results_in_order, run_bulk, utf8
+from .bulk import (MAX_LINE_BYTES, bulk_options, bulk_settings, lines, results_in_order, run_bulk,
+                   utf8)
 from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -89,21 +90,7 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
                    "--truncate)  [default: no limit but the workspace].")
 @click.option("--truncate", is_flag=True,
               help="Cut prompts longer than --max-input-tokens instead of failing them.")
-@click.option("--input", "-i", "input_path", default=None, metavar="PATH",
-              help="Bulk mode: read prompts from PATH ('-' for stdin), one per line, or JSON "
-                   "Lines (see --input-format); write one JSON object per input line to --output.")
-@click.option("--output", "-o", "output_path", default=None, metavar="PATH",
-              help="Bulk mode: where the JSON Lines go ('-' for stdout)  [default: -].")
-@click.option("--input-format", type=click.Choice(["auto", "text", "jsonl"]), default="auto",
-              show_default=True,
-              help="auto: JSON Lines for *.jsonl, *.ndjson, *.json or with --input-field, "
-                   "else text (one prompt per line).")
-@click.option("--input-field", default=None, metavar="NAME",
-              help="JSON Lines: the field holding the prompt; the object's other fields are "
-                   "copied into its output  [default: text].")
-@click.option("--resume", is_flag=True,
-              help="Bulk mode: keep the complete records already in --output, skip that many "
-                   "input rows and append the rest.")
+@bulk_options("prompt", "where the JSON Lines go ('-' for stdout)")
 @quiet_on_closed_pipe
 def generate(load, prompts, max_new_tokens,
              min_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty,
@@ -152,6 +139,7 @@ def generate(load, prompts, max_new_tokens,
                    max_batch_size=max_batch_size, max_input_tokens=max_input_tokens,
                    truncation=True if truncate else None)
     m = load_model(load)
+    m.check_can_generate()   # an encoder-only model: one line, before any prompt is read
     if m.tokenizer is None:
         from minfer.generation.text import tokenizer_files  # the files this family would read
         fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")

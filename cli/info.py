@@ -26,13 +26,16 @@ def info(load, batch, src_len, max_new_tokens) -> None:
     m = load_model(load)
     params = m.parameter_count()
     plan = m.plan(batch, src_len, max_new_tokens)
-    shape = (f"batch {batch} x {src_len} -> {max_new_tokens} new" if m.is_encoder_decoder
-             else f"batch {batch}, prompt {src_len}")
+    shape = (f"batch {batch}, prompt {src_len}" if not m.is_encoder_decoder
+             else f"batch {batch} x {src_len}" if not m.can_generate
+             else f"batch {batch} x {src_len} -> {max_new_tokens} new")
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.items()
                       if k != "peak")
     need = (f"workspace for {shape}", f"{format_bytes(plan['peak'])} ({parts})")
     files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
-    lines = [("model", m.folder), *m.describe(),
+    head = getattr(m, "sentence_modules", None)
+    lines = [("model", m.folder), ("parts", ", ".join(m.parts)), *m.describe(),
+             *([("sentence embedding", head.describe())] if head is not None else []),
              ("parameters", f"{params:,}"),
              ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
              ("cpu threads", str(m.backend.num_threads)),

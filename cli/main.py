@@ -1,6 +1,6 @@
 """The command line: the click group and the console entry point, which turns every failure into
-one line. Click commands only, one file per command (generate.py with bulk.py, info.py,
-score.py, convert.py), the options they share in common.py: parse, call minfer, print. No model
+one line. Click commands only, one file per command (generate.py with bulk.py, embed.py,
+info.py, score.py, convert.py), the options they share in common.py: parse, call minfer, print. No model
 logic lives here.
 
 Every failure is one line on stderr ("minfer: error: ...") and a non-zero exit: 1 for a problem
@@ -20,6 +20,7 @@ import click
 
 from .common import EXIT_INTERRUPT, EXIT_USAGE, exit_on_closed_pipe, fail
 from .convert import convert
+from .embed import embed
 from .generate import generate
 from .info import info
 from .score import score
@@ -28,10 +29,10 @@ from .score import score
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="minfer")
 def cli() -> None:
-    """minfer: framework-free T5 and Transformer-XL inference."""
+    """minfer: framework-free T5 and Transformer-XL inference and T5 sentence embeddings."""
 
 
-for command in (generate, info, score, convert):
+for command in (generate, embed, info, score, convert):
     cli.add_command(command)
 
 

@@ -35,7 +35,8 @@ TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
          *, memory_limit: int | str | None = None, num_threads: int | None = None,
          revision: str | None = None, offline: bool | None = None, token: str | None = None,
-         cache_dir: str | None = None, **options: Any) -> T5Model | XLModel:
+         cache_dir: str | None = None, parts: str | None = None, subfolder: str | None = None,
+         tokenizer_subfolder: str | None = None, **options: Any) -> T5Model | XLModel:
     """Load a model by hub name or from a local folder in the Hugging Face layout.
 
     model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
@@ -56,6 +57,16 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         small even for streaming is refused up front with the minimum that would work.
     num_threads: threads of the CPU kernels and BLAS (default: the cores this process may use).
     revision / offline / token / cache_dir: hub options; the HF_* environment variables apply.
+    parts: what to load of a T5: None (what the folder holds: a T5EncoderModel / UMT5EncoderModel
+        save loads as an encoder-only model), "encoder" (only the embedding and the encoder of a
+        full checkpoint: the decoder is never read or placed, and runs plan no decoder state) or
+        "all". An encoder-only model encodes and embeds; generate() is a one-line error.
+    subfolder: the model's folder inside the repo or local folder (diffusers' "text_encoder_2").
+    tokenizer_subfolder: read the tokenizer from this folder of the same repo instead
+        ("tokenizer_2"; default: the model's own folder).
+
+    A sentence-transformers folder (modules.json) loads its Transformer module's encoder and
+    keeps the rest as `model.sentence_modules`, the head `model.embed` applies.
 
     The model keeps these arguments as `model.load_recipe` (a local folder made absolute; never
     the token) and pickles as that recipe, a few hundred bytes: unpickling calls `load` again, so
@@ -67,25 +78,58 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         raise ConfigError(f"load(): unknown option {sorted(options)[0]!r}")
     recipe = _recipe(model, device=device, dtype=dtype, workspace=workspace,
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
-                     offline=offline, cache_dir=cache_dir)
-    from .hub import resolve_model
+                     offline=offline, cache_dir=cache_dir, parts=parts, subfolder=subfolder,
+                     tokenizer_subfolder=tokenizer_subfolder)
+    from .hub import check_subfolder, resolve_model
+    from .io.sentence_transformers import read_sentence_modules
     from .tokenizer import load_tokenizer
-    folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
-    ckpt = Checkpoint(folder)
-    family = family_of(ckpt.config, str(folder / "config.json"))
+    root = folder = resolve_model(model, revision, offline=offline, token=token,
+                                  cache_dir=cache_dir, subfolder=subfolder,
+                                  also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
+    for _ in range(len(check_subfolder(subfolder).split("/")) if subfolder else 0):
+        root = root.parent
+    modules = read_sentence_modules(folder)
+    ckpt = Checkpoint(modules.transformer if modules is not None else folder)
+    family = family_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto":
         dtype = _stored_format(ckpt)
     elif dtype is None and ckpt.quantized_names():
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
     be.num_threads = set_threads(num_threads)
-    tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
-    loaded = family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)
+    tokenizer = _tokenizer(load_tokenizer, root, tokenizer_subfolder, ckpt.folder, folder)
+    loaded = family.load(ckpt, be, read_json(ckpt.folder / "generation_config.json"), tokenizer,
+                         recorder, parts)
+    if modules is not None:
+        if not hasattr(loaded, "encode"):
+            raise ConfigError(f"{folder / 'modules.json'}: a sentence-transformers head needs an "
+                              f"encoder, and a {family.spec.name} model has none")
+        if modules.pooling.dimension != loaded.config.d_model:
+            raise ConfigError(f"{modules.folder}: 'word_embedding_dimension' "
+                              f"{modules.pooling.dimension} of the Pooling module does not fit the "
+                              f"encoder's d_model {loaded.config.d_model}")
+        loaded.sentence_modules = modules
     if recorder is None:
         loaded._reload_call = functools.partial(load, **recipe)  # what the model pickles as
     else:
         loaded._no_reload_reason = "it was loaded with the private _recorder option (test events)"
     return loaded
+
+
+def _tokenizer(load_tokenizer: Any, root: Path, subfolder: str | None, *folders: Path) -> Any:
+    """The tokenizer of `root / subfolder` when one is named (it must hold one), else of the
+    first of `folders` that holds tokenizer files (None when none does)."""
+    if subfolder:
+        from .hub import check_subfolder
+        where = root / check_subfolder(subfolder, "tokenizer_subfolder")
+        if not any((where / f).is_file() for f in TOKENIZER_FILES):
+            raise TokenizerError(f"{where}: no tokenizer files (tokenizer_subfolder="
+                                 f"{subfolder!r})")
+        return load_tokenizer(where)
+    for folder in folders:
+        if any((folder / f).is_file() for f in TOKENIZER_FILES):
+            return load_tokenizer(folder)
+    return None
 
 
 def _recipe(model: Any, **arguments: Any) -> dict[str, Any]:

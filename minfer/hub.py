@@ -51,6 +51,13 @@ OTHER_FILES = (
     "vocab.pkl", "vocab.bin",  # Transformer-XL's WT103 word vocabulary
 )
 BIN_FILE = "pytorch_model.bin"
+# A sentence-transformers folder: its module list and settings at the top, each module's files
+# in a folder named "<index>_<Module>" (1_Pooling/config.json, 2_Dense/model.safetensors, ...;
+# io/sentence_transformers.py reads them). Module folders named otherwise are not fetched.
+SENTENCE_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+MODULE_FOLDER = "[0-9]_[A-Za-z]*/"
+# A folder inside a repo (`subfolder=`): plain names joined by "/", never ".." or absolute.
+_SUBFOLDER = re.compile(r"[\w.-]+(?:/[\w.-]+)*", re.ASCII)
 
 # The HTTP client under the hub: requests below huggingface_hub 1.0, httpx in 1.x, httpx2 (a fork
 # that keeps httpx's exception names) from 2.0. requests' errors are OSErrors; httpx's are not, so
@@ -87,16 +94,41 @@ _PART = r"\w(?:[\w.-]{0,94}\w)?"
 _REPO_ID = re.compile(rf"(?:{_PART}/)?{_PART}", re.ASCII)
 
 
-def allow_patterns(include_bin: bool = False) -> list[str]:
-    """The snapshot_download patterns naming every file minfer may read from a repo."""
-    return [*SAFETENSORS_FILES, SHARD_PATTERN, *OTHER_FILES, *([BIN_FILE] if include_bin else [])]
+def allow_patterns(include_bin: bool = False, folders: tuple[str, ...] = ("",)) -> list[str]:
+    """The snapshot_download patterns naming every file minfer may read from a repo: in each of
+    `folders` ("" the repo's top; "text_encoder_2" ...) the model, tokenizer and
+    sentence-transformers files, and those of its sentence-transformers module folders."""
+    names = [*SAFETENSORS_FILES, SHARD_PATTERN, *OTHER_FILES, *([BIN_FILE] if include_bin else [])]
+    patterns = []
+    for folder in dict.fromkeys(folders):
+        top = f"{folder}/" if folder else ""
+        patterns += [top + n for n in (*names, *SENTENCE_FILES)]
+        # module folders: their config and weights (a Dense layer is often a small .bin)
+        patterns += [top + MODULE_FOLDER + n
+                     for n in dict.fromkeys((*names, BIN_FILE, *SENTENCE_FILES))]
+    return patterns
+
+
+def check_subfolder(subfolder: str | None, what: str = "subfolder") -> str:
+    """A folder inside a model folder or repo, as given ("" for None); one that could leave it
+    (absolute, "..", odd characters) is a one-line ConfigError."""
+    if subfolder is None:
+        return ""
+    if (not isinstance(subfolder, str) or not _SUBFOLDER.fullmatch(subfolder.rstrip("/"))
+            or any(part in (".", "..") for part in subfolder.split("/"))):
+        raise ConfigError(f"{what}={subfolder!r}: expected a folder inside the model folder or "
+                          "repo, such as 'text_encoder_2' (names joined by '/', no '..')")
+    return subfolder.rstrip("/")
 
 
 def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, *,
                   offline: bool | None = None, token: str | None = None,
                   cache_dir: str | os.PathLike | None = None, progress: bool | None = None,
-                  include_bin: bool = False) -> Path:
-    """The local folder holding model `name_or_path`, downloading it from the hub when needed.
+                  include_bin: bool = False, subfolder: str | None = None,
+                  also: tuple[str, ...] = ()) -> Path:
+    """The local folder holding model `name_or_path` (its `subfolder`, when given), downloading
+    it from the hub when needed; `also` names other folders of the same repo to fetch with it
+    (a tokenizer kept apart, as diffusers repos keep tokenizer_2/ beside text_encoder_2/).
 
     An existing folder is returned as is. Anything else is a hub repo id ("name" or "org/name",
     legacy names such as "t5-small" accepted) fetched at `revision` (default: "main", or the repo's
@@ -104,9 +136,11 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
     network. `progress=None` shows the download bars only when stderr is a terminal.
     `include_bin` also fetches pytorch_model.bin, for revisions without safetensors weights.
     """
+    sub = check_subfolder(subfolder)
+    folders = (sub, *(check_subfolder(f, "tokenizer_subfolder") for f in also))
     folder = _local_folder(name_or_path)
     if folder is not None:
-        return folder
+        return _inside(folder, sub)
     name = str(name_or_path)
     repo_id = ALIASES.get(name, name)
     if (not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id
@@ -135,25 +169,38 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
     try:
         with _progress_bars(hf, progress):
             path = hf.snapshot_download(repo_id, revision=rev, cache_dir=cache_dir, token=token,
-                                        allow_patterns=allow_patterns(include_bin),
+                                        allow_patterns=allow_patterns(include_bin, folders),
                                         local_files_only=offline)
     except (OSError, ValueError, hf_errors.HfHubHTTPError, *_http_client_errors()) as e:
         cache = cache_dir or hf.constants.HF_HUB_CACHE
         raise _explain(e, hf_errors, what, repo_id, rev, offline, cache) from None
 
-    folder = Path(path)
+    folder = Path(path) / sub
     # snapshot_download returns the snapshot path even when no file matched our patterns (online)
-    # or when only some files were ever cached (offline): check for weights before claiming success.
+    # or when only some files were ever cached (offline): check for weights before claiming success
+    # (in a sentence-transformers folder they may lie in its Transformer module's folder).
     weights = (*SAFETENSORS_FILES, *([BIN_FILE] if include_bin else []))
-    if not any((folder / f).is_file() for f in weights):
+    inner = (list(folder.glob(MODULE_FOLDER.rstrip("/"))) if (folder / "modules.json").is_file()
+             else [])
+    if not any((f / w).is_file() for f in (folder, *inner) for w in weights):
         known = DEFAULT_REVISIONS.get(repo_id)
         hint = (f"its safetensors weights are at revision '{known}'" if known and rev != known
                 else "pass a revision that has them, e.g. a 'refs/pr/N' safetensors conversion")
         cached = (" (or they are not in the local cache: connect once to fetch them)"
                   if offline else "")
-        raise ModelNotFoundError(f"hub repo '{repo_id}' has no safetensors weights at revision "
-                                 f"'{rev}'{cached}: {hint}")
+        where = f" in {sub}/" if sub else ""
+        raise ModelNotFoundError(f"hub repo '{repo_id}' has no safetensors weights{where} at "
+                                 f"revision '{rev}'{cached}: {hint}")
     return folder
+
+
+def _inside(folder: Path, sub: str) -> Path:
+    """`sub` of a local model folder, which must exist."""
+    if not sub:
+        return folder
+    if not (folder / sub).is_dir():
+        raise ModelNotFoundError(f"{folder}: no subfolder '{sub}'")
+    return folder / sub
 
 
 def _local_folder(name: str | os.PathLike) -> Path | None:

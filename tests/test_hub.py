@@ -645,3 +645,87 @@ def test_fake_hub_downloads_when_nothing_fails(tmp_path, monkeypatch, online, se
     folder = hub.resolve_model("org/name", cache_dir=tmp_path / "hub", offline=False)
     assert (folder / "model.safetensors").read_bytes() == FAKE_FILES["model.safetensors"]
     assert json.loads((folder / "config.json").read_text()) == {"model_type": "t5"}
+
+
+# -- subfolders (diffusers repos) and sentence-transformers module folders --------------------------
+FLUX = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def test_allow_patterns_for_subfolders_and_sentence_modules():
+    repo_files = [
+        "model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+        "text_encoder_2/config.json", "text_encoder_2/model.safetensors.index.json",
+        "text_encoder_2/model-00001-of-00002.safetensors", "tokenizer_2/spiece.model",
+        "tokenizer_2/tokenizer_config.json", "tokenizer_2/special_tokens_map.json",
+        "transformer/diffusion_pytorch_model.safetensors", "vae/config.json",
+        "modules.json", "1_Pooling/config.json", "2_Dense/pytorch_model.bin", "README.md"]
+    kept = set(filter_repo_objects(repo_files, allow_patterns=hub.allow_patterns(
+        folders=("text_encoder_2", "tokenizer_2"))))
+    assert kept == {"text_encoder_2/config.json", "text_encoder_2/model.safetensors.index.json",
+                    "text_encoder_2/model-00001-of-00002.safetensors", "tokenizer_2/spiece.model",
+                    "tokenizer_2/tokenizer_config.json", "tokenizer_2/special_tokens_map.json"}
+    kept = set(filter_repo_objects(repo_files, allow_patterns=hub.allow_patterns()))
+    assert kept == {"modules.json", "1_Pooling/config.json", "2_Dense/pytorch_model.bin"}
+
+
+def diffusers_repo(cache):
+    """A Flux-like repo: the T5 encoder in text_encoder_2/, its tokenizer in tokenizer_2/."""
+    from conftest import ROOT
+    fixture = ROOT / "weights" / "family" / "t5_encoder_sharded"
+    files = {"model_index.json": {"_class_name": "FluxPipeline"}, "vae/config.json": {}}
+    for path in fixture.iterdir():
+        where = "tokenizer_2" if path.name.startswith(("tokenizer", "special", "spiece")) \
+            else "text_encoder_2"
+        if path.name != "reference.npz":
+            files[f"{where}/{path.name}"] = path.read_bytes()
+    return add_snapshot(cache, "org/flux-like", FLUX, files, refs=["main"])
+
+
+def test_a_subfolder_resolves_inside_the_cached_snapshot(cache):
+    snapshot = diffusers_repo(cache)
+    got = hub.resolve_model("org/flux-like", offline=True, cache_dir=cache,
+                            subfolder="text_encoder_2", also=("tokenizer_2",))
+    assert got == snapshot / "text_encoder_2"
+    with pytest.raises(ModelNotFoundError, match="no safetensors weights in vae/"):
+        hub.resolve_model("org/flux-like", offline=True, cache_dir=cache, subfolder="vae")
+
+
+def test_load_with_subfolder_and_tokenizer_subfolder_from_the_cache(cache):
+    import minfer
+    from conftest import ROOT, rel_err
+    diffusers_repo(cache)
+    m = minfer.load("org/flux-like", offline=True, cache_dir=str(cache),
+                    subfolder="text_encoder_2", tokenizer_subfolder="tokenizer_2")
+    assert m.parts == ("encoder",) and m.tokenizer is not None
+    with np.load(ROOT / "weights" / "family" / "t5_encoder_sharded" / "reference.npz") as ref:
+        got = m.encode([str(t) for t in ref["texts"]], padding="max_length",
+                       max_length=int(ref["padded_length"]), truncation=True,
+                       use_attention_mask=False)
+        assert rel_err(got, ref["padded_states"]) < 1e-4
+    assert m.load_recipe["subfolder"] == "text_encoder_2"
+    assert m.load_recipe["tokenizer_subfolder"] == "tokenizer_2"
+
+
+@pytest.mark.parametrize("bad", ["../x", "/abs", "a/../b", "a b", ".", 5])
+def test_subfolders_that_could_leave_the_repo_are_refused(cache, bad):
+    with pytest.raises(ConfigError, match="expected a folder inside"):
+        hub.resolve_model("t5-small", offline=True, cache_dir=cache, subfolder=bad)
+    with pytest.raises(ConfigError, match="tokenizer_subfolder"):
+        hub.resolve_model("t5-small", offline=True, cache_dir=cache, also=(bad,))
+
+
+def test_local_subfolders(tmp_path):
+    (tmp_path / "repo" / "text_encoder_2").mkdir(parents=True)
+    assert hub.resolve_model(tmp_path / "repo", subfolder="text_encoder_2") == \
+        tmp_path / "repo" / "text_encoder_2"
+    with pytest.raises(ModelNotFoundError, match="no subfolder 'nope'"):
+        hub.resolve_model(tmp_path / "repo", subfolder="nope")
+
+
+def test_a_sentence_transformers_repo_with_its_encoder_in_a_module_folder(cache):
+    snapshot = add_snapshot(cache, "org/st-like", FLUX, {
+        "modules.json": [{"idx": 0, "name": "0", "path": "0_Transformer",
+                          "type": "sentence_transformers.models.Transformer"}],
+        "0_Transformer/config.json": {"model_type": "t5"},
+        "0_Transformer/model.safetensors": weights()}, refs=["main"])
+    assert hub.resolve_model("org/st-like", offline=True, cache_dir=cache) == snapshot

@@ -7,8 +7,9 @@ from minfer.models.registry import MODEL_TYPES, family_of
 
 
 def test_every_family_declares_its_model_types():
-    assert set(MODEL_TYPES) == {"t5", "mt5", "transfo-xl"}
+    assert set(MODEL_TYPES) == {"t5", "mt5", "umt5", "transfo-xl"}
     assert family_of({"model_type": "mt5"}, "x") is minfer.T5Model
+    assert family_of({"model_type": "umt5"}, "x") is minfer.T5Model
     assert family_of({}, "x") is minfer.T5Model  # old T5 saves omit model_type
     assert family_of({"model_type": "transfo-xl"}, "x") is minfer.XLModel
 
@@ -17,3 +18,23 @@ def test_every_family_declares_its_model_types():
 def test_unsupported_model_types_are_named(model_type):
     with pytest.raises(ConfigError, match=r"cfg.json: model_type .* is not supported \(supported: t5"):
         family_of({"model_type": model_type}, "cfg.json")
+
+
+@pytest.mark.parametrize("architectures, model_type", [
+    (["UMT5EncoderModel"], "umt5"), (["MT5ForConditionalGeneration"], "mt5"),
+    (["T5EncoderModel"], "t5"), (None, "t5"), (["SomethingElse"], "t5")])
+def test_a_config_without_model_type_is_read_by_its_architecture(architectures, model_type):
+    from minfer.models.config import model_type_of
+    from minfer.models.t5 import T5Config
+    cfg = {} if architectures is None else {"architectures": architectures}
+    assert model_type_of(cfg) == model_type
+    assert family_of(cfg, "x") is minfer.T5Model
+    parsed = T5Config.from_hf(cfg)
+    assert parsed.model_type == model_type and parsed.bias_per_layer == (model_type == "umt5")
+
+
+def test_a_model_type_that_is_given_wins_over_the_architecture():
+    from minfer.models.config import model_type_of
+    assert model_type_of({"model_type": "t5", "architectures": ["UMT5EncoderModel"]}) == "t5"
+    with pytest.raises(ConfigError, match="not supported"):
+        family_of({"architectures": ["TransfoXLLMHeadModel", "x"], "model_type": "xl"}, "c")

@@ -46,7 +46,8 @@ def test_recipe_holds_the_load_arguments_and_never_the_token(tmp_path, monkeypat
     recipe = model.load_recipe
     assert recipe == {"model": str(T5), "device": "cpu", "dtype": "float16", "workspace": "8MiB",
                       "memory_limit": None, "num_threads": 1, "revision": None, "offline": True,
-                      "cache_dir": None}
+                      "cache_dir": None, "parts": None, "subfolder": None,
+                      "tokenizer_subfolder": None}
     data = pickle.dumps(model)
     assert b"hf_not_a_real_secret" not in data
     monkeypatch.chdir(tmp_path)  # a relative folder was recorded absolute: another cwd loads it

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..backend import Backend
-from ..errors import InputError
+from ..errors import ConfigError, InputError
 from ..generation.options import is_integer, shown
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
@@ -71,16 +71,39 @@ class Model(OwnsWeights, DecodingModel):
     def add_eos_to_prompt(self) -> bool:
         return self.spec.add_eos_to_prompt
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """What this model holds and runs: "encoder", "decoder", "head" (T5; an encoder-only
+        model just "encoder"), "pooling" when it carries a sentence-embedding head."""
+        return getattr(self.config, "parts", ("decoder", "head"))
+
+    @property
+    def can_generate(self) -> bool:
+        return "head" in self.parts
+
+    def check_can_generate(self) -> None:
+        """A one-line error for a model that holds no decoder (an encoder-only save)."""
+        if not self.can_generate:
+            raise InputError(f"{self.folder}: loaded as an encoder only (parts: "
+                             f"{', '.join(self.parts)}; no decoder or head): it can encode and "
+                             "embed, not generate")
+
     def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
         """A family's own conditions on a validated batch (none by default)."""
 
     # -- loading --------------------------------------------------------------------------------------
     @classmethod
     def load(cls, ckpt: Checkpoint, backend: Backend, generation_config: dict | None = None,
-             tokenizer: Any = None, recorder: Any = None) -> "Model":
-        """Parse the config, plan where the weights go (all resident without a memory limit),
-        then read them layer by layer into place."""
+             tokenizer: Any = None, recorder: Any = None, parts: str | None = None) -> "Model":
+        """Parse the config, restrict it to the parts asked for (None: what the checkpoint
+        holds), plan where the weights go (all resident without a memory limit), then read them
+        layer by layer into place."""
         config = cls.spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        if cls.spec.with_parts is not None:
+            config = cls.spec.with_parts(config, ckpt.names(), parts, str(ckpt.folder))
+        elif parts not in (None, "all"):
+            raise ConfigError(f"parts={parts!r}: a {cls.spec.name} model loads only whole "
+                              "(parts='all')")
         table = cls.spec.weight_table(config)
         fmt = weight_format(backend.weight_format)
         planned = cls.spec.run_bytes(config, backend.dtype, 1, None, None)["peak"]
@@ -157,6 +180,7 @@ class Model(OwnsWeights, DecodingModel):
             together (continuous batching).
         """
         from ..generation import generate
+        self.check_can_generate()
         return generate(self, inputs, stream_output=stream, task=task,
                         return_details=return_details, attention_mask=attention_mask, **options)
 

@@ -106,3 +106,23 @@ class ConfigReader:
             raise self.fail(key, f"a token id or a non-empty list of token ids "
                                  f"(integers in 0..{vocab_size - 1})", value)
         return tuple(ids)
+
+
+# Architecture-name prefixes -> model_type, for configs that omit model_type (old saves; some
+# UMT5 text encoders name only "UMT5EncoderModel").
+ARCHITECTURE_TYPES = (("UMT5", "umt5"), ("MT5", "mt5"), ("LongT5", "longt5"), ("T5", "t5"),
+                      ("TransfoXL", "transfo-xl"))
+
+
+def model_type_of(cfg: dict, default: str = "t5") -> Any:
+    """config.json's model_type; when absent, the one its `architectures` names (e.g.
+    "UMT5EncoderModel" -> "umt5"); else `default` (old T5 saves have neither). A model_type that
+    is present is returned as it is (its type is the caller's to check)."""
+    if "model_type" in cfg:
+        return cfg["model_type"]
+    names = cfg.get("architectures")
+    for name in names if isinstance(names, list) else ():
+        for prefix, model_type in ARCHITECTURE_TYPES:
+            if isinstance(name, str) and name.startswith(prefix):
+                return model_type
+    return default

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -16,3 +16,6 @@ class Family:
     run_bytes: Callable[..., dict[str, int]]  # (config, dtype, batch, input_len, max_new_tokens)
     is_encoder_decoder: bool        # results keep the decoder start token (HF's convention)
     add_eos_to_prompt: bool         # prompts end with eos (T5) or not (Transformer-XL)
+    # (config, checkpoint tensor names, parts asked or None, folder) -> the config restricted to
+    # those parts (T5: "encoder" alone); None: the family loads whole
+    with_parts: Callable[[Any, Iterable[str], Any, str], Any] | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .base import Model
+from .config import model_type_of
 from .t5 import T5Model
 from .transfo_xl import XLModel
 
@@ -15,8 +16,9 @@ MODEL_TYPES: dict[str, type[Model]] = {t: f for f in FAMILIES for t in f.spec.mo
 
 
 def family_of(config: dict, source: str) -> type[Model]:
-    """The family class that reads a config.json (model_type absent: T5, as old T5 saves omit it)."""
-    model_type = config.get("model_type", "t5")
+    """The family class that reads a config.json (model_type absent: the one `architectures`
+    names, else T5, as old T5 saves omit both)."""
+    model_type = model_type_of(config)
     family = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{source}: model_type {model_type!r} is not supported "

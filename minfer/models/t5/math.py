@@ -3,8 +3,8 @@
 The numerics are Hugging Face transformers' T5 (see docs/architecture.md): pre-norm residual
 blocks with RMS "layer norm" (its weight folded into the next matrix at load), attention without
 1/sqrt(d) scaling, a learned bias per (bucketed relative distance, head) that block 0 of each
-stack owns and all its layers share, and a tied head that sees the decoder output rescaled by
-d_model**-0.5.
+stack owns and all its layers share (UMT5: every layer its own table, `cfg.bias_per_layer`),
+and a tied head that sees the decoder output rescaled by d_model**-0.5.
 
 One block function serves every pass: the encoder (bidirectional self-attention), the teacher-
 forced decoder (causal self-attention over its own T positions, then cross-attention), and the
@@ -84,6 +84,16 @@ def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -
     return np.ascontiguousarray(rel_bias[buckets].T)  # (H, max_len)
 
 
+def bias_table(cfg: T5Config, params: dict, stack: str, i: int) -> np.ndarray:
+    """(num_buckets, H) host table of layer i of `stack`: its own (UMT5) or block 0's."""
+    return params[f"{stack}.rel_bias.{i if cfg.bias_per_layer else 0}"]
+
+
+def refills_bias(cfg: T5Config, i: int) -> bool:
+    """Whether layer i needs a position bias other than the previous layer's."""
+    return i == 0 or cfg.bias_per_layer
+
+
 def mask_bias(be: Any, attention_mask: np.ndarray) -> Any:
     """(B, 1, 1, S) additive mask: 0 where attended, finfo(float32).min where padded."""
     B, S = attention_mask.shape
@@ -142,12 +152,14 @@ class StepAttention:
     def __init__(self, xp: Any, groups: list[tuple[slice, DecodeBuffers, int]]):
         self.xp, self.groups = xp, []
         for rows, buf, t in groups:
-            H, N = buf.self_bias.shape
-            self.groups.append((rows, buf, t, buf.self_bias[:, N - 1 - t:].reshape(1, H, 1, t + 1)))
+            Lb, H, N = buf.self_bias.shape   # one table, or one per layer (UMT5)
+            self.groups.append((rows, buf, t, [buf.self_bias[j, :, N - 1 - t:].reshape(1, H, 1, t + 1)
+                                               for j in range(Lb)]))
 
     def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
         ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])    # (B, 1, H, D)
-        for rows, buf, t, bias in self.groups:
+        for rows, buf, t, biases in self.groups:
+            bias = biases[min(i, len(biases) - 1)]
             k_cache, v_cache = buf.self_k[i], buf.self_v[i]            # (b, H, N, D)
             k_cache[:, :, t:t + 1] = k[rows]
             v_cache[:, :, t:t + 1] = v[rows]
@@ -228,12 +240,15 @@ def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
     with be.arena.scope():
         ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
         ops.embed(xp, params["embedding"], be.asarray(input_ids), ws.x)     # (B, T, C)
-        # position bias (1,H,T,T) + padding mask (B,1,1,T), built once and shared by all layers
-        ws.bias[...] = be.asarray(position_bias(cfg, params["encoder.rel_bias"], T, T,
-                                                bidirectional=True))
-        ws.bias += mask_bias(be, attention_mask)
+        mask = mask_bias(be, attention_mask)
         attn, pending = PassAttention(xp, ws.bias), None
         for i, blk in enumerate(params["encoder"]):
+            if refills_bias(cfg, i):
+                # position bias (1,H,T,T) + padding mask (B,1,1,T): built once and shared by all
+                # layers (UMT5: once per layer, from its own table)
+                ws.bias[...] = be.asarray(position_bias(cfg, bias_table(cfg, params, "encoder", i),
+                                                        T, T, bidirectional=True))
+                ws.bias += mask
             pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending)
         out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws.h)
     return out
@@ -265,12 +280,14 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
         ws = DecoderScratch.allocate(be.arena, cfg, B, T, S, be.dtype)
         cross_kv(be, cfg, params, encoder_states, ws.cross_k, ws.cross_v)
         ops.embed(xp, params["embedding"], be.asarray(decoder_input_ids), ws.x)  # (B, T, C)
-        ws.self_bias[0] = be.asarray(position_bias(cfg, params["decoder.rel_bias"], T, T,
-                                                   bidirectional=False))
-        ws.self_bias += be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
+        causal = be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
         attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v, mask_bias(be, attention_mask)))
         pending = None
         for i, blk in enumerate(params["decoder"]):
+            if refills_bias(cfg, i):
+                ws.self_bias[0] = be.asarray(position_bias(
+                    cfg, bias_table(cfg, params, "decoder", i), T, T, bidirectional=False))
+                ws.self_bias += causal
             pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
         logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws.h)
         return np.array(be.to_host(logits), dtype=np.float32)
@@ -282,8 +299,9 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
     """Fill a fresh decode state of B * repeat rows: encode the B inputs once, every layer's
     cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i."""
     B, S = input_ids.shape
-    buf.self_bias[...] = be.asarray(causal_bias_by_distance(cfg, params["decoder.rel_bias"],
-                                                            max_len))
+    for j in range(buf.self_bias.shape[0]):   # one table, or one per layer (UMT5)
+        buf.self_bias[j] = be.asarray(causal_bias_by_distance(
+            cfg, bias_table(cfg, params, "decoder", j), max_len))
     buf.cross_bias[:B] = mask_bias(be, attention_mask)
     with be.arena.scope():
         enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")

@@ -9,6 +9,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...generation.protocol import DecodeState
+from ...io.sentence_transformers import SentenceModules
 from ..base import Model, as_batch
 from . import math as t5
 from .spec import FAMILY, DecodeBuffers, StepScratch
@@ -55,21 +56,109 @@ class T5DecodeState(DecodeState):
 
 
 class T5Model(Model):
-    """A loaded T5 (v1.0, v1.1 / flan-t5, mT5): encode, forward, generate."""
+    """A loaded T5 (v1.0, v1.1 / flan-t5, mT5, UMT5; or only its encoder): encode, embed,
+    forward, generate."""
 
     spec = FAMILY
+    sentence_modules: SentenceModules | None = None   # a sentence-transformers folder's head
 
-    def encode(self, input_ids: Any, attention_mask: Any = None) -> np.ndarray:
-        """(B, T) token ids -> encoder states (B, T, C) float32 on the host."""
-        ids, mask = self.batch(input_ids, attention_mask)
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return self.config.parts + (("pooling",) if self.sentence_modules is not None else ())
+
+    def encode(self, inputs: Any, attention_mask: Any = None, *, padding: str = "longest",
+               max_length: int | None = None, truncation: bool = False,
+               use_attention_mask: bool = True) -> np.ndarray:
+        """Token ids ((B, T) array or id lists) or text (a string or a list of them, tokenized
+        with `</s>`) -> encoder states (B, T, C) float32 on the host.
+
+        padding: "longest" (rows padded to the longest) or "max_length" (every row padded to
+            `max_length` tokens). max_length: longer rows are an error, or cut to it with
+            truncation=True (text keeps its closing `</s>`, as transformers' tokenizers cut).
+        use_attention_mask: False attends to the padding too, as diffusers' Flux and SD3
+            pipelines call their T5 text encoder (padding="max_length", max_length=512 or 256,
+            truncation=True, no attention mask: every position's state is used).
+        """
+        ids, mask = self._encoder_batch(inputs, attention_mask, padding, max_length, truncation)
+        if not use_attention_mask:
+            mask = np.ones_like(mask)
         be = self.backend
-        with self.lock, be.arena.scope():
-            out = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
-            t5.encode(be, self.config, self.params, ids, mask, out)
-            return np.array(be.to_host(out), dtype=np.float32)
+        B, T = ids.shape
+        out = np.empty((B, T, self.config.d_model), np.float32)
+        with self.lock:
+            # rows in passes that fit the arena's free bytes (a batch of 8 x 512 tokens of a
+            # 64-head encoder needs 1.7 GB of scratch; under a memory limit it runs 4 + 4)
+            step = self._rows_per_pass(B, T)
+            for a in range(0, B, step):
+                with be.arena.scope():
+                    part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
+                                          "encoder output")
+                    t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
+                    out[a:a + step] = be.to_host(part)
+        return out
+
+    def _rows_per_pass(self, batch: int, length: int) -> int:
+        """The most rows of `length` tokens whose encoder pass fits the arena's free bytes (at
+        least 1: a row that does not fit fails in the arena, naming the bytes)."""
+        free, rows = self.backend.arena.available, batch
+        while rows > 1 and self.plan(rows, length)["encoder_scratch"] > free:
+            rows = (rows + 1) // 2
+        return rows
+
+    def _encoder_batch(self, inputs: Any, attention_mask: Any, padding: str,
+                       max_length: int | None, truncation: bool) -> tuple[np.ndarray, np.ndarray]:
+        """encode()'s inputs -> (B, T) ids and mask, tokenized, cut and padded as asked."""
+        if padding not in ("longest", "max_length"):
+            raise InputError(f"encode(): padding {padding!r:.40} is not 'longest' or 'max_length'")
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)
+                                       or max_length < 1):
+            raise InputError(f"encode(): max_length must be a positive integer, got {max_length!r:.40}")
+        if padding == "max_length" and max_length is None:
+            raise InputError("encode(): padding='max_length' needs max_length")
+        if truncation and max_length is None:
+            raise InputError("encode(): truncation=True needs max_length")
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        is_text = isinstance(texts, (list, tuple)) and len(texts) > 0 and all(
+            isinstance(t, str) for t in texts)
+        if is_text:
+            if attention_mask is not None:
+                raise InputError("encode(): attention_mask applies to token ids, not to text")
+            from ...generation.text import need_tokenizer
+            tok = need_tokenizer(self, "encode() of text")
+            rows = tok.encode_batch(texts)
+        elif max_length is None and padding == "longest":
+            return self.batch(inputs, attention_mask)
+        else:
+            ids, mask = self.batch(inputs, attention_mask)
+            rows = [list(r[m.astype(bool)]) for r, m in zip(ids, mask)]
+        eos = self.token_ids.eos[0] if self.token_ids.eos else None
+        for i, row in enumerate(rows):
+            if max_length is not None and len(row) > max_length:
+                if not truncation:
+                    raise InputError(f"encode(): row {i} has {len(row)} tokens, more than "
+                                     f"max_length {max_length} (truncation=True cuts it)")
+                closing = is_text and eos is not None and row[-1] == eos and max_length > 1
+                rows[i] = row[:max_length - 1] + [eos] if closing else row[:max_length]
+        width = max_length if padding == "max_length" else max(len(r) for r in rows)
+        ids = np.full((len(rows), width), self.token_ids.pad, np.int64)
+        mask = np.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = row
+            mask[i, :len(row)] = 1
+        return self.batch(ids, mask)
+
+    def embed(self, texts: Any, *, prompt_name: str | None = None, prompt: str | None = None,
+              batch_size: int = 32) -> np.ndarray:
+        """Sentence embeddings (N, E) float32 of a text or a list of texts: the folder's
+        sentence-transformers modules (pooling, Dense, Normalize; prompts by name or the
+        default) over the encoder states, as `SentenceTransformer.encode` computes them; a folder
+        without modules.json: the mean of the encoder states over each text's tokens."""
+        from ...embedding import embed
+        return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
 
     def forward(self, input_ids: Any, decoder_input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """Teacher-forced logits (B, T_dec, V) float32 for given encoder and decoder ids."""
+        self.check_can_generate()
         ids, mask = self.batch(input_ids, attention_mask)
         dec, _ = as_batch(decoder_input_ids, self.config.pad_token_id, self.config.vocab_size,
                           "decoder_input_ids")
@@ -88,6 +177,7 @@ class T5Model(Model):
         """Encode once, fill the cross-attention K/V and yield a decode state of `max_len`
         positions and B * repeat rows (row i * repeat + j decodes input i: beams, samples).
         Everything it holds is arena memory released when the `with` block exits."""
+        self.check_can_generate()
         be = self.backend
         B, S = input_ids.shape
         with self.lock:   # the state is this request's own hold: released in any order

@@ -8,26 +8,35 @@ beside them (applied inside the fused norm, so every slot holds exactly the chec
 and each decoder layer's cross-attention k|v as a unit of its own ("cross"): it runs once per
 input, not at every step, so it is planned and streamed apart.
 
+UMT5 (Chung et al. 2023, "UniMax") is T5 v1.1 with a relative-attention bias table in every
+self-attention layer instead of only block 0's (`bias_per_layer`). An encoder-only model
+(`encoder_only`: a T5EncoderModel / MT5EncoderModel / UMT5EncoderModel save, or a full checkpoint
+loaded with parts="encoder") declares only the shared embedding and the encoder: the decoder's
+tensors, when the file has them, are optional names that are checked but never read or placed,
+and its runs plan no decoder state.
+
 Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim
 (d_kv), I = H*D, C d_model, F d_ff, V vocab, L layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
 
 from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Linear, Tensor, View, WeightTable
-from ..config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader
+from ..config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader, model_type_of
 from ..family import Family
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
 # to this many tokens generating up to this many.
 DEFAULT_INPUT_LEN, DEFAULT_NEW_TOKENS = 256, 128
+MODEL_TYPES = ("t5", "mt5", "umt5")
+PARTS = ("all", "encoder")   # what `minfer.load(parts=...)` may ask of a T5
 
 
 # =====================================================================================================
@@ -52,6 +61,8 @@ class T5Config:
     eos_token_ids: tuple[int, ...]
     decoder_start_token_id: int
     model_type: str = "t5"
+    bias_per_layer: bool = False  # UMT5: every self-attention layer has its own bias table
+    encoder_only: bool = False    # only the embedding and the encoder are loaded (and run)
 
     @property
     def inner(self) -> int:
@@ -63,21 +74,37 @@ class T5Config:
         """Width of the FF input projection: F, or 2F for a gated FF (wi_0 | wi_1 fused)."""
         return self.d_ff * (2 if self.gated else 1)
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts this model runs: "encoder" alone, or also "decoder" and "head"."""
+        return ("encoder",) if self.encoder_only else ("encoder", "decoder", "head")
+
+    def bias_tables(self, stack: str) -> int:
+        """How many relative-attention bias tables `stack` holds: one per layer (UMT5), else the
+        one of block 0, shared by every layer."""
+        return (self.num_layers if stack == "encoder" else self.num_decoder_layers) \
+            if self.bias_per_layer else 1
+
     def describe(self) -> list[tuple[str, str]]:
         """Architecture facts for `minfer info`."""
+        head = "no head" if self.encoder_only else \
+            f"{'tied' if self.tie_word_embeddings else 'untied'} head"
+        layers = (f"{self.num_layers} encoder" if self.encoder_only
+                  else f"{self.num_layers} encoder / {self.num_decoder_layers} decoder")
         return [
-            ("family", f"{self.model_type} ({'gated-' if self.gated else ''}{self.act} FF, "
-                       f"{'tied' if self.tie_word_embeddings else 'untied'} head)"),
-            ("layers", f"{self.num_layers} encoder / {self.num_decoder_layers} decoder"),
+            ("family", f"{self.model_type} ({'gated-' if self.gated else ''}{self.act} FF, {head})"),
+            ("layers", layers),
             ("width", f"d_model {self.d_model}, {self.num_heads} heads x d_kv {self.d_kv}, "
                       f"d_ff {self.d_ff}"),
             ("vocab", f"{self.vocab_size}"),
-            ("position buckets", f"{self.num_buckets}, max distance {self.max_distance}"),
+            ("position buckets", f"{self.num_buckets}, max distance {self.max_distance}"
+                                 + (", a bias table per layer" if self.bias_per_layer else "")),
         ]
 
     def summary(self) -> str:
-        return (f"layers={self.num_layers}/{self.num_decoder_layers}, d_model={self.d_model}, "
-                f"vocab={self.vocab_size}")
+        layers = (f"{self.num_layers} (encoder only)" if self.encoder_only
+                  else f"{self.num_layers}/{self.num_decoder_layers}")
+        return f"layers={layers}, d_model={self.d_model}, vocab={self.vocab_size}"
 
     def token_ids(self) -> TokenIds:
         return TokenIds(eos=self.eos_token_ids, pad=self.pad_token_id,
@@ -88,9 +115,10 @@ class T5Config:
         # Every key goes through the typed reader (models/config.py): wrong types, absurd sizes
         # and out-of-range ids are one-line ConfigErrors naming the file and the key.
         read = ConfigReader(cfg, source)
-        model_type = read.get_str("model_type", "t5")
-        if model_type not in ("t5", "mt5"):
-            raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model (t5, mt5)")
+        model_type = read.get_str("model_type", model_type_of(cfg))
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model "
+                              f"({', '.join(MODEL_TYPES)})")
         proj = read.get_str("feed_forward_proj", "relu")
         parts = proj.split("-")
         if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or not parts[-1]:
@@ -124,8 +152,21 @@ class T5Config:
             eps=read.get_eps("layer_norm_epsilon", 1e-6), act=act, gated=gated,
             tie_word_embeddings=read.get_bool("tie_word_embeddings", True),
             pad_token_id=pad, eos_token_ids=eos_ids, decoder_start_token_id=start,
-            model_type=model_type,
+            model_type=model_type, bias_per_layer=model_type == "umt5",
         )
+
+    def with_parts(self, names: Iterable[str], parts: str | None, folder: str) -> "T5Config":
+        """This config restricted to the parts asked for (None: what the checkpoint holds, whose
+        tensor names are `names`: a save without decoder tensors is an encoder-only model)."""
+        holds_decoder = any(n.startswith("decoder.") or n == "lm_head.weight" for n in names)
+        if parts is None:
+            parts = "all" if holds_decoder else "encoder"
+        if parts not in PARTS:
+            raise ConfigError(f"parts={parts!r}: a T5 model loads as {' or '.join(map(repr, PARTS))}")
+        if parts == "all" and not holds_decoder:
+            raise ConfigError(f"{folder}: holds only an encoder (no decoder.* tensors, as a "
+                              "T5EncoderModel saves it): it loads with parts='encoder' (or none)")
+        return replace(self, encoder_only=parts == "encoder")
 
 
 # =====================================================================================================
@@ -162,11 +203,16 @@ def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
     return {"tensors": tensors, **units}
 
 
+def _bias_name(stack: str, i: int) -> str:
+    return f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
 def weight_table(cfg: T5Config) -> WeightTable:
     """Every tensor a T5 checkpoint holds and every parameter minfer builds from it."""
     C, V, HB = cfg.d_model, cfg.vocab_size, (cfg.num_buckets, cfg.num_heads)
     tensors: dict[str, tuple[int, ...]] = {"shared.weight": (V, C)}
     stacks: dict[str, list] = {"encoder": [], "cross": [], "decoder": []}
+    fixed: dict[str, Any] = {}
     for stack, depth in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
         for i in range(depth):
             layer = _layer(cfg, stack, i)
@@ -174,28 +220,35 @@ def weight_table(cfg: T5Config) -> WeightTable:
             stacks[stack].append(layer["block"])
             if "cross" in layer:
                 stacks["cross"].append(layer["cross"])
-        tensors[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = HB
+        for i in range(cfg.bias_tables(stack)):   # block 0's, or every block's (UMT5)
+            tensors[_bias_name(stack, i)] = HB
+            fixed[f"{stack}.rel_bias.{i}"] = Tensor(_bias_name(stack, i), host=True)
         tensors[f"{stack}.final_layer_norm.weight"] = (C,)
+        fixed[f"{stack}.final_ln"] = Tensor(f"{stack}.final_layer_norm.weight")
     optional = {
         "encoder.embed_tokens.weight": (V, C),   # aliases of the shared embedding
         "decoder.embed_tokens.weight": (V, C),
         # old checkpoints: a cross-attention position bias HF never applies
         "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight": HB,
     }
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not cfg.encoder_only:
         optional["lm_head.weight"] = (V, C)     # a saved copy of the tied head
         # one (V, C) slot serves both uses: the head's output channels are the embedding's rows
         head = {"lm_head": Linear(("shared.weight",)), "embedding": View("lm_head")}
+    elif cfg.encoder_only:
+        head = {"embedding": Linear(("shared.weight",))}
+        # a full checkpoint loaded for encoding: its decoder and head are checked, never read
+        tensors["lm_head.weight"] = (V, C)
+        optional.update({n: s for n, s in tensors.items()
+                         if n.startswith("decoder.") or n == "lm_head.weight"})
+        tensors = {n: s for n, s in tensors.items() if n not in optional}
+        stacks = {"encoder": stacks["encoder"]}
+        fixed = {n: e for n, e in fixed.items() if not n.startswith("decoder.")}
     else:
         tensors["lm_head.weight"] = (V, C)
         head = {"embedding": Linear(("shared.weight",)), "lm_head": Linear(("lm_head.weight",))}
-    fixed = {**head}
-    for stack in ("encoder", "decoder"):
-        fixed[f"{stack}.rel_bias"] = Tensor(
-            f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", host=True)
-        fixed[f"{stack}.final_ln"] = Tensor(f"{stack}.final_layer_norm.weight")
     return WeightTable(
-        tensors=tensors, fixed=fixed, stacks=stacks, optional=optional,
+        tensors=tensors, fixed={**head, **fixed}, stacks=stacks, optional=optional,
         aliases={"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")},
         # decoder layers run at every generated token, encoder and cross layers once per input
         priority={"decoder": 1})
@@ -284,7 +337,8 @@ class DecodeBuffers(PassScratch):
     cross_k: Any = None     # (L, B, H, S, D)
     cross_v: Any = None
     cross_bias: Any = None  # (B, 1, 1, S) the source padding mask
-    self_bias: Any = None   # (H, N) the causal bias by reversed distance (see math.py)
+    self_bias: Any = None   # (Lb, H, N) the causal bias by reversed distance (see math.py), one
+                            # table per bias table of the decoder (Lb: 1, or L for UMT5)
     logits: Any = None      # (B, 1, V)
 
     @classmethod
@@ -292,7 +346,8 @@ class DecodeBuffers(PassScratch):
         H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
         return {"self_k": ((L, B, H, N, D), dtype), "self_v": ((L, B, H, N, D), dtype),
                 "cross_k": ((L, B, H, S, D), dtype), "cross_v": ((L, B, H, S, D), dtype),
-                "cross_bias": ((B, 1, 1, S), dtype), "self_bias": ((H, N), dtype),
+                "cross_bias": ((B, 1, 1, S), dtype),
+                "self_bias": ((cfg.bias_tables("decoder"), H, N), dtype),
                 **PassScratch.specs(cfg, B, 1, max(N, S), dtype, cross=True),
                 "logits": ((B, 1, cfg.vocab_size), dtype)}
 
@@ -306,16 +361,19 @@ class DecodeBuffers(PassScratch):
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
               max_new_tokens: int | None) -> dict[str, int]:
     """Arena bytes of one generation: its decode state plus the larger of the encoder pass and
-    the cross K/V projection."""
+    the cross K/V projection; of an encoder-only model, one encoder pass and its output."""
     S = input_len or DEFAULT_INPUT_LEN
-    N = max_new_tokens or DEFAULT_NEW_TOKENS
-    state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
     encoder = (EncoderScratch.nbytes(cfg, batch, S, dtype)
                + bytes_needed({"out": ((batch, S, cfg.d_model), dtype)}))
+    if cfg.encoder_only:
+        return {"encoder_scratch": encoder, "peak": encoder}
+    N = max_new_tokens or DEFAULT_NEW_TOKENS
+    state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
     cross = bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
     return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
             "peak": state + max(encoder, cross)}
 
 
-FAMILY = Family(name="t5", model_types=("t5", "mt5"), config=T5Config, weight_table=weight_table,
-                run_bytes=run_bytes, is_encoder_decoder=True, add_eos_to_prompt=True)
+FAMILY = Family(name="t5", model_types=MODEL_TYPES, config=T5Config, weight_table=weight_table,
+                run_bytes=run_bytes, is_encoder_decoder=True, add_eos_to_prompt=True,
+                with_parts=T5Config.with_parts)
