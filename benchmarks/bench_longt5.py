@@ -38,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402  (thread_env, machine_info, the checkpoints folder)
+from bench_memory import status  # noqa: E402  (a /proc/self/status field in bytes)
 
 MARK = "LONGT5_RESULT "
 SEED = 20240601
@@ -79,13 +80,6 @@ def ensure_checkpoint(shape: str, attention: str) -> Path:
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
-
-
-def status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def input_ids(n: int, vocab: int):

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import ROOT, _models, load_reference, rel_err, trim_hf_ids
+from conftest import ROOT, fixture_script, _models, load_reference, rel_err, trim_hf_ids
 from factories import write_t5
 
 import minfer
@@ -100,10 +100,7 @@ def test_global_blocks_follow_the_reference_float_arithmetic():
                     reason="torch + transformers (the [dev] extra) not installed")
 @pytest.mark.parametrize("case", CASES)
 def test_live_oracle_agrees_with_committed_references(case):
-    spec = importlib.util.spec_from_file_location("make_longt5_fixtures",
-                                                  ROOT / "weights" / "make_longt5_fixtures.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = fixture_script("make_longt5_fixtures")
     live, ref = script.reference_outputs(str(FIXTURES / case)), reference(case)
     for key in ("encoder_states", "logits"):
         assert rel_err(live[key], ref[key]) < TOL, key
