@@ -35,8 +35,8 @@ from ..family import Family
 # to this many tokens generating up to this many.
 DEFAULT_INPUT_LEN, DEFAULT_NEW_TOKENS = 256, 128
 
-# LongT5's encoder takes its queries in chunks of whole blocks of about this many positions
-# (their scores are the pass's only buffer that grows with the number of global tokens), and
+# LongT5's encoder takes its queries in chunks of whole blocks of about this many positions (a
+# chunk's scores and global bias are rows x (3bl + G): bounded rows keep them linear in T), and
 # sums the global tokens' members this many global blocks at a time (one small product each).
 QUERY_ROWS = 512
 AGGREGATE_BLOCKS = 32
