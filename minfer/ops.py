@@ -67,6 +67,14 @@ def embed(xp: Any, table: Any, ids: Any, out: Any) -> Any:
     return xp.take(table, ids, axis=0, out=out)
 
 
+def take_into(xp: Any, table: Any, index: Any, axis: int, out: Any) -> Any:
+    """xp.take(table, index, axis) written into `out` (contiguous). NumPy copies `out` first
+    unless told the indices need no range check (mode="clip"; every caller's are in range)."""
+    if xp is np:
+        return np.take(table, index, axis=axis, out=out, mode="clip")
+    return xp.take(table, index, axis=axis, out=out)
+
+
 def _sum_of_squares(xp: Any, x: Any) -> Any:
     """Sum over the last axis of x*x without an x*x temporary (vecdot where the namespace has
     it: NumPy >= 2; einsum otherwise)."""

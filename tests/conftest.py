@@ -29,6 +29,16 @@ needs_xl_oracle = pytest.mark.skipif(
     reason="needs torch and a transformers with Transformer-XL (< 5; the [dev] extra pins 4.57)")
 
 
+def fixture_script(name: str):
+    """weights/<name>.py (a fixture writer: its reference_outputs is the live oracle), imported
+    from its file (weights/ is no package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "weights" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def load_reference(case: str, fixtures: Path = T5_FIXTURES) -> dict[str, np.ndarray]:
     with np.load(fixtures / case / "reference.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}

@@ -7,9 +7,9 @@ from minfer.models.registry import MODEL_TYPES, family_of
 
 
 def test_every_family_declares_its_model_types():
-    assert set(MODEL_TYPES) == {"t5", "mt5", "umt5", "transfo-xl"}
-    assert family_of({"model_type": "mt5"}, "x") is minfer.T5Model
-    assert family_of({"model_type": "umt5"}, "x") is minfer.T5Model
+    assert set(MODEL_TYPES) == {"t5", "mt5", "umt5", "longt5", "transfo-xl"}
+    for model_type in ("mt5", "umt5", "longt5"):
+        assert family_of({"model_type": model_type}, "x") is minfer.T5Model
     assert family_of({}, "x") is minfer.T5Model  # old T5 saves omit model_type
     assert family_of({"model_type": "transfo-xl"}, "x") is minfer.XLModel
 

@@ -4,7 +4,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from conftest import ROOT, T5_CASES, T5_FIXTURES, load_reference, rel_err, trim_hf_ids
+from conftest import T5_CASES, T5_FIXTURES, fixture_script, load_reference, rel_err, trim_hf_ids
 
 TOL = 1e-4
 
@@ -71,10 +71,7 @@ def test_some_fixture_stops_at_eos_early():
                     reason="torch + transformers (the [dev] extra) not installed")
 @pytest.mark.parametrize("case", T5_CASES)
 def test_live_oracle_agrees_with_committed_references(case, t5_models):
-    spec = importlib.util.spec_from_file_location("make_t5_fixtures",
-                                                  ROOT / "weights" / "make_t5_fixtures.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = fixture_script("make_t5_fixtures")
     live = script.reference_outputs(str(T5_FIXTURES / case))
     ref = load_reference(case)
     for key in ("encoder_states", "logits"):

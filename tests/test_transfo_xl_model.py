@@ -1,11 +1,9 @@
 """Transformer-XL (models/transfo_xl/model.py) against Hugging Face transformers: three segments
 with memory, greedy continuation, scoring, sessions; the committed references in
 weights/transfo_xl (weights/make_transfo_xl_fixtures.py) and the live oracle where installed."""
-import importlib.util
-
 import numpy as np
 import pytest
-from conftest import ROOT, XL_CASES, XL_FIXTURES, needs_xl_fixtures, needs_xl_oracle, rel_err
+from conftest import ROOT, XL_CASES, XL_FIXTURES, fixture_script, needs_xl_fixtures, needs_xl_oracle, rel_err
 from conftest import load_xl_reference as reference
 
 import minfer
@@ -195,10 +193,7 @@ def test_stream_ids_and_beam_search_run(xl_models):
 @needs_xl_oracle
 @pytest.mark.parametrize("case", XL_CASES)
 def test_live_oracle_agrees_with_committed_references(case):
-    spec = importlib.util.spec_from_file_location("make_transfo_xl_fixtures",
-                                                  ROOT / "weights" / "make_transfo_xl_fixtures.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = fixture_script("make_transfo_xl_fixtures")
     live = script.reference_outputs(str(XL_FIXTURES / case))
     ref = reference(case)
     for key in ("log_probs_0", "log_probs_1", "log_probs_2"):

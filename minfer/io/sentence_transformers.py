@@ -101,15 +101,16 @@ def kind_of(type_name: Any, where: str) -> str:
     return parts[-1]
 
 
-def _inside(folder: Path, path: Any, where: str) -> Path:
-    """A module's folder: a relative path that stays inside `folder`."""
+def _inside(folder: Path, path: Any, where: str, needed: bool = True) -> Path:
+    """A module's folder: a relative path that stays inside `folder`. A module without files of
+    its own (Normalize) may lack it: git, and so the hub, keep no empty folder."""
     if not isinstance(path, str):
         raise CheckpointError(f"{where}: 'path' must be a string, got {path!r:.80}")
     target = (folder / path).resolve()
     root = folder.resolve()
     if Path(path).is_absolute() or (target != root and root not in target.parents):
         raise CheckpointError(f"{where}: 'path' {path!r:.120} leaves the model folder")
-    if not target.is_dir():
+    if needed and not target.is_dir():
         raise CheckpointError(f"{where}: 'path' {path!r:.120} is not a folder in {folder}")
     return target
 
@@ -129,7 +130,8 @@ def read_sentence_modules(folder: str | Path) -> SentenceModules | None:
         where = f"{source}: module {i}"
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where}: expected an object with 'type' and 'path'")
-        kinds.append((kind_of(entry.get("type"), where), _inside(folder, entry.get("path", ""), where),
+        kind = kind_of(entry.get("type"), where)
+        kinds.append((kind, _inside(folder, entry.get("path", ""), where, kind != "Normalize"),
                       where))
     order = [k for k, _, _ in kinds]
     if order[:2] != ["Transformer", "Pooling"] or any(k not in ("Dense", "Normalize") for k in order[2:]):

@@ -9,7 +9,8 @@ and a tied head that sees the decoder output rescaled by d_model**-0.5.
 One block function serves every pass: the encoder (bidirectional self-attention), the teacher-
 forced decoder (causal self-attention over its own T positions, then cross-attention), and the
 incremental step (self-attention over the layer's KV cache, written at position t). Scratch
-comes from the caller's typed arena buffers (spec.py), so a step allocates nothing.
+comes from the caller's typed arena buffers (spec.py), so a step allocates nothing. LongT5's
+encoder runs the same block with its local / transient-global attention (long_attention.py).
 
 Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim,
 I = H*D, C d_model, V vocab, L layers.
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ... import ops
-from .spec import DecodeBuffers, DecoderScratch, EncoderScratch, PassScratch, T5Config
+from .long_attention import LongAttention
+from .spec import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch, PassScratch,
+                   T5Config)
 
 NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
 FP16_CLAMP = float(np.finfo(np.float16).max) - 1000  # HF T5's guard value
@@ -232,24 +235,44 @@ def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, pending: Any, out: Any
 # =====================================================================================================
 # Passes
 # =====================================================================================================
+def encoder_attention(be: Any, cfg: T5Config, params: dict,
+                      attention_mask: np.ndarray) -> tuple[PassScratch, Callable[[int, dict], Any]]:
+    """An encoder pass's scratch and each layer's self-attention (a function of the layer's
+    index and weights): T5's full attention over one (B, H, T, T) bias (position bias + padding
+    mask, built once and shared by all layers; UMT5: refilled per layer from its own table), or
+    LongT5's local / transient-global attention (long_attention.py), linear in T."""
+    B, T = attention_mask.shape
+    if cfg.encoder_attention != "full":
+        ws = LongEncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
+        bucket = functools.partial(relative_bucket, bidirectional=True,
+                                   num_buckets=cfg.num_buckets, max_distance=cfg.max_distance)
+        long = LongAttention(be, cfg, ws, attention_mask, bucket,
+                             bias_table(cfg, params, "encoder", 0),
+                             params.get("encoder.global_rel_bias"))
+        return ws, lambda i, blk: long.layer(blk)
+    ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
+    mask = mask_bias(be, attention_mask)                                  # (B, 1, 1, T)
+    attn = PassAttention(be.xp, ws.bias)
+
+    def layer(i: int, blk: dict) -> PassAttention:
+        if refills_bias(cfg, i):   # (1, H, T, T) + (B, 1, 1, T)
+            ws.bias[...] = be.asarray(position_bias(cfg, bias_table(cfg, params, "encoder", i),
+                                                    T, T, bidirectional=True))
+            ws.bias += mask
+        return attn
+    return ws, layer
+
+
 def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
            attention_mask: np.ndarray, out: Any) -> Any:
     """Encoder stack: (B, T) ids -> final-normed states written into `out` (B, T, C)."""
     xp = be.xp
-    B, T = input_ids.shape
     with be.arena.scope():
-        ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
+        ws, attention = encoder_attention(be, cfg, params, attention_mask)
         ops.embed(xp, params["embedding"], be.asarray(input_ids), ws.x)     # (B, T, C)
-        mask = mask_bias(be, attention_mask)
-        attn, pending = PassAttention(xp, ws.bias), None
+        pending = None
         for i, blk in enumerate(params["encoder"]):
-            if refills_bias(cfg, i):
-                # position bias (1,H,T,T) + padding mask (B,1,1,T): built once and shared by all
-                # layers (UMT5: once per layer, from its own table)
-                ws.bias[...] = be.asarray(position_bias(cfg, bias_table(cfg, params, "encoder", i),
-                                                        T, T, bidirectional=True))
-                ws.bias += mask
-            pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending)
+            pending = block(xp, cfg, blk, i, ws.x, ws, attention(i, blk), pending)
         out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws.h)
     return out
 

@@ -2,6 +2,10 @@
 
 Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a Unified Text-to-Text
 Transformer"; v1.1 / flan-t5 / mT5 differ only in what the config says (gated FF, untied head).
+LongT5 (Guo et al. 2022) is a T5 whose encoder attends locally (`local_radius`) or locally plus
+to transient global tokens (`global_block_size`): its own module names in the encoder layers, a
+second bias table and a norm per layer for the global tokens, and an encoder scratch linear in
+the input length (`LongEncoderScratch`; the math is long_attention.py).
 The weight table maps Hugging Face's tensor names onto minfer's parameters: per layer, q|k|v
 fused into one (3I, C) slot, a gated FF's wi_0|wi_1 into one (2F, C) slot, the RMS norms' weights
 beside them (applied inside the fused norm, so every slot holds exactly the checkpoint's values),
@@ -24,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
+import numpy as np
+
 from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
@@ -35,8 +41,18 @@ from ..family import Family
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
 # to this many tokens generating up to this many.
 DEFAULT_INPUT_LEN, DEFAULT_NEW_TOKENS = 256, 128
-MODEL_TYPES = ("t5", "mt5", "umt5")
+MODEL_TYPES = ("t5", "mt5", "umt5", "longt5")
 PARTS = ("all", "encoder")   # what `minfer.load(parts=...)` may ask of a T5
+
+# LongT5's encoder takes its queries in chunks of whole blocks of about this many positions (a
+# chunk's scores and global bias are rows x (3bl + G): bounded rows keep them linear in T), and
+# sums the global tokens' members this many global blocks at a time (one small product each).
+QUERY_ROWS = 512
+AGGREGATE_BLOCKS = 32
+
+# config.json's encoder_attention_type -> the module name of the encoder's self-attention
+ENCODER_ATTENTION = {"full": "SelfAttention", "local": "LocalSelfAttention",
+                     "transient-global": "TransientGlobalSelfAttention"}
 
 
 # =====================================================================================================
@@ -63,6 +79,9 @@ class T5Config:
     model_type: str = "t5"
     bias_per_layer: bool = False  # UMT5: every self-attention layer has its own bias table
     encoder_only: bool = False    # only the embedding and the encoder are loaded (and run)
+    encoder_attention: str = "full"   # "full" (T5); LongT5: "local" or "transient-global"
+    local_radius: int = 0             # LongT5: a query attends to keys at most this far away
+    global_block_size: int = 0        # LongT5 transient-global: tokens per global token
 
     @property
     def inner(self) -> int:
@@ -91,7 +110,7 @@ class T5Config:
             f"{'tied' if self.tie_word_embeddings else 'untied'} head"
         layers = (f"{self.num_layers} encoder" if self.encoder_only
                   else f"{self.num_layers} encoder / {self.num_decoder_layers} decoder")
-        return [
+        facts = [
             ("family", f"{self.model_type} ({'gated-' if self.gated else ''}{self.act} FF, {head})"),
             ("layers", layers),
             ("width", f"d_model {self.d_model}, {self.num_heads} heads x d_kv {self.d_kv}, "
@@ -100,6 +119,13 @@ class T5Config:
             ("position buckets", f"{self.num_buckets}, max distance {self.max_distance}"
                                  + (", a bias table per layer" if self.bias_per_layer else "")),
         ]
+        if self.encoder_attention != "full":
+            attention = (f"{self.encoder_attention}, radius {self.local_radius} "
+                         f"(blocks of {self.local_radius + 1})")
+            if self.encoder_attention == "transient-global":
+                attention += f", one global token per {self.global_block_size} tokens"
+            facts.append(("encoder attention", attention + "; memory linear in the input"))
+        return facts
 
     def summary(self) -> str:
         layers = (f"{self.num_layers} (encoder only)" if self.encoder_only
@@ -141,6 +167,13 @@ class T5Config:
             # the decoder's log(max_distance / max_exact) would be <= 0: the buckets break down
             raise ConfigError(f"{source}: relative_attention_max_distance {max_distance} must exceed "
                               f"num_buckets/2 = {num_buckets // 2}")
+        long = {}
+        if model_type == "longt5":  # transformers' LongT5Config defaults
+            long = dict(
+                encoder_attention=read.get_str("encoder_attention_type", "local",
+                                               choices=("local", "transient-global")),
+                local_radius=read.get_int("local_radius", 127),
+                global_block_size=read.get_int("global_block_size", 16))
         return cls(
             vocab_size=vocab, d_model=read.get_int("d_model", 512, maximum=MAX_WIDTH),
             d_kv=read.get_int("d_kv", 64, maximum=MAX_WIDTH),
@@ -152,7 +185,7 @@ class T5Config:
             eps=read.get_eps("layer_norm_epsilon", 1e-6), act=act, gated=gated,
             tie_word_embeddings=read.get_bool("tie_word_embeddings", True),
             pad_token_id=pad, eos_token_ids=eos_ids, decoder_start_token_id=start,
-            model_type=model_type, bias_per_layer=model_type == "umt5",
+            model_type=model_type, bias_per_layer=model_type == "umt5", **long,
         )
 
     def with_parts(self, names: Iterable[str], parts: str | None, folder: str) -> "T5Config":
@@ -178,18 +211,27 @@ def _ff_sources(prefix: str, gated: bool) -> tuple[list[str], str]:
     return [f"{prefix}.DenseReluDense.{w}.weight" for w in wi], f"{prefix}.DenseReluDense.wo.weight"
 
 
+def _self_attention(cfg: T5Config, stack: str) -> str:
+    """The module name of a stack's self-attention (LongT5's encoder names its own)."""
+    return ENCODER_ATTENTION[cfg.encoder_attention] if stack == "encoder" else "SelfAttention"
+
+
 def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
     """Layer i of 'encoder' or 'decoder': HF tensor shapes, and minfer's units built from them
     ({'block': ..., 'cross': ...} for the decoder)."""
     C, I, F = cfg.d_model, cfg.inner, cfg.d_ff
     p = f"{stack}.block.{i}.layer"
-    attn, ln0 = f"{p}.0.SelfAttention", f"{p}.0.layer_norm.weight"
+    attn, ln0 = f"{p}.0.{_self_attention(cfg, stack)}", f"{p}.0.layer_norm.weight"
     ff = f"{p}.{2 if stack == 'decoder' else 1}"
     wi, wo = _ff_sources(ff, cfg.gated)
     tensors = {**{f"{attn}.{w}.weight": (I, C) for w in "qkv"}, f"{attn}.o.weight": (C, I),
                ln0: (C,), **{w: (F, C) for w in wi}, wo: (C, F), f"{ff}.layer_norm.weight": (C,)}
     block = {"ln_self": Tensor(ln0), "w_qkv": Linear(tuple(f"{attn}.{w}.weight" for w in "qkv")),
              "w_o": Linear((f"{attn}.o.weight",))}
+    if stack == "encoder" and cfg.encoder_attention == "transient-global":
+        # each layer's own norm of its global tokens (their k/v are the layer's k and v)
+        tensors[f"{attn}.global_input_layer_norm.weight"] = (C,)
+        block["ln_global"] = Tensor(f"{attn}.global_input_layer_norm.weight")
     units = {"block": block}
     if stack == "decoder":
         cross, ln1 = f"{p}.1.EncDecAttention", f"{p}.1.layer_norm.weight"
@@ -203,8 +245,9 @@ def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
     return {"tensors": tensors, **units}
 
 
-def _bias_name(stack: str, i: int) -> str:
-    return f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"
+def _bias_name(cfg: T5Config, stack: str, i: int, kind: str = "relative_attention_bias") -> str:
+    """A position bias table of block i's self-attention (LongT5's encoder names its own)."""
+    return f"{stack}.block.{i}.layer.0.{_self_attention(cfg, stack)}.{kind}.weight"
 
 
 def weight_table(cfg: T5Config) -> WeightTable:
@@ -221,8 +264,8 @@ def weight_table(cfg: T5Config) -> WeightTable:
             if "cross" in layer:
                 stacks["cross"].append(layer["cross"])
         for i in range(cfg.bias_tables(stack)):   # block 0's, or every block's (UMT5)
-            tensors[_bias_name(stack, i)] = HB
-            fixed[f"{stack}.rel_bias.{i}"] = Tensor(_bias_name(stack, i), host=True)
+            tensors[_bias_name(cfg, stack, i)] = HB
+            fixed[f"{stack}.rel_bias.{i}"] = Tensor(_bias_name(cfg, stack, i), host=True)
         tensors[f"{stack}.final_layer_norm.weight"] = (C,)
         fixed[f"{stack}.final_ln"] = Tensor(f"{stack}.final_layer_norm.weight")
     optional = {
@@ -247,6 +290,11 @@ def weight_table(cfg: T5Config) -> WeightTable:
     else:
         tensors["lm_head.weight"] = (V, C)
         head = {"embedding": Linear(("shared.weight",)), "lm_head": Linear(("lm_head.weight",))}
+    if cfg.encoder_attention == "transient-global":
+        # the bias of a global token by its distance in global blocks, layer 0's, shared
+        source = _bias_name(cfg, "encoder", 0, "global_relative_attention_bias")
+        tensors[source] = HB
+        fixed["encoder.global_rel_bias"] = Tensor(source, host=True)
     return WeightTable(
         tensors=tensors, fixed={**head, **fixed}, stacks=stacks, optional=optional,
         aliases={"shared.weight": ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")},
@@ -297,6 +345,85 @@ class EncoderScratch(PassScratch):
     def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
         return {**PassScratch.specs(cfg, B, T, T, dtype),
                 "bias": ((B, cfg.num_heads, T, T), dtype)}
+
+
+@dataclass(frozen=True)
+class LongShape:
+    """How LongT5's encoder cuts a pass of T positions (long_attention.py)."""
+    block: int         # bl: positions per local block, local_radius + 1 (at most T: the same keys)
+    blocks: int        # nb = ceil(T / bl)
+    chunk: int         # blocks per chunk of queries
+    globals: int       # G = T // global_block_size global tokens (0: local attention)
+    group: int         # global blocks whose members one product sums (AGGREGATE_BLOCKS or fewer)
+    groups: int        # ceil(T / (group * global_block_size)) such products
+
+    @property
+    def keys(self) -> int:
+        """Keys of one query: three blocks, then the global tokens."""
+        return 3 * self.block + self.globals
+
+    @classmethod
+    def of(cls, cfg: T5Config, T: int) -> "LongShape":
+        block = min(cfg.local_radius + 1, T)
+        blocks = -(-T // block)
+        G, group, groups = 0, 0, 0
+        if cfg.encoder_attention == "transient-global":
+            G = T // cfg.global_block_size
+            group = min(AGGREGATE_BLOCKS, -(-T // cfg.global_block_size))
+            groups = -(-T // (group * cfg.global_block_size))
+        return cls(block, blocks, max(1, min(blocks, QUERY_ROWS // block)), G, group, groups)
+
+
+@dataclass
+class LongEncoderScratch(PassScratch):
+    """LongT5's encoder pass (long_attention.py): PassScratch's per-position buffers, queries,
+    keys and values in whole blocks, and per chunk of queries their scores against their three
+    blocks and the global tokens. Every size is linear in T: B*T*(3bl + G) scores never exist
+    at once (G itself is T / global_block_size)."""
+    q_blocks: Any = None     # (B, H, nb*bl, D) queries; a chunk's context is written over them
+    k_blocks: Any = None     # (B, H, (nb+2)*bl, D) keys, a zero block each side (edge windows)
+    v_blocks: Any = None
+    key_mask: Any = None     # (B, (nb+2)*bl) additive: 0 for a real key, the mask value else
+    local_bias: Any = None   # (H, bl, 3bl) position bias of each window slot + locality mask
+    global_ctx: Any = None   # flat: a chunk's context from the global tokens (B, H, rows, D)
+    membership: Any = None   # (groups, B, group+2, group*gbs) 1 where a token joins a global
+    global_part: Any = None  # (B, group+2, C) one product's sums
+    global_h: Any = None     # (B, G, C) the global tokens (sums, then normed)
+    global_qkv: Any = None   # (B, G, 3I) their projection (k and v used)
+    global_mask: Any = None  # (B, G) additive: a global token past a row's last block is masked
+    global_table: Any = None  # (H, 2G) global bias by distance g - block of the query
+    global_offset: Any = None  # (B, nb*bl) int: where each query's row starts in global_table
+    global_range: Any = None  # (G,) int: 0..G-1
+    global_index: Any = None  # flat: a chunk's (B, rows, G) indices into global_table
+    global_bias: Any = None   # flat: a chunk's (H, B, rows, G) global bias
+
+    @classmethod
+    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+        shape = LongShape.of(cfg, T)
+        H, D, C, bl, G = cfg.num_heads, cfg.d_kv, cfg.d_model, shape.block, shape.globals
+        rows, span = shape.chunk * bl, (shape.blocks + 2) * bl
+        specs = {**PassScratch.specs(cfg, B, T, 0, dtype),
+                 "scores": ((B * H * rows * shape.keys,), dtype),
+                 "q_blocks": ((B, H, shape.blocks * bl, D), dtype),
+                 "k_blocks": ((B, H, span, D), dtype), "v_blocks": ((B, H, span, D), dtype),
+                 "key_mask": ((B, span), dtype), "local_bias": ((H, bl, 3 * bl), dtype)}
+        if G:
+            group, width = shape.group, shape.group * cfg.global_block_size
+            specs.update({
+                "global_ctx": ((B * H * rows * D,), dtype),
+                "membership": ((shape.groups, B, group + 2, width), dtype),
+                "global_part": ((B, group + 2, C), dtype), "global_h": ((B, G, C), dtype),
+                "global_qkv": ((B, G, 3 * cfg.inner), dtype), "global_mask": ((B, G), dtype),
+                "global_table": ((H, 2 * G), dtype),
+                "global_offset": ((B, shape.blocks * bl), np.int64),
+                "global_range": ((G,), np.int64), "global_index": ((B * rows * G,), np.int64),
+                "global_bias": ((H * B * rows * G,), dtype)})
+        return specs
+
+
+def encoder_scratch(cfg: T5Config) -> type[PassScratch]:
+    """The encoder pass's buffers: T5's (a (B, H, T, T) bias) or LongT5's (linear in T)."""
+    return EncoderScratch if cfg.encoder_attention == "full" else LongEncoderScratch
 
 
 @dataclass
@@ -363,7 +490,7 @@ def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
     """Arena bytes of one generation: its decode state plus the larger of the encoder pass and
     the cross K/V projection; of an encoder-only model, one encoder pass and its output."""
     S = input_len or DEFAULT_INPUT_LEN
-    encoder = (EncoderScratch.nbytes(cfg, batch, S, dtype)
+    encoder = (encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
                + bytes_needed({"out": ((batch, S, cfg.d_model), dtype)}))
     if cfg.encoder_only:
         return {"encoder_scratch": encoder, "peak": encoder}
