@@ -82,16 +82,26 @@ class Batcher:
         self.leading = False
         self.stepping: list[Request] = []   # the requests whose states a step is using
         self.holders: list[int] = []        # threads running unbatched requests (beam search)
+        self.starting: list[int] = []       # threads taking a request's memory, not yet joined
         self.admitting: set[int] = set()    # threads waiting for memory (they consume nothing)
+        self.releasing = 0                  # states being given back right now
         self.released = 0                   # how many times memory was given back
 
     # -- registration -----------------------------------------------------------------------------
-    def join(self, request: Request, release: Callable[[], None] | None = None) -> None:
-        """Register a request; `release` gives its decode state back (called once, when its
-        decoding ends or it is abandoned)."""
+    def join(self, request: Request | None, release: Callable[[], None] | None = None) -> None:
+        """Register a request that `admit` started; `release` gives its decode state back (called
+        once, when its decoding ends or it is abandoned). None: the request could not be made,
+        its state is given back now."""
         with self.cv:
-            request.release = release
-            self.requests.append(request)
+            self._started()
+            if request is not None:
+                request.release = release
+                self.requests.append(request)
+                return
+            if release is not None:
+                self.releasing += 1
+        if release is not None:
+            self._run_releases([release])
 
     def leave(self, request: Request) -> None:
         """Unregister a finished or abandoned request. Never waits: when a step is using its
@@ -102,15 +112,21 @@ class Batcher:
                 return
             if request in self.requests:
                 self.requests.remove(request)
-            release = self._take_release(request)
-        self._run_releases([release])
+            releases = self._take_releases([request])
+        self._run_releases(releases)
 
-    def _take_release(self, request: Request) -> Callable[[], None] | None:
-        release, request.release = request.release, None
-        return release
+    def _take_releases(self, requests: list[Request]) -> list[Callable[[], None]]:
+        """(Under the lock) the releases of these requests, each taken once; until they have run,
+        threads waiting for memory know it is coming back."""
+        releases = []
+        for r in requests:
+            release, r.release = r.release, None
+            if release is not None:
+                releases.append(release)
+        self.releasing += len(releases)
+        return releases
 
-    def _run_releases(self, releases: list) -> None:
-        releases = [r for r in releases if r is not None]
+    def _run_releases(self, releases: list[Callable[[], None]]) -> None:
         if not releases:
             return
         try:
@@ -118,8 +134,16 @@ class Batcher:
                 release()
         finally:
             with self.cv:
+                self.releasing -= len(releases)
                 self.released += 1
                 self.cv.notify_all()
+
+    def _started(self) -> None:
+        """(Under the lock) this thread's admitted request is registered: it no longer counts as
+        one being started."""
+        me = threading.get_ident()
+        if me in self.starting:
+            self.starting.remove(me)
 
     @contextlib.contextmanager
     def admitted(self, open_state: Callable[[], Any]) -> Iterator[Any]:
@@ -130,6 +154,7 @@ class Batcher:
             state = self.admit(lambda: stack.enter_context(open_state()))
             with self.cv:
                 self.holders.append(me)
+                self._started()
             try:
                 yield state
             finally:
@@ -145,13 +170,19 @@ class Batcher:
     def admit(self, start: Callable[[], T]) -> T:
         """`start()` (which takes a request's arena memory, raising ArenaExhausted when it
         cannot), retried while requests in flight will give memory back (see module doc)."""
+        me = threading.get_ident()
         while True:
             with self.cv:
                 seen = self.released
+                self.starting.append(me)   # holds memory from here until it joins (or fails)
             try:
                 return start()
-            except ArenaExhausted:
-                if not self._wait_for_memory(seen):
+            except BaseException as e:
+                with self.cv:
+                    self.starting.remove(me)
+                    self.released += 1   # what it held while it tried is back (for others)
+                    self.cv.notify_all()
+                if not isinstance(e, ArenaExhausted) or not self._wait_for_memory(seen + 1):
                     raise
 
     def _wait_for_memory(self, seen: int) -> bool:
@@ -170,8 +201,9 @@ class Batcher:
                     # consumers, or whose consumers are other threads not themselves waiting
                     movers = [r for r in self.requests if r.active and r.release is not None
                               and (r.runs_ahead or (r.owner != me and r.owner not in self.admitting))]
-                    others = [t for t in self.holders if t != me]
-                    if not movers and not others:
+                    others = [t for t in self.holders + self.starting if t != me]
+                    # (a step in progress may end requests and give their memory back)
+                    if not movers and not others and not self.releasing and not self.leading:
                         return False
                     if self.leading or not any(self._eligible(r) for r in movers):
                         self.cv.wait(timeout=1.0)
@@ -235,7 +267,7 @@ class Batcher:
                 for r in ended:
                     if r.gone and r in self.requests:
                         self.requests.remove(r)
-                releases = [self._take_release(r) for r in ended]
+                releases = self._take_releases(ended)
                 self.stepping = []
             self._run_releases(releases)   # ended decodings give their memory back at once
 

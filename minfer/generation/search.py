@@ -120,11 +120,11 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     try:
         decoding = Decoding(model, state, opts, rng, stopped if stopped is not None else set())
     except BaseException:
-        stack.close()
+        batcher.join(None, release=stack.close)   # (gives the state back at once)
         raise
+    batcher.join(decoding, release=stack.close)
     if info is not None:
         info["first"] = decoding.seqs[:, 0].copy()  # what each row started from
-    batcher.join(decoding, release=stack.close)
     try:
         while (event := batcher.next_event(decoding)) is not None:
             yield event
