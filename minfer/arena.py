@@ -35,7 +35,7 @@ from .errors import ArenaExhausted, ConfigError
 ALIGNMENT = 256  # bytes; matches CUDA's allocation granularity and any CPU cache line / SIMD width
 # The least a device compute scope keeps for library temporaries (the workspace CuPy's CUB
 # reductions allocate by themselves): see TempPool and cuda.CudaArena; the plans count it.
-SCOPE_TEMPORARIES = 1 << 20
+SCOPE_TEMPORARIES = 64 << 10
 
 BufferSpec = Mapping[str, tuple[tuple[int, ...], Any]]
 

@@ -42,7 +42,6 @@ import contextlib
 import sys
 import threading
 import types
-import weakref
 from typing import Any
 
 import numpy as np
@@ -79,7 +78,7 @@ class _State:
         self.outside = 0               # device allocations through the default pool ...
         self.counting_outside = False  # ... counted once a test starts watching
         self.pools = [MemoryPool(d) for d in range(devices)]
-        self.registry: dict[int, Memory] = weakref.WeakValueDictionary()  # base ptr -> Memory
+        self.registry: dict[int, Memory] = {}   # base ptr -> Memory, until a pool releases it
         self.inflight: list[tuple[int, int, Any]] = []   # (start, end, op) of deferred copies
         self.gemm_calls: list[dict] = []
 
@@ -182,6 +181,8 @@ class MemoryPool:
         self.cached.append(mem)
 
     def free_all_blocks(self, stream: Any = None) -> None:
+        for mem in self.cached:
+            STATE.registry.pop(mem.ptr, None)
         self.cached.clear()
 
     def free_bytes(self) -> int:
