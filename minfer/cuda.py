@@ -327,7 +327,9 @@ def make_cuda_backend(index: int, compute: np.dtype, weight_format: str, limit: 
     with cupy.cuda.Device(index):
         check_libraries(index)
         # A freed model's arena goes back to CuPy's pool, which keeps it cached: not free to the
-        # driver, so memGetInfo would not count it. Hand cached blocks back first.
+        # driver, so memGetInfo would not count it. Collect models dropped in reference cycles,
+        # then hand the cached blocks back.
+        gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
         free, _total = cupy.cuda.runtime.memGetInfo()
     if limit is not None and limit > free:
