@@ -2,6 +2,7 @@
 the strict CuPy stand-in of tests/strict_cupy.py (see its docstring for what it refuses and
 counts). Each test here failed on the code before issue 20's fixes (bb6bba4)."""
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,8 @@ from factories import DEC, IDS, SHAPE, write_t5
 import minfer
 from minfer.arena import SCOPE_TEMPORARIES, align_up
 from minfer.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel(got, want):
@@ -312,3 +315,83 @@ def test_cupys_own_half_matmul_allocates_float32_copies(strict_cuda):
     cp.STATE.counting_outside, cp.STATE.outside = True, 0
     cp.matmul(a, b, out=out)
     assert cp.STATE.outside == 3                    # a and b as float32, the float32 product
+
+
+# =====================================================================================================
+# Transformer-XL
+# =====================================================================================================
+XL_CASE = ROOT / "weights" / "transfo_xl" / "adaptive_div4"
+needs_xl = pytest.mark.skipif(not XL_CASE.is_dir(), reason="XL fixture missing")
+
+
+def xl_segments(model):
+    ids = np.arange(3, 27).reshape(2, 12) % model.config.vocab_size
+    return ids[:, :6], ids[:, 6:]
+
+
+@needs_xl
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 0.1)])
+def test_xl_matches_the_cpu_with_memory_and_one_sync_per_call(strict_cuda, dtype, tol):
+    # tol: absolute, on log-probabilities (float16 weights and activations)
+    cpu = minfer.load(XL_CASE)
+    m = minfer.load(XL_CASE, device="cuda", dtype=dtype)
+    first, second = xl_segments(cpu)
+    want_mem = cpu.new_memory(2)
+    for seg in (first, second):
+        want, want_mem = cpu.forward(seg, want_mem)
+    mem = m.new_memory(2)
+
+    def run():
+        nonlocal mem
+        out = [m.forward(seg, mem)[0] for seg in (first, second)]
+        return out[-1]
+    got, syncs, outside, peak = run_counted(strict_cuda, m, run)
+    assert np.abs(got - want).max() < tol and syncs == 2 and outside == 0
+    assert peak <= m.plan(batch=2, input_len=6)["peak"] - m.plan(batch=2, input_len=6)["memory"]
+    np.testing.assert_allclose(mem.to_host(), want_mem.to_host(), atol=tol)   # on the host
+    assert m.backend.arena.pool_peak <= SCOPE_TEMPORARIES + m.plan(batch=2, input_len=6)[
+        "head_temporaries"]
+
+
+@needs_xl
+def test_xl_generation_and_scoring_match_the_cpu(strict_cuda):
+    cpu = minfer.load(XL_CASE)
+    m = minfer.load(XL_CASE, device="cuda", dtype="float32")
+    prompt = xl_segments(cpu)[0][:1].tolist()
+    want = cpu.generate(prompt, max_new_tokens=6, num_beams=3)
+    got, _, outside, peak = run_counted(
+        strict_cuda, m, lambda: m.generate(prompt, max_new_tokens=6, num_beams=3))
+    assert got == want and outside == 0               # beams reorder the memory on the device
+    assert peak <= m.plan(batch=3, input_len=5, max_new_tokens=6)["peak"]
+    ids = list(np.arange(3, 60) % cpu.config.vocab_size)
+    got, _, outside, peak = run_counted(strict_cuda, m, lambda: m.score(ids, segment_len=16))
+    assert abs(got["log_likelihood"] - cpu.score(ids, segment_len=16)["log_likelihood"]) < 1e-3
+    assert outside == 0 and peak <= m.plan(batch=1, input_len=16)["peak"]
+
+
+@needs_xl
+def test_xl_streams_under_a_memory_limit(strict_cuda):
+    full = minfer.load(XL_CASE, device="cuda", dtype="float32")
+    limit = 400_000                  # weights 192 KB; two slots and a 240 KB workspace
+    m = minfer.load(XL_CASE, device="cuda", dtype="float32", memory_limit=limit,
+                    workspace=240_000)
+    assert m.weight_plan.streamed
+    mem_a, mem_b = full.new_memory(2), m.new_memory(2)
+    for seg in xl_segments(full):
+        want, mem_a = full.forward(seg, mem_a)
+        got, mem_b = m.forward(seg, mem_b)
+        np.testing.assert_array_equal(got, want)
+    assert m.backend.arena.stats().peak <= limit
+
+
+def test_xl_float16_layer_norm_of_large_values_is_finite(strict_cuda):
+    from minfer import ops
+    cp = strict_cuda
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2, 3, 64)) * 1000).astype(np.float16)   # |x - mean| >> 256
+    w, b = np.ones(64, np.float16), np.zeros(64, np.float16)
+    got = ops.layer_norm(cp, cp.asarray(x), cp.asarray(w), cp.asarray(b), 1e-5).get()
+    xf = x.astype(np.float64)
+    want = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=5e-3)
