@@ -323,13 +323,13 @@ def speed(work: Path, quick: bool) -> dict:
             src = rng.integers(2, 32000, (batch, 32))
             t = torch.as_tensor(src, device="cuda")
 
-            def hf():
+            def hf(ref=ref, t=t, beams=beams):
                 with torch.no_grad():
                     ref.generate(input_ids=t, max_new_tokens=new, min_new_tokens=new,
                                  num_beams=beams, do_sample=False)
                 torch.cuda.synchronize()
 
-            def mine():
+            def mine(m=m, src=src, beams=beams):
                 m.generate(src, max_new_tokens=new, min_new_tokens=new, num_beams=beams)
 
             hf_s, mine_s = timed(hf, runs), timed(mine, runs)
@@ -337,7 +337,7 @@ def speed(work: Path, quick: bool) -> dict:
                    "ratio": hf_s / mine_s}
             out[f"t5-base/{dtype}/batch{batch}/beams{beams}"] = row
             log("speed", dtype, batch, beams, row)
-        del ref, m
+        ref = m = None
         torch.cuda.empty_cache()
     from conftest import XL_CASES, XL_FIXTURES
     if XL_CASES:
