@@ -99,12 +99,11 @@ def test_cuda_float32_matches_numpy(folder):
 
 
 @gpu
-def test_cuda_float16_and_int8_are_close_to_numpy(folder):
-    cpu = minfer.load(folder)
-    want = cpu.forward(IDS, DEC)
-    for dtype in ("float16", "int8"):
-        got = minfer.load(folder, device="cuda", dtype=dtype).forward(IDS, DEC)
-        assert np.abs(got - want).max() / np.abs(want).max() < 5e-2, dtype
+def test_cuda_float16_is_close_to_numpy(folder):
+    # (int8 against NumPy's int8 below: its quantisation error alone is ~6% on this model)
+    want = minfer.load(folder).forward(IDS, DEC)
+    got = minfer.load(folder, device="cuda", dtype="float16").forward(IDS, DEC)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
 @gpu
