@@ -33,6 +33,9 @@ import numpy as np
 from .errors import ArenaExhausted, ConfigError
 
 ALIGNMENT = 256  # bytes; matches CUDA's allocation granularity and any CPU cache line / SIMD width
+# The least a device compute scope keeps for library temporaries (the workspace CuPy's CUB
+# reductions allocate by themselves): see TempPool and cuda.CudaArena; the plans count it.
+SCOPE_TEMPORARIES = 64 << 10
 
 BufferSpec = Mapping[str, tuple[tuple[int, ...], Any]]
 
@@ -190,8 +193,12 @@ class Arena:
             self._settle()
 
     @contextlib.contextmanager
-    def scope(self) -> Iterator["Arena"]:
-        """Everything allocated inside the `with` block is released when it exits."""
+    def scope(self, temporaries: int = 0) -> Iterator["Arena"]:
+        """Everything allocated inside the `with` block is released when it exits.
+
+        `temporaries`: bytes of library temporaries the block's device work may have alive at
+        once (the plan's "temporaries"). Here (NumPy) they are ordinary memory, outside the arena;
+        a device arena (cuda.py) carves a recycled pool of that size for them."""
         with self._lock:
             mark = self.mark()
             self._scopes += 1
@@ -268,6 +275,52 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena({self.name!r}, used={format_bytes(self.used)}, "
                 f"peak={format_bytes(self._peak)}, capacity={format_bytes(self.capacity)})")
+
+
+class TempPool:
+    """First-fit allocator over a fixed span of an arena (offsets within it), for the temporaries
+    a GPU library allocates by itself (CuPy's reductions, index copies): a block comes back as
+    soon as its array is freed, so an expression's temporaries are reused by the next one and the
+    pool's size bounds them (the bump allocator would keep every one until its scope ends).
+    Thread-safe: an array may be freed by any thread."""
+
+    def __init__(self, size: int, name: str, alignment: int = ALIGNMENT):
+        self.size, self.name, self.alignment = size, name, alignment
+        self._free: list[tuple[int, int]] = [(0, size)] if size else []   # sorted spans
+        self._live: dict[int, int] = {}                                   # offset -> bytes
+        self.used = self.peak = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> int:
+        need = align_up(max(nbytes, 1), self.alignment)
+        with self._lock:
+            for k, (a, b) in enumerate(self._free):
+                if b - a >= need:
+                    self._free[k:k + 1] = [(a + need, b)] if b - a > need else []
+                    self._live[a] = need
+                    self.used += need
+                    self.peak = max(self.peak, self.used)
+                    return a
+            largest = max((b - a for a, b in self._free), default=0)
+        raise ArenaExhausted(self.name, need, largest, self.size,
+                             "library temporaries (the plan's 'temporaries' pool)")
+
+    def give(self, offset: int) -> None:
+        with self._lock:
+            need = self._live.pop(offset)
+            self.used -= need
+            spans = sorted([*self._free, (offset, offset + need)])
+            merged: list[tuple[int, int]] = []
+            for a, b in spans:                       # coalesce touching spans
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+                else:
+                    merged.append((a, b))
+            self._free = merged
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
 
 
 class Hold:

@@ -14,6 +14,7 @@ are all carved from it (see `params/runtime.py`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,11 @@ class Backend:
     workspace: int | None = None      # bytes reserved for runs under a limit (None: planned)
     num_threads: int | None = None    # threads of the CPU kernels and BLAS (None: every core)
 
+    def on_device(self) -> Any:
+        """A context in which the calling thread's device work goes to this backend's device
+        (CUDA: `Device(index)`, which is per thread; nothing on the CPU)."""
+        return contextlib.nullcontext()
+
     def asarray(self, host: np.ndarray, dtype: Any = None) -> Any:
         """A device copy of a host array (on the CPU: the array itself when no cast is needed)."""
         return self.xp.asarray(host, dtype=dtype)
@@ -66,7 +72,6 @@ class Backend:
     def workspace_reserve(self, planned: int) -> int:
         """Bytes a memory limit keeps free for runs: `workspace=` if given, else `planned`."""
         return self.workspace if self.workspace is not None else planned
-
 
 
 def resolve_dtype(device_kind: str, dtype: Any) -> tuple[np.dtype, str]:

@@ -70,7 +70,11 @@ def cuda_available() -> bool:
         from . import cuda
     except ImportError:
         return False
-    return cuda.device_count() > 0
+    try:
+        return cuda.device_count() > 0
+    except ConfigError as e:   # a driver that cannot start: 'auto' runs on the CPU, and says why
+        log.warning("%s; using the CPU", e)
+        return False
 
 
 def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,

@@ -4,9 +4,11 @@ attention, activations.
 Functions take the namespace explicitly so one code path serves both backends. Where a function
 has an `out=` argument it may write into a caller-owned (arena) buffer, which is how the models
 keep their large activations inside the allocator; `out` may be the input itself (in place).
-Math runs in the dtype of its input, except that norms and softmax of half-precision input
-(CUDA float16) are computed in float32 and written back: float16 sums of squares overflow and
-float16 exponent sums lose the small probabilities.
+Where it also takes scratch (`work`, `stats`), it allocates nothing at all: that is how device
+code stays inside its plan (on a GPU a temporary is arena memory; here, given none, NumPy's
+temporaries are ordinary memory). Math runs in the dtype of its input, except that norms and
+softmax of half-precision input (CUDA float16) sum in float32: float16 sums of squares overflow
+and float16 exponent sums lose the small probabilities.
 
 On the CPU in float32 the fused functions (`add_rms_norm`, `attention` of one query
 position, `activate`) run as one compiled call each (kernels.py) instead of a dozen NumPy
@@ -47,8 +49,8 @@ def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
     all of w, so a batch of 16 decoding rows would stream every weight matrix 16 times a step."""
     if out is None:
         out = xp.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
-    if not out.flags.c_contiguous:
-        out[...] = linear(xp, x, w)
+    if not out.flags.c_contiguous and (xp is np or out.ndim != 2):
+        out[...] = linear(xp, x, w)   # (a device namespace's matmul writes strided 2-D outputs)
         return out
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if isinstance(w, PackedWeight):
@@ -83,9 +85,18 @@ def _sum_of_squares(xp: Any, x: Any) -> Any:
     return xp.einsum("...c,...c->...", x, x)
 
 
-def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
+def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None, work: Any = None,
+                  inv: Any = None) -> Any:
     """x / sqrt(mean(x^2) + eps) over the last axis (..., C): T5's LayerNorm without its weight.
-    `out` may be a caller's buffer."""
+    `out` may be a caller's buffer; with `work` (float32, x's shape) and `inv` (float32, (..., 1))
+    nothing is allocated, and the result is rounded once into `out`'s dtype."""
+    if work is not None:
+        xp.multiply(x, x, out=work, dtype=np.float32)
+        work.sum(axis=-1, keepdims=True, out=inv)
+        inv *= 1.0 / x.shape[-1]
+        inv += eps
+        xp.sqrt(inv, out=inv)
+        return xp.divide(x, inv, out=out)
     xf = x if x.dtype.itemsize >= 4 else x.astype("float32")
     inv = _sum_of_squares(xp, xf)[..., None]  # (..., 1)
     inv *= 1.0 / x.shape[-1]
@@ -101,38 +112,67 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None) -> Any:
     return out
 
 
-def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any) -> Any:
+def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any,
+                 work: Any = None, inv: Any = None) -> Any:
     """x += delta (a sublayer's output; None: nothing to add), then out = rms_norm(x, weight):
     the residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
     k = compiled(xp, x)
     if k is None:
         if delta is not None:
             x += delta
-        return rms_norm(xp, x, weight, eps, out)
+        return rms_norm(xp, x, weight, eps, out, work, inv)
     C = x.shape[-1]
     d = delta.reshape(-1, C) if delta is not None else np.empty((0, C), np.float32)
     k.add_rms_norm(x.reshape(-1, C), d, weight, eps, out.reshape(-1, C))
     return out
 
 
-def rms_norm(xp: Any, x: Any, weight: Any, eps: float, out: Any = None) -> Any:
+def rms_norm(xp: Any, x: Any, weight: Any, eps: float, out: Any = None, work: Any = None,
+             inv: Any = None) -> Any:
     """T5's LayerNorm: w * x / sqrt(mean(x^2) + eps); no mean subtraction, no bias. (..., C)."""
-    out = rms_normalize(xp, x, eps, out)
+    out = rms_normalize(xp, x, eps, out, work, inv)
     out *= weight
     return out
 
 
-def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, eps: float) -> Any:
-    """Ordinary LayerNorm over the last axis (biased variance, as torch computes it)."""
-    mean = xp.mean(x, axis=-1, keepdims=True)
-    centred = x - mean
-    variance = xp.mean(xp.square(centred), axis=-1, keepdims=True)
-    return centred * (1.0 / xp.sqrt(variance + eps)) * weight + bias
+def layer_norm(xp: Any, x: Any, weight: Any, bias: Any, eps: float, out: Any = None,
+               work: Any = None, stats: Any = None) -> Any:
+    """Ordinary LayerNorm over the last axis (biased variance, as torch computes it), in float32
+    whatever x's dtype: half-precision squares of values beyond 256 overflow. `out` may be x;
+    with `work` (float32, x's shape) and `stats` (float32, (..., 2)) nothing is allocated."""
+    if out is None:
+        out = xp.empty_like(x)
+    if work is None:
+        work = xp.empty(x.shape, np.float32)
+        stats = xp.empty((*x.shape[:-1], 2), np.float32)
+    mean, inv = stats[..., 0:1], stats[..., 1:2]
+    work[...] = x
+    work.mean(axis=-1, keepdims=True, out=mean)
+    work -= mean
+    xp.multiply(work, work, out=work)
+    work.mean(axis=-1, keepdims=True, out=inv)     # the variance
+    inv += eps
+    xp.sqrt(inv, out=inv)
+    xp.subtract(x, mean, out=work)                 # centred again (its square was consumed)
+    work /= inv
+    work *= weight
+    work += bias
+    out[...] = work
+    return out
 
 
-def softmax_(xp: Any, x: Any) -> Any:
+def softmax_(xp: Any, x: Any, stats: tuple[Any, Any] | None = None) -> Any:
     """Softmax over the last axis, in place (x is scratch). Max-subtracted, so a row of equal
-    (even all-masked, finfo.min) values gives a uniform row, never NaN."""
+    (even all-masked, finfo.min) values gives a uniform row, never NaN. `stats`: (row maxima in
+    x's dtype, row sums in float32), each (..., 1): then nothing is allocated, and half input
+    sums its exponentials in float32 and is divided once."""
+    if stats is not None:
+        top, total = stats
+        x.max(axis=-1, keepdims=True, out=top)
+        x -= top
+        xp.exp(x, out=x)
+        x.sum(axis=-1, keepdims=True, dtype=np.float32, out=total)
+        return xp.divide(x, total, out=x)
     if x.dtype.itemsize < 4:
         x[...] = softmax_(xp, x.astype("float32"))
         return x
@@ -177,12 +217,13 @@ def logsumexp_(xp: Any, x: Any) -> Any:
 
 
 def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
-              keys: int | None = None) -> None:
+              keys: int | None = None, stats: tuple[Any, Any] | None = None) -> None:
     """softmax(q k^T + bias) v into ctx. q (B, H, T, D), k/v (B, H, S, D), bias broadcast to
     (B, H, T, S), scores a (B, H, T, S) scratch, ctx a (B, T, H, D) output. No scaling: callers
     that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation). `keys`: only the
     first `keys` positions of k/v take part (KV caches: pass the whole cache and its filled
-    length, so the compiled kernel reads contiguous rows instead of a strided view)."""
+    length, so the compiled kernel reads contiguous rows instead of a strided view). `stats`:
+    the softmax's row scratch, each (B, H, T, 1) (see softmax_)."""
     B, H, T, D = q.shape
     S = k.shape[2] if keys is None else keys
     kc = compiled(xp, q) if T == 1 else None
@@ -199,7 +240,7 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
     def heads(h0: int, h1: int) -> None:
         s = xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=scores[:, h0:h1])  # (B, h, T, S)
         s += head_slice(bias, H, h0, h1)
-        softmax_(xp, s)
+        softmax_(xp, s, None if stats is None else (stats[0][:, h0:h1], stats[1][:, h0:h1]))
         xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
 
     over_heads(xp, H, heads)
@@ -223,14 +264,22 @@ def head_slice(a: Any, H: int, h0: int, h1: int) -> Any:
     return a
 
 
-def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool) -> Any:
+def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool, work: Any = None) -> Any:
     """The FF's activation in place on hidden (..., F | 2F) -> the (..., F) view to multiply
-    by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF."""
+    by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF. `work`: float32 scratch
+    of (..., F * ACTIVATION_WORK[name]) for activations that need one (then none is allocated)."""
     k = compiled(xp, hidden) if name == "relu" else None   # the others: NumPy's vector math
     if k is not None and hidden.flags.c_contiguous:
         k.relu(hidden.reshape(-1, hidden.shape[-1]), F, gated)
         return hidden[..., :F]
     act = activation(name)   # in place: every activation writes into the view it is given
+    if work is not None:     # one pass over all rows, through the caller's scratch
+        if gated:
+            gate = act(xp, hidden[..., :F], work)
+            gate *= hidden[..., F:]
+        else:
+            act(xp, hidden, work)
+        return hidden[..., :F]
 
     def rows(h: Any) -> None:
         if not gated:
@@ -249,13 +298,14 @@ def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool) -> Any:
 
 
 # -- activations (in place on scratch buffers) --------------------------------------------------------
-def relu_(xp: Any, x: Any) -> Any:
+def relu_(xp: Any, x: Any, work: Any = None) -> Any:
     return xp.maximum(x, 0, out=x)
 
 
-def gelu_tanh_(xp: Any, x: Any) -> Any:
-    """GELU, tanh approximation ('gelu_new'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    inner = x * x
+def gelu_tanh_(xp: Any, x: Any, work: Any = None) -> Any:
+    """GELU, tanh approximation ('gelu_new'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+    `work`: float32 scratch of x's shape (the inner term, computed in float32)."""
+    inner = x * x if work is None else xp.multiply(x, x, out=work, dtype=np.float32)
     inner *= 0.044715 * _SQRT_2_OVER_PI
     inner += _SQRT_2_OVER_PI
     inner *= x
@@ -276,8 +326,35 @@ def erf(xp: Any, x: Any) -> Any:
     return sign * (1.0 - poly * xp.exp(-a * a))
 
 
-def gelu_erf_(xp: Any, x: Any) -> Any:
-    """Exact GELU ('gelu'): 0.5 x (1 + erf(x / sqrt(2)))."""
+_ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def gelu_erf_(xp: Any, x: Any, work: Any = None) -> Any:
+    """Exact GELU ('gelu'): 0.5 x (1 + erf(x / sqrt(2))). `work`: float32 scratch of three times
+    x's width (|x|/sqrt 2, then the polynomial; t; exp(-x^2/2)), erf as `erf` computes it."""
+    if work is not None:
+        n = x.shape[-1]
+        a, t, e = work[..., :n], work[..., n:2 * n], work[..., 2 * n:3 * n]
+        xp.absolute(x, out=a, dtype=np.float32)
+        a *= 1.0 / math.sqrt(2.0)
+        xp.multiply(a, a, out=e)
+        xp.negative(e, out=e)
+        xp.exp(e, out=e)
+        xp.multiply(a, _ERF_P, out=t)
+        t += 1.0
+        xp.reciprocal(t, out=t)
+        a[...] = _ERF_A[-1]
+        for c in reversed(_ERF_A[:-1]):             # Horner: poly(t) = t (a1 + t (a2 + ...))
+            a *= t
+            a += c
+        a *= t
+        a *= e
+        xp.subtract(1.0, a, out=a)                  # erf(|x| / sqrt 2)
+        xp.copysign(a, x, out=a)
+        a += 1.0
+        x *= a
+        x *= 0.5
+        return x
     e = erf(xp, x * (1.0 / math.sqrt(2.0)))
     e += 1.0
     x *= e
@@ -285,9 +362,10 @@ def gelu_erf_(xp: Any, x: Any) -> Any:
     return x
 
 
-def silu_(xp: Any, x: Any) -> Any:
-    """SiLU / swish: x * sigmoid(x)."""
-    s = xp.exp(-x)
+def silu_(xp: Any, x: Any, work: Any = None) -> Any:
+    """SiLU / swish: x * sigmoid(x). `work`: float32 scratch of x's shape."""
+    s = xp.exp(-x) if work is None else xp.exp(xp.negative(x, out=work, dtype=np.float32),
+                                               out=work)
     s += 1.0
     x /= s
     return x
@@ -302,6 +380,11 @@ ACTIVATIONS: dict[str, Callable[[Any, Any], Any]] = {
     "silu": silu_,
     "swish": silu_,
 }
+
+
+# float32 scratch an activation needs, in multiples of its input's width (see `activate`)
+ACTIVATION_WORK = {"relu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "gelu": 3,
+                   "silu": 1, "swish": 1}
 
 
 def activation(name: str) -> Callable[[Any, Any], Any]:

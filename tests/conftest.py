@@ -151,3 +151,22 @@ def reference(folder):
     from factories import DEC, IDS
     m = minfer.load(folder)
     return m.forward(IDS, DEC), m.generate(IDS, max_new_tokens=12, min_new_tokens=12)
+
+
+@pytest.fixture
+def strict_cuda(monkeypatch):
+    """minfer.cuda imported over tests/strict_cupy.py (a strict CuPy stand-in over NumPy, two
+    devices): `minfer.load(..., device="cuda")` then runs the CUDA path's code on the CPU. Yields
+    the stand-in module (its STATE counts syncs, launches, allocations outside the arena)."""
+    import importlib
+    import sys
+
+    import strict_cupy
+
+    import minfer
+    strict_cupy.reset()
+    monkeypatch.setitem(sys.modules, "cupy", strict_cupy)
+    monkeypatch.delitem(sys.modules, "minfer.cuda", raising=False)
+    monkeypatch.delattr(minfer, "cuda", raising=False)
+    importlib.import_module("minfer.cuda")
+    yield strict_cupy

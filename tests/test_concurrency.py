@@ -318,14 +318,20 @@ def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_pa
     from minfer.errors import ArenaExhausted
     folder = make_text_model_folder(tmp_path / "m")
     free = minfer.load(folder)
-    m = bounded_model(folder, free, rows=1.5, length=len(free.tokenizer.encode("a b c")))
+    n = len(free.tokenizer.encode("a b c"))
+    plan = free.plan(1, n, 400)
+    # room for one request of 400 new tokens, not for two: their decode states alone overflow it
+    room = plan["peak"] * 11 // 10
+    assert 2 * plan["decode_state"] > room
+    weights = free.weight_plan.fixed + sum(free.weight_plan.unit_bytes.values()) + 4096
+    m = minfer.load(folder, memory_limit=weights + room, workspace=room)
 
     def interleave():
-        first = m.generate("a b c", stream=True, max_new_tokens=6, stop=["never"])
+        first = m.generate("a b c", stream=True, max_new_tokens=400, stop=["never"])
         next(first)          # stop strings: it advances only when this thread reads it
         try:
             with pytest.raises(ArenaExhausted, match="cannot hand out"):
-                list(m.generate("d e f", stream=True, max_new_tokens=6))
+                list(m.generate("d e f", stream=True, max_new_tokens=400))
         finally:
             first.close()
     run_bounded(interleave, 20)

@@ -49,13 +49,18 @@ def test_half_precision_model_code_keeps_greedy_outputs_and_close_logits():
     assert np.abs(lh - lf).max() / np.abs(lf).max() < 2e-2
 
 
-def test_half_precision_guard_keeps_the_residual_stream_finite():
-    x = np.array([[1.0, 70000.0, -np.inf]], np.float32).astype(np.float16)
-    t5_math.clamp_half(np, x)
-    assert np.isfinite(x).all() and x[0, 1] == np.float16(t5_math.FP16_CLAMP)
-    y = np.array([1e30], np.float32)
-    t5_math.clamp_half(np, y)  # float32 is left alone
-    assert y[0] == np.float32(1e30)
+def test_half_precision_guard_clamps_only_once_an_inf_appears():
+    # transformers' T5: clamp to +-(max - 1000) when the float16 stream holds an inf, else to
+    # +-max (finite values untouched); decided on the device, no host sync
+    lim = np.empty(2, np.float16)
+    finite = np.array([[1.0, 65000.0, -65504.0]], np.float16)
+    t5_math.clamp_if_inf(np, finite, lim)
+    np.testing.assert_array_equal(finite, np.array([[1.0, 65000.0, -65504.0]], np.float16))
+    with np.errstate(over="ignore"):
+        x = np.array([[1.0, 65000.0, -np.inf]], np.float32).astype(np.float16)
+    t5_math.clamp_if_inf(np, x, lim)
+    bound = np.float16(t5_math.FP16_CLAMP)
+    assert np.isfinite(x).all() and x[0, 1] == bound and x[0, 2] == -bound and x[0, 0] == 1
 
 
 def test_half_precision_norm_does_not_overflow():
@@ -94,12 +99,11 @@ def test_cuda_float32_matches_numpy(folder):
 
 
 @gpu
-def test_cuda_float16_and_int8_are_close_to_numpy(folder):
-    cpu = minfer.load(folder)
-    want = cpu.forward(IDS, DEC)
-    for dtype in ("float16", "int8"):
-        got = minfer.load(folder, device="cuda", dtype=dtype).forward(IDS, DEC)
-        assert np.abs(got - want).max() / np.abs(want).max() < 5e-2, dtype
+def test_cuda_float16_is_close_to_numpy(folder):
+    # (int8 against NumPy's int8 below: its quantisation error alone is ~6% on this model)
+    want = minfer.load(folder).forward(IDS, DEC)
+    got = minfer.load(folder, device="cuda", dtype="float16").forward(IDS, DEC)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-2
 
 
 @gpu
@@ -114,3 +118,58 @@ def test_cuda_streaming_under_a_limit_equals_the_resident_run(folder):
     limited.generate(IDS, max_new_tokens=8)
     assert arena.used == before  # CuPy's temporaries went to the arena and came back
     assert arena.stats().peak <= 1_000_000
+
+
+XL_CASE = ROOT / "weights" / "transfo_xl" / "adaptive_div4"
+
+
+@gpu
+@pytest.mark.skipif(not XL_CASE.is_dir(), reason="XL fixture missing")
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 0.1)])
+def test_cuda_transformer_xl_matches_numpy(dtype, tol):
+    cpu, dev = minfer.load(XL_CASE), minfer.load(XL_CASE, device="cuda", dtype=dtype)
+    ids = np.arange(3, 27).reshape(2, 12) % cpu.config.vocab_size
+    mem_a, mem_b = cpu.new_memory(2), dev.new_memory(2)
+    for seg in (ids[:, :6], ids[:, 6:]):
+        want, mem_a = cpu.forward(seg, mem_a)
+        got, mem_b = dev.forward(seg, mem_b)
+        assert np.abs(got - want).max() < tol
+    np.testing.assert_allclose(mem_b.to_host(), mem_a.to_host(), atol=tol)
+    prompt = ids[:1, :5].tolist()
+    if dtype == "float32":
+        assert dev.generate(prompt, max_new_tokens=6, num_beams=3) == \
+            cpu.generate(prompt, max_new_tokens=6, num_beams=3)
+    text = list(ids[0])
+    assert abs(dev.score(text)["log_likelihood"] - cpu.score(text)["log_likelihood"]) < 50 * tol
+
+
+@gpu
+def test_cuda_int8_matches_numpy_int8(folder):
+    want = minfer.load(folder, dtype="int8").forward(IDS, DEC)
+    got = minfer.load(folder, device="cuda", dtype="int8").forward(IDS, DEC)
+    assert np.isfinite(got).all() and np.abs(got - want).max() / np.abs(want).max() < 1e-2
+
+
+T5_BASE = dict(vocab_size=32128, d_model=768, d_kv=64, num_heads=12, d_ff=3072, num_layers=12,
+               num_decoder_layers=12)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_cuda_t5_base_sized_under_a_limit_equals_the_unlimited_run(tmp_path_factory, dtype):
+    # a t5-base-shaped random model (0.9 GB in float32 on disk, written once per session)
+    folder = tmp_path_factory.getbasetemp() / "t5-base-shaped"
+    if not (folder / "model.safetensors").is_file():
+        write_t5(folder, seed=1, **T5_BASE)
+    full = minfer.load(folder, device="cuda", dtype=dtype)
+    ids = [[5 + i for i in range(40)], [9, 10, 11, 1]]
+    want = full.generate(ids, max_new_tokens=16, num_beams=2)
+    weights = full.weight_plan.fixed + sum(full.weight_plan.unit_bytes.values())
+    del full
+    limit = weights // 3 + (96 << 20)
+    limited = minfer.load(folder, device="cuda", dtype=dtype, memory_limit=limit,
+                          workspace="96MiB")
+    assert limited.weight_plan.streamed
+    assert limited.generate(ids, max_new_tokens=16, num_beams=2) == want
+    arena = limited.backend.arena
+    assert arena.stats().peak <= limit and arena.pool_peak <= arena.capacity

@@ -111,6 +111,9 @@ def _normalise_inputs(inputs: Any) -> tuple[str, list]:
         return "text", [inputs]
     if hasattr(inputs, "to_pylist") and not isinstance(inputs, (list, tuple, np.ndarray)):
         inputs = inputs.to_pylist()          # an Arrow Array / ChunkedArray: str or None items
+    if hasattr(inputs, "__cuda_array_interface__"):   # np.asarray would raise TypeError
+        raise InputError("inputs: a device (CuPy) array; pass token ids on the host: a list or "
+                         "a NumPy array (cupy.asnumpy)")
     if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
         arr = np.asarray(inputs)             # pandas Series too (object / string dtypes)
         if arr.dtype.kind in "UO":

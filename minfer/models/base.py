@@ -209,6 +209,10 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
     refused, not truncated), not a nested list. Every error is one line naming the row and the
     position; ranges are checked before any int64 conversion (2**63 would overflow it, a uint64
     array would wrap). A mask holds only 0 and 1."""
+    for name, given in ((what, inputs), ("attention_mask", attention_mask)):
+        if hasattr(given, "__cuda_array_interface__"):   # np.asarray would raise TypeError
+            raise InputError(f"{name}: a device (CuPy) array; pass it on the host: a list or a "
+                             "NumPy array (cupy.asnumpy)")
     if isinstance(inputs, np.ndarray) or (hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
         ids = np.asarray(inputs)
         if ids.ndim == 1:

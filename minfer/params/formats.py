@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import kernels
-from ..arena import align_up
+from ..arena import ALIGNMENT, align_up
 from ..errors import ConfigError
 
 SCALE_SUFFIX = "_scale"         # an int8 matrix `w` travels with its float32 scales `w_scale`
@@ -148,25 +148,43 @@ class PackedWeight:
 
     def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
                          scratch: Any) -> None:
-        """Output columns start:stop of x @ self.T: widen blocks of stored rows into `scratch`
-        and multiply each with BLAS (then the int8 scales)."""
+        """Output columns start:stop of x @ self.T: widen blocks of stored rows into `scratch`,
+        apply their int8 scales, and multiply each with BLAS. The scales go on the weights before
+        the product: the unscaled product (the output / scale, up to 127x the output) overflows
+        float16 (CUDA)."""
         K = self.shape[1]
         block = max(1, scratch.size // max(K, 1))
         for j in range(start, stop, block):
             e = min(stop, j + block)
             w = scratch[:(e - j) * K].reshape(e - j, K)
             self.widen(self.bits[j:e], w)
+            if self.scale is not None:
+                w *= self.scale[j:e, None]
             xp.matmul(x, w.T, out=out[:, j:e])
-        if self.scale is not None:
-            out[:, start:stop] *= self.scale[start:stop]
 
     def rows(self, xp: Any, ids: Any, out: Any) -> Any:
-        """Rows `ids` (n,) as floats into out (n, K): embedding lookups."""
+        """Rows `ids` (n,) as floats into out (n, K): embedding lookups. Off NumPy the stored
+        rows (and scales) are gathered through the scratch's bytes, so nothing is allocated."""
         if self.plain:
             return xp.take(self.stored, ids, axis=0, out=out)
-        self.widen(self.bits[ids], out)
-        if self.scale is not None:
-            out *= self.scale[ids][:, None]
+        if xp is np:
+            self.widen(self.bits[ids], out)
+            if self.scale is not None:
+                out *= self.scale[ids][:, None]
+            return out
+        raw = self.scratch.view(np.uint8)
+        width = self.shape[1] * self.bits.dtype.itemsize
+        step = max(1, (raw.size - 2 * ALIGNMENT) // (width + 4))   # rows at a time, and scales
+        for a in range(0, ids.shape[0], step):
+            n = min(step, ids.shape[0] - a)
+            got = raw[:n * width].view(self.bits.dtype).reshape(n, self.shape[1])
+            xp.take(self.bits, ids[a:a + n], axis=0, out=got)
+            self.widen(got, out[a:a + n])
+            if self.scale is not None:
+                at = align_up(n * width)
+                scale = raw[at:at + 4 * n].view(np.float32)
+                xp.take(self.scale, ids[a:a + n], axis=0, out=scale)
+                out[a:a + n] *= scale[:, None]
         return out
 
 
@@ -221,6 +239,14 @@ class WeightFormat:
         bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
         return PackedWeight(w, scale, getattr(kernels, self.widen_name),
                             getattr(kernels, self.kernel_name), scratch, bits)
+
+    def slot(self, float32: bool, compute_dtype: Any) -> tuple["WeightFormat", np.dtype]:
+        """(the format a slot is stored in, the dtype its product computes in): a slot marked
+        float32 (`spec.Linear.float32`) computes in float32 when the compute dtype is half, and
+        is stored float32 unless the format is int8 (which widens into float32 instead)."""
+        if float32 and np.dtype(compute_dtype).itemsize < 4:
+            return (self if self.scaled else FORMATS["float32"]), np.dtype(np.float32)
+        return self, np.dtype(compute_dtype)
 
     def scratch_bytes(self, shape: tuple[int, int], compute_dtype: Any) -> int:
         """Float scratch a block-widened product with this matrix needs (0 for plain arrays)."""

@@ -28,7 +28,8 @@ class Entry:
 class Layout:
     """Aligned offsets of a layer's arrays, and which logical params are linear slots (by format)."""
 
-    def __init__(self, arrays: ArraySpec, linear: Mapping[str, WeightFormat] | None = None):
+    def __init__(self, arrays: ArraySpec, linear: Mapping[str, WeightFormat] | None = None,
+                 product: Mapping[str, Any] | None = None):
         self.entries: dict[str, Entry] = {}
         offset = 0
         for name, (shape, dtype) in arrays.items():
@@ -37,6 +38,7 @@ class Layout:
             offset = align_up(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
         self.nbytes = offset
         self.linear: dict[str, WeightFormat] = dict(linear or {})  # param -> its format
+        self.product: dict[str, Any] = dict(product or {})         # param -> its product's dtype
 
     @classmethod
     def of(cls, arrays: Mapping[str, np.ndarray],
@@ -59,17 +61,17 @@ class Layout:
         return {name: self.view(block, name) for name in self.entries}
 
     def params(self, arrays: Mapping[str, Any],
-               wrap: Callable[[WeightFormat, str, Mapping[str, Any]], Any]) -> dict[str, Any]:
+               wrap: Callable[..., Any]) -> dict[str, Any]:
         """The stored arrays -> what the math receives: each linear slot wrapped by its format
         (`wrap(fmt, name, arrays)`, e.g. int8 + scales -> one `PackedWeight`), the rest as they
         are."""
         packed = {a for p, f in self.linear.items() for a in f.array_names(p)}
         out = {name: value for name, value in arrays.items() if name not in packed}
         for name, fmt in self.linear.items():
-            out[name] = wrap(fmt, name, arrays)
+            out[name] = wrap(fmt, name, arrays, self.product.get(name))
         return out
 
     def scratch_bytes(self, compute_dtype: Any) -> int:
         """Float scratch the layer's products need (0 for plain float layers)."""
-        return max((f.scratch_bytes(self.entries[p].shape, compute_dtype)
+        return max((f.scratch_bytes(self.entries[p].shape, self.product.get(p, compute_dtype))
                     for p, f in self.linear.items()), default=0)

@@ -76,14 +76,14 @@ def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat) -
     """A layer's packed layout: linear slots (out, in) in `fmt`, everything else in the compute
     `dtype`."""
     arrays: dict[str, tuple[tuple[int, ...], Any]] = {}
-    linear = {}
+    linear, product = {}, {}
     for name, entry in unit.items():
         if isinstance(entry, Linear):
-            arrays.update(fmt.stored(name, table.shape(entry)))
-            linear[name] = fmt
+            linear[name], product[name] = fmt.slot(entry.float32, dtype)
+            arrays.update(linear[name].stored(name, table.shape(entry)))
         else:
             arrays[name] = (table.shape(entry), dtype)
-    return Layout(arrays, linear)
+    return Layout(arrays, linear, product)
 
 
 def _fixed_arrays(table: WeightTable, dtype: Any, fmt: WeightFormat) -> list[tuple[tuple, Any]]:
@@ -211,7 +211,7 @@ def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFor
             arrays: dict[str, np.ndarray] = {}
             for name, entry in unit.items():
                 if isinstance(entry, Linear):
-                    arrays.update(read.encoded(name, entry, fmt))
+                    arrays.update(read.encoded(name, entry, layout.linear[name]))
                 else:
                     arrays[name] = read.tensor(entry, dtype)
             units.append(runtime.place_unit(f"{stack}.{i}", layout, arrays))

@@ -143,12 +143,14 @@ class WeightRuntime:
         """The compiled kernels run NumPy float32 math (the CPU, or its stand-ins in tests)."""
         return self.be.xp is np and self.float_dtype == np.float32
 
-    def wrap(self, fmt: Any, name: str, arrays: Any) -> Any:
+    def wrap(self, fmt: Any, name: str, arrays: Any, dtype: Any = None) -> Any:
         """A placed linear slot -> what the math multiplies by (params/formats.py): on the CPU
         with the compiled kernels when they are selected; packed forms widen blocks into the
-        shared scratch (one product at a time)."""
-        scratch = None if self.scratch is None else self.scratch.view(self.float_dtype)
-        return fmt.wrap(name, arrays, self.float_dtype, scratch,
+        shared scratch (one product at a time). `dtype`: the slot's product dtype (default:
+        the compute dtype)."""
+        dtype = self.float_dtype if dtype is None else np.dtype(dtype)
+        scratch = None if self.scratch is None else self.scratch.view(dtype)
+        return fmt.wrap(name, arrays, dtype, scratch,
                         kernels.compiled() if self._kernel_eligible else None)
 
     # -- running a stack --------------------------------------------------------------------------

@@ -38,6 +38,9 @@ class Linear:
     sources: tuple[str, ...]       # HF (out_i, in) tensors, fused along out in this order
     rows: tuple[int, int] | None = None   # only rows [a, b) of the first source
     transpose: bool = False        # the (single) source is stored (in, out)
+    float32: bool = False          # computed in float32 when the compute dtype is half (T5's FF
+                                   # output: transformers keeps `wo` float32, whose output
+                                   # outgrows float16), stored so unless the format is int8
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,15 @@ and a tied head that sees the decoder output rescaled by d_model**-0.5.
 One block function serves every pass: the encoder (bidirectional self-attention), the teacher-
 forced decoder (causal self-attention over its own T positions, then cross-attention), and the
 incremental step (self-attention over the layer's KV cache, written at position t). Scratch
-comes from the caller's typed arena buffers (spec.py), so a step allocates nothing. LongT5's
-encoder runs the same block with its local / transient-global attention (long_attention.py).
+comes from the caller's typed arena buffers (spec.py), and host inputs (ids, masks, bias tables)
+are uploaded into them: device work allocates nothing (on a GPU a temporary is arena memory the
+plan must count), and a step allocates nothing anywhere. LongT5's encoder runs the same block
+with its local / transient-global attention (long_attention.py).
+
+float16 (CUDA) follows transformers: the FF output projection computes in float32 (HF keeps `wo`
+float32: `_keep_in_fp32_modules`), so the residual stream is float32 from the first FF on; before
+it (layer 0) the stream is rounded to float16 after each sublayer and, only when an inf appears,
+clamped to +-(float16 max - 1000); norms sum in float32 and round once into float16.
 
 Shapes: B batch, T query length, S source length, N decoder positions, H heads, D head dim,
 I = H*D, C d_model, V vocab, L layers.
@@ -27,10 +34,18 @@ import numpy as np
 from ... import ops
 from .long_attention import LongAttention
 from .spec import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch, PassScratch,
-                   T5Config)
+                   T5Config, reorder_elements)
 
-NEG_INF = float(np.finfo(np.float32).min)  # HF's additive mask value
-FP16_CLAMP = float(np.finfo(np.float16).max) - 1000  # HF T5's guard value
+FP16_MAX = float(np.finfo(np.float16).max)
+FP16_CLAMP = FP16_MAX - 1000  # HF T5's guard value, used once an inf has appeared
+
+
+def mask_value(dtype: Any) -> float:
+    """The additive mask: finfo(float32).min, as HF; half the float16 minimum in float16, so that
+    adding a position bias to it cannot overflow to -inf (and warn): its softmax weight is 0
+    either way."""
+    info = np.finfo(dtype)
+    return float(info.min) if info.bits >= 32 else float(info.min) / 2
 
 
 # =====================================================================================================
@@ -97,33 +112,49 @@ def refills_bias(cfg: T5Config, i: int) -> bool:
     return i == 0 or cfg.bias_per_layer
 
 
-def mask_bias(be: Any, attention_mask: np.ndarray) -> Any:
-    """(B, 1, 1, S) additive mask: 0 where attended, finfo(float32).min where padded."""
+def mask_bias(be: Any, attention_mask: np.ndarray, out: Any) -> Any:
+    """The (B, 1, 1, S) additive mask into `out`: 0 where attended, `mask_value` where padded."""
     B, S = attention_mask.shape
-    return be.asarray(np.where(attention_mask.astype(bool), 0.0, NEG_INF).reshape(B, 1, 1, S),
-                      be.dtype)
+    host = np.where(attention_mask.astype(bool), 0.0, mask_value(out.dtype))
+    be.upload(out, host.reshape(B, 1, 1, S).astype(out.dtype))
+    return out
 
 
 # =====================================================================================================
 # Sublayers and the block
 # =====================================================================================================
-def clamp_half(xp: Any, x: Any) -> None:
-    """float16 only (CUDA): keep the residual stream finite after each sublayer, as HF's T5 does
-    by clamping to +-(max - 1000); T5's activations outgrow float16 in deep checkpoints."""
-    if x.dtype == np.float16:
-        xp.clip(x, -FP16_CLAMP, FP16_CLAMP, out=x)
+def clamp_if_inf(xp: Any, h: Any, lim: Any) -> None:
+    """HF T5's float16 guard, without a host sync: when any value of h is +-inf, clamp all of h
+    to +-(max - 1000); otherwise clamp to +-max (which changes nothing finite). lim: (2,) scratch
+    in h's dtype."""
+    top, low = lim[0:1].reshape(()), lim[1:2].reshape(())
+    h.max(out=top)
+    h.min(out=low)
+    xp.negative(low, out=low)
+    xp.maximum(top, low, out=top)               # max |h|: inf when any inf
+    xp.subtract(top, FP16_MAX, out=top)         # <= 0, or inf
+    xp.clip(top, 0, FP16_MAX - FP16_CLAMP, out=top)
+    xp.subtract(FP16_MAX, top, out=top)         # the bound: max, or max - 1000
+    xp.negative(top, out=low)
+    xp.clip(h, low, top, out=h)
 
 
-def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, h: Any) -> Any:
+def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, ws: Any,
+                  half_stream: bool = False) -> Any:
     """x += delta (the previous sublayer's output; None at the start of a pass), then
-    h = weight * x / rms(x): the norm in front of the next sublayer. One compiled pass on the
-    CPU; float16 clamps the stream between the two."""
-    if x.dtype != np.float16:
-        return ops.add_rms_norm(xp, x, delta, weight, cfg.eps, h)
+    ws.h = weight * x / rms(x): the norm in front of the next sublayer. One compiled pass on the
+    CPU in float32. float16 compute: the stream x is float32; `half_stream` (layer 0, before its
+    FF) rounds it to float16 and applies HF's guard first, as HF's float16 stream would be."""
+    work, inv = ws.norm_scratch()
+    if x.dtype == ws.h.dtype:
+        return ops.add_rms_norm(xp, x, delta, weight, cfg.eps, ws.h, work, inv)
     if delta is not None:
         x += delta
-        clamp_half(xp, x)
-    return ops.rms_norm(xp, x, weight, cfg.eps, out=h)
+        if half_stream:
+            ws.h[...] = x
+            clamp_if_inf(xp, ws.h, ws.lim)
+            x[...] = ws.h
+    return ops.rms_norm(xp, x, weight, cfg.eps, ws.h, work, inv)
 
 
 class PassAttention:
@@ -137,13 +168,13 @@ class PassAttention:
     def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
         B, H, T, D = q.shape
         ops.attention(self.xp, q, k, v, self.bias, ws.scores_as(B, H, T, T),
-                      ws.ctx.reshape(B, T, H, D))
+                      ws.ctx.reshape(B, T, H, D), stats=ws.stats_as(B, H, T))
 
     def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
         k, v, mask = self.cross
         B, H, T, D = q.shape
         ops.attention(self.xp, q, k[i], v[i], mask, ws.scores_as(B, H, T, k.shape[3]),
-                      ws.ctx.reshape(B, T, H, D))
+                      ws.ctx.reshape(B, T, H, D), stats=ws.stats_as(B, H, T))
 
 
 class StepAttention:
@@ -160,22 +191,29 @@ class StepAttention:
                                                for j in range(Lb)]))
 
     def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
-        ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])    # (B, 1, H, D)
+        R, H, _, D = q.shape
+        ctx = ws.ctx.reshape(R, 1, H, D)
+        # the queries contiguous (ws.q is free until the cross-attention): every row's heads
+        # then sit one stride apart, one batched product per state on a GPU
+        qc = ws.q.reshape(R, 1, H, D).transpose(0, 2, 1, 3)
+        qc[...] = q
         for rows, buf, t, biases in self.groups:
             bias = biases[min(i, len(biases) - 1)]
             k_cache, v_cache = buf.self_k[i], buf.self_v[i]            # (b, H, N, D)
             k_cache[:, :, t:t + 1] = k[rows]
             v_cache[:, :, t:t + 1] = v[rows]
-            qr = q[rows]
-            ops.attention(self.xp, qr, k_cache, v_cache, bias,
-                          ws.scores_as(qr.shape[0], qr.shape[1], 1, t + 1), ctx[rows], keys=t + 1)
+            qr = qc[rows]
+            b = qr.shape[0]
+            ops.attention(self.xp, qr, k_cache, v_cache, bias, ws.scores_as(b, H, 1, t + 1),
+                          ctx[rows], keys=t + 1, stats=ws.stats_as(b, H, 1))
 
     def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
         ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])
         for rows, buf, _, _ in self.groups:
             qr, k = q[rows], buf.cross_k[i]                            # (b, H, S, D)
             ops.attention(self.xp, qr, k, buf.cross_v[i], buf.cross_bias,
-                          ws.scores_as(qr.shape[0], qr.shape[1], 1, k.shape[2]), ctx[rows])
+                          ws.scores_as(qr.shape[0], qr.shape[1], 1, k.shape[2]), ctx[rows],
+                          stats=ws.stats_as(qr.shape[0], qr.shape[1], 1))
 
 
 def self_attention(xp: Any, cfg: T5Config, blk: dict, i: int, h: Any, ws: PassScratch,
@@ -200,11 +238,16 @@ def cross_attention(xp: Any, cfg: T5Config, blk: dict, i: int, h: Any, ws: PassS
 
 
 def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> Any:
-    """h (B, T, C) -> ws.proj (B, T, C): act(h W_in) W_out, or gated (v1.1):
-    (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (2F, C) product."""
+    """h (B, T, C) -> the FF's output (B, T, C): act(h W_in) W_out, or gated (v1.1):
+    (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (2F, C) product. float16 compute:
+    W_out computes in float32 (HF keeps `wo` float32), into ws.ffo."""
     hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                    # (B, T, F | 2F)
-    gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated)         # (B, T, F)
-    return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
+    gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated, ws.act)  # (B, T, F)
+    if ws.ffo is None:
+        return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
+    wide = ws.act[..., :cfg.d_ff]
+    wide[...] = gate
+    return ops.linear(xp, wide, blk["w_out"], out=ws.ffo)
 
 
 def block(xp: Any, cfg: T5Config, blk: dict, i: int, x: Any, ws: PassScratch, attn: Any,
@@ -214,22 +257,36 @@ def block(xp: Any, cfg: T5Config, blk: dict, i: int, x: Any, ws: PassScratch, at
     K/V when `cross` (decoder layers), then the feed-forward; each a pre-norm residual.
     `pending`: the previous layer's last output, not yet added to x (its add is fused with this
     layer's first norm). Returns this layer's last output, pending likewise."""
-    h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws.h)
+    h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws)
     out = self_attention(xp, cfg, blk, i, h, ws, attn)
     if cross:
-        h = residual_norm(xp, cfg, x, out, blk["ln_cross"], ws.h)
+        h = residual_norm(xp, cfg, x, out, blk["ln_cross"], ws, half_stream=i == 0)
         out = cross_attention(xp, cfg, blk, i, h, ws, attn)
-    h = residual_norm(xp, cfg, x, out, blk["ln_ff"], ws.h)
+    h = residual_norm(xp, cfg, x, out, blk["ln_ff"], ws, half_stream=i == 0)
     return feed_forward(xp, cfg, blk, h, ws)
 
 
-def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, pending: Any, out: Any, h: Any) -> Any:
+def lm_head(xp: Any, cfg: T5Config, params: dict, x: Any, pending: Any, out: Any,
+            ws: PassScratch) -> Any:
     """Decoder states (..., C) + the last layer's pending output -> final norm -> logits (..., V)
-    in `out` (h: scratch for the normed states)."""
-    h = residual_norm(xp, cfg, x, pending, params["decoder.final_ln"], h)
+    in `out`."""
+    h = residual_norm(xp, cfg, x, pending, params["decoder.final_ln"], ws)
     if cfg.tie_word_embeddings:
         h *= cfg.d_model ** -0.5  # the tied head sees rescaled states
     return ops.linear(xp, h, params["lm_head"], out)
+
+
+def embed_tokens(be: Any, params: dict, ids: np.ndarray, ws: PassScratch) -> None:
+    """(B, T) host ids -> their embeddings in the stream ws.x: the ids uploaded into ws.ids, the
+    rows gathered in the embedding's dtype (into ws.h when the stream is wider)."""
+    n = ids.size
+    be.upload(ws.ids[:n], ids.reshape(-1).astype(np.int64))
+    idx = ws.ids[:n].reshape(ids.shape)
+    if ws.x.dtype == ws.h.dtype:
+        ops.embed(be.xp, params["embedding"], idx, ws.x)
+        return
+    ops.embed(be.xp, params["embedding"], idx, ws.h)
+    ws.x[...] = ws.h
 
 
 # =====================================================================================================
@@ -251,14 +308,16 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
                              params.get("encoder.global_rel_bias"))
         return ws, lambda i, blk: long.layer(blk)
     ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
-    mask = mask_bias(be, attention_mask)                                  # (B, 1, 1, T)
+    mask_bias(be, attention_mask, ws.mask)                                 # (B, 1, 1, T)
     attn = PassAttention(be.xp, ws.bias)
 
     def layer(i: int, blk: dict) -> PassAttention:
-        if refills_bias(cfg, i):   # (1, H, T, T) + (B, 1, 1, T)
-            ws.bias[...] = be.asarray(position_bias(cfg, bias_table(cfg, params, "encoder", i),
-                                                    T, T, bidirectional=True))
-            ws.bias += mask
+        if refills_bias(cfg, i):   # (H, T, T) uploaded once, copied to every row, + the mask
+            be.upload(ws.bias[0], position_bias(cfg, bias_table(cfg, params, "encoder", i), T, T,
+                                                bidirectional=True))
+            if B > 1:
+                ws.bias[1:] = ws.bias[0]
+            ws.bias += ws.mask
         return attn
     return ws, layer
 
@@ -269,11 +328,11 @@ def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
     xp = be.xp
     with be.arena.scope():
         ws, attention = encoder_attention(be, cfg, params, attention_mask)
-        ops.embed(xp, params["embedding"], be.asarray(input_ids), ws.x)     # (B, T, C)
+        embed_tokens(be, params, input_ids, ws)                                # (B, T, C)
         pending = None
         for i, blk in enumerate(params["encoder"]):
             pending = block(xp, cfg, blk, i, ws.x, ws, attention(i, blk), pending)
-        out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws.h)
+        out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws)
     return out
 
 
@@ -302,17 +361,19 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
     with be.arena.scope():
         ws = DecoderScratch.allocate(be.arena, cfg, B, T, S, be.dtype)
         cross_kv(be, cfg, params, encoder_states, ws.cross_k, ws.cross_v)
-        ops.embed(xp, params["embedding"], be.asarray(decoder_input_ids), ws.x)  # (B, T, C)
-        causal = be.asarray(np.triu(np.full((T, T), NEG_INF, np.float32), 1), be.dtype)
-        attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v, mask_bias(be, attention_mask)))
+        embed_tokens(be, params, decoder_input_ids, ws)                       # (B, T, C)
+        causal = np.triu(np.full((T, T), mask_value(ws.self_bias.dtype), np.float32), 1)
+        info = np.finfo(ws.self_bias.dtype)
+        attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v,
+                                                mask_bias(be, attention_mask, ws.cross_bias)))
         pending = None
         for i, blk in enumerate(params["decoder"]):
-            if refills_bias(cfg, i):
-                ws.self_bias[0] = be.asarray(position_bias(
-                    cfg, bias_table(cfg, params, "decoder", i), T, T, bidirectional=False))
-                ws.self_bias += causal
+            if refills_bias(cfg, i):   # block 0's table (UMT5: each layer's own) + causal mask
+                bias = position_bias(cfg, bias_table(cfg, params, "decoder", i), T, T,
+                                     bidirectional=False) + causal
+                be.upload(ws.self_bias[0], np.clip(bias, info.min, info.max))
             pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
-        logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws.h)
+        logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws)
         return np.array(be.to_host(logits), dtype=np.float32)
 
 
@@ -323,16 +384,16 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
     cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i."""
     B, S = input_ids.shape
     for j in range(buf.self_bias.shape[0]):   # one table, or one per layer (UMT5)
-        buf.self_bias[j] = be.asarray(causal_bias_by_distance(
+        be.upload(buf.self_bias[j], causal_bias_by_distance(
             cfg, bias_table(cfg, params, "decoder", j), max_len))
-    buf.cross_bias[:B] = mask_bias(be, attention_mask)
+    mask_bias(be, attention_mask, buf.cross_bias[:B])
     with be.arena.scope():
         enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")
         encode(be, cfg, params, input_ids, attention_mask, enc)
         cross_kv(be, cfg, params, enc, buf.cross_k[:, :B], buf.cross_v[:, :B])
     if repeat > 1:  # spread each input's rows over its repeat slots, last first (no overwrite)
         for i in range(B - 1, -1, -1):
-            rows = slice(i * repeat, (i + 1) * repeat)
+            rows = slice(i * repeat + (i == 0), (i + 1) * repeat)   # (row 0 is in place)
             for a in (buf.cross_k, buf.cross_v):
                 a[:, rows] = a[:, i:i + 1]
             buf.cross_bias[rows] = buf.cross_bias[i:i + 1]
@@ -347,7 +408,7 @@ def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[Decode
     state's own step scratch)."""
     xp = be.xp
     R = ws.x.shape[0]
-    ops.embed(xp, params["embedding"], be.asarray(token_ids).reshape(R, 1), ws.x)  # (R, 1, C)
+    embed_tokens(be, params, np.asarray(token_ids).reshape(R, 1), ws)     # (R, 1, C)
     spans, at = [], 0
     for buf, t in groups:
         b = buf.x.shape[0]
@@ -356,12 +417,13 @@ def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[Decode
     attn, pending = StepAttention(xp, spans), None
     for i, blk in enumerate(params["decoder"]):
         pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
-    return lm_head(xp, cfg, params, ws.x, pending, logits, ws.h)[:, 0]  # (R, V)
+    return lm_head(xp, cfg, params, ws.x, pending, logits, ws)[:, 0]  # (R, V)
 
 
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
-    of the self-attention caches moves, one layer at a time (bounding the temporary)."""
+    of the self-attention caches moves, one layer at a time, through one layer's scratch (planned:
+    `spec.reorder_bytes`)."""
     n = len(rows)
     k = ops.compiled(be.xp, buf.self_k)
     if k is not None:  # one compiled pass per cache, the layers spread over the threads
@@ -372,14 +434,24 @@ def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cr
         if cross:
             buf.cross_bias[:n] = buf.cross_bias[rows]
         return
+    xp = be.xp
     with be.arena.scope():
-        idx = be.asarray(rows)
-        for cache in (buf.self_k, buf.self_v):
-            for layer in range(cache.shape[0]):
-                filled = cache[layer, :, :, :length]
-                filled[:n] = filled[idx]
+        be.upload(buf.ids[:n], rows)
+        idx = buf.ids[:n]
+        _, _, H, N, D = buf.self_k.shape
+        tmp = be.arena.alloc((reorder_elements(buf.self_k.shape, buf.cross_k.shape, n),),
+                             buf.self_k.dtype, "reorder scratch")
+        moves = [(buf.self_k, length), (buf.self_v, length)]
         if cross:
-            for cache in (buf.cross_k, buf.cross_v):
-                for layer in range(cache.shape[0]):
-                    cache[layer, :n] = cache[layer][idx]
-            buf.cross_bias[:n] = buf.cross_bias[idx]
+            moves += [(buf.cross_k, buf.cross_k.shape[3]), (buf.cross_v, buf.cross_v.shape[3])]
+        for cache, used in moves:
+            for layer in range(cache.shape[0]):
+                filled = cache[layer, :, :, :used]                    # (b, H, used, D)
+                got = tmp[:n * H * used * D].reshape(n, H, used, D)
+                xp.take(filled, idx, axis=0, out=got)
+                filled[:n] = got
+        if cross:
+            S = buf.cross_bias.shape[3]
+            got = tmp[:n * S].reshape(n, 1, 1, S)
+            xp.take(buf.cross_bias, idx, axis=0, out=got)
+            buf.cross_bias[:n] = got

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ... import ops
-from ...arena import BufferSet, BufferSpec, bytes_needed
+from ...arena import SCOPE_TEMPORARIES, BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Linear, Tensor, View, WeightTable
@@ -241,7 +241,7 @@ def _layer(cfg: T5Config, stack: str, i: int) -> dict[str, dict]:
                      w_cross_o=Linear((f"{cross}.o.weight",)))
         units["cross"] = {"w_cross_kv": Linear((f"{cross}.k.weight", f"{cross}.v.weight"))}
     block.update(ln_ff=Tensor(f"{ff}.layer_norm.weight"), w_in=Linear(tuple(wi)),
-                 w_out=Linear((wo,)))
+                 w_out=Linear((wo,), float32=True))
     return {"tensors": tensors, **units}
 
 
@@ -307,27 +307,40 @@ def weight_table(cfg: T5Config) -> WeightTable:
 # =====================================================================================================
 @dataclass
 class PassScratch(BufferSet):
-    """What one pass of T positions over B rows reuses in every layer (allocated once a pass)."""
-    x: Any        # (B, T, C) the residual stream
+    """What one pass of T positions over B rows reuses in every layer (allocated once a pass).
+    float16 compute adds the float32 stream and FF output (see math.py)."""
+    x: Any        # (B, T, C) the residual stream (float32 when computing in float16)
     h: Any        # (B, T, C) its normalised copy
     proj: Any     # (B, T, C) a sublayer's output
     qkv: Any      # (B, T, 3I)
     ctx: Any      # (B, T, I) attention context
     ff: Any       # (B, T, F | 2F)
     scores: Any   # (B * H * T * K,) flat: viewed per attention as (B, H, T, keys), keys <= K
-    q: Any = None  # (B, T, I) cross-attention queries (decoder passes only)
+    ids: Any = None    # (B * T,) int64: the token ids, uploaded
+    top: Any = None    # (B * H * T,) softmax row maxima
+    total: Any = None  # (B * H * T,) float32: softmax row sums; the norms' inverse rms (B * T)
+    q: Any = None      # (B, T, I) queries (decoder passes only: cross-attention; a step's copy)
+    act: Any = None    # (B, T, F * k) float32: activation scratch; float16: W_out's input
+    ffo: Any = None    # (B, T, C) float32: the FF output (float16 compute)
+    lim: Any = None    # (2,) the float16 guard's scratch (float16 compute)
 
-    ROWS = ("x", "h", "proj", "qkv", "ctx", "ff", "q")  # per-row buffers (batch first)
+    ROWS = ("x", "h", "proj", "qkv", "ctx", "ff", "q", "act", "ffo")  # per-row (batch first)
 
     @classmethod
     def specs(cls, cfg: T5Config, B: int, T: int, K: int, dtype: Any,
               cross: bool = False) -> BufferSpec:
-        C, I = cfg.d_model, cfg.inner
-        return {"x": ((B, T, C), dtype), "h": ((B, T, C), dtype), "proj": ((B, T, C), dtype),
-                "qkv": ((B, T, 3 * I), dtype), "ctx": ((B, T, I), dtype),
-                "ff": ((B, T, cfg.ff_width), dtype),
-                "scores": ((B * cfg.num_heads * T * K,), dtype),
-                **({"q": ((B, T, I), dtype)} if cross else {})}
+        C, I, H = cfg.d_model, cfg.inner, cfg.num_heads
+        half = np.dtype(dtype).itemsize < 4
+        f32 = np.dtype(np.float32)
+        act = cfg.d_ff * max(ops.ACTIVATION_WORK[cfg.act], 1 if half else 0)
+        return {"x": ((B, T, C), f32 if half else dtype), "h": ((B, T, C), dtype),
+                "proj": ((B, T, C), dtype), "qkv": ((B, T, 3 * I), dtype),
+                "ctx": ((B, T, I), dtype), "ff": ((B, T, cfg.ff_width), dtype),
+                "scores": ((B * H * T * K,), dtype), "ids": ((B * T,), np.int64),
+                "top": ((B * H * T,), dtype), "total": ((B * H * T,), f32),
+                **({"q": ((B, T, I), dtype)} if cross else {}),
+                **({"act": ((B, T, act), f32)} if act else {}),
+                **({"ffo": ((B, T, C), f32), "lim": ((2,), dtype)} if half else {})}
 
     def scores_as(self, *shape: int) -> Any:
         """The scores scratch viewed as `shape` (contiguous, so products can write into it)."""
@@ -336,15 +349,28 @@ class PassScratch(BufferSet):
             n *= s
         return self.scores[:n].reshape(shape)
 
+    def stats_as(self, B: int, H: int, T: int) -> tuple[Any, Any]:
+        """The softmax's row scratch for (B, H, T) rows: (maxima, float32 sums), each (.., 1)."""
+        n = B * H * T
+        return self.top[:n].reshape(B, H, T, 1), self.total[:n].reshape(B, H, T, 1)
+
+    def norm_scratch(self) -> tuple[Any, Any]:
+        """(float32 (B, T, C) work, float32 (B, T, 1) inverse rms) for a norm of the stream: the
+        FF output (float16 compute) or the sublayer output (float32), both added to the stream
+        before the norm reads it."""
+        B, T, C = self.x.shape
+        return (self.ffo if self.ffo is not None else self.proj), self.total[:B * T].reshape(B, T, 1)
+
 
 @dataclass
 class EncoderScratch(PassScratch):
     bias: Any = None     # (B, H, T, T) position bias + padding mask, shared by all layers
+    mask: Any = None     # (B, 1, 1, T) the padding mask, uploaded
 
     @classmethod
     def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
         return {**PassScratch.specs(cfg, B, T, T, dtype),
-                "bias": ((B, cfg.num_heads, T, T), dtype)}
+                "bias": ((B, cfg.num_heads, T, T), dtype), "mask": ((B, 1, 1, T), dtype)}
 
 
 @dataclass(frozen=True)
@@ -432,6 +458,7 @@ class DecoderScratch(PassScratch):
     self_bias: Any = None  # (1, H, T, T) position bias + causal mask
     cross_k: Any = None    # (L, B, H, S, D)
     cross_v: Any = None
+    cross_bias: Any = None  # (B, 1, 1, S) the source padding mask
     logits: Any = None     # (B, T, V)
 
     @classmethod
@@ -440,7 +467,7 @@ class DecoderScratch(PassScratch):
         return {**PassScratch.specs(cfg, B, T, max(T, S), dtype, cross=True),
                 "self_bias": ((1, H, T, T), dtype),
                 "cross_k": ((L, B, H, S, D), dtype), "cross_v": ((L, B, H, S, D), dtype),
-                "logits": ((B, T, cfg.vocab_size), dtype)}
+                "cross_bias": ((B, 1, 1, S), dtype), "logits": ((B, T, cfg.vocab_size), dtype)}
 
 
 @dataclass
@@ -480,25 +507,38 @@ class DecodeBuffers(PassScratch):
 
     def rows(self, b: int) -> "DecodeBuffers":
         """Views of the first b rows (the live batch after rows finished), built once per size."""
-        live = {f: getattr(self, f)[:b] for f in (*self.ROWS, "logits", "cross_bias")}
+        live = {f: getattr(self, f)[:b] for f in (*self.ROWS, "logits", "cross_bias", "ids")
+                if getattr(self, f) is not None}
         live.update({f: getattr(self, f)[:, :b] for f in ("self_k", "self_v", "cross_k", "cross_v")})
         return DecodeBuffers(**{**self.__dict__, **live})
 
 
+def reorder_elements(self_shape: tuple[int, ...], cross_shape: tuple[int, ...], rows: int) -> int:
+    """Elements of the scratch a reorder of `rows` rows moves one layer's cache through."""
+    _, _, H, N, D = self_shape
+    return rows * H * max(N, cross_shape[3]) * D
+
+
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
               max_new_tokens: int | None) -> dict[str, int]:
-    """Arena bytes of one generation: its decode state plus the larger of the encoder pass and
-    the cross K/V projection; of an encoder-only model, one encoder pass and its output."""
+    """Arena bytes of one generation: its decode state plus the largest of the encoder pass, the
+    cross K/V projection and a beam reorder, each with the device's pool for library
+    temporaries (SCOPE_TEMPORARIES: a compute scope's reductions' workspace; the model code
+    itself allocates nothing on the device); of an encoder-only model, one encoder pass and its
+    output."""
     S = input_len or DEFAULT_INPUT_LEN
-    encoder = (encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
-               + bytes_needed({"out": ((batch, S, cfg.d_model), dtype)}))
+    out = bytes_needed({"out": ((batch, S, cfg.d_model), dtype)})
+    encoder = SCOPE_TEMPORARIES + out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
     if cfg.encoder_only:
         return {"encoder_scratch": encoder, "peak": encoder}
     N = max_new_tokens or DEFAULT_NEW_TOKENS
     state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
-    cross = bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
+    cross = SCOPE_TEMPORARIES + out + bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
+    H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
+    reorder = SCOPE_TEMPORARIES + bytes_needed({"tmp": ((reorder_elements(
+        (L, batch, H, N, D), (L, batch, H, S, D), batch),), dtype)})
     return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
-            "peak": state + max(encoder, cross)}
+            "reorder_scratch": reorder, "peak": state + max(encoder, cross, reorder)}
 
 
 FAMILY = Family(name="t5", model_types=MODEL_TYPES, config=T5Config, weight_table=weight_table,

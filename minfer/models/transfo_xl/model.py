@@ -17,7 +17,7 @@ from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import FAMILY, MemoryBuffers, prompt_segment, segment_scratch_bytes
+from .spec import FAMILY, MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment
 
 
 class SegmentMemory:
@@ -36,6 +36,7 @@ class SegmentMemory:
         # whose memory it is: its states are that model's layer inputs, its shape that model's
         # (another model's memory of the same width would be read without complaint)
         self._model = weakref.ref(model)
+        self.backend = backend
         self._hold = backend.arena.hold(MemoryBuffers.specs(cfg, batch, backend.dtype))
         self.buffers = MemoryBuffers(**self._hold.buffers)
         self.length = 0
@@ -50,7 +51,7 @@ class SegmentMemory:
 
     def reorder(self, rows: np.ndarray) -> None:
         """Keep / duplicate batch rows (finished rows leave; beams follow their parents)."""
-        xl.reorder_memory(self.buffers, rows, self.length)  # whole buffers: rows < batch
+        xl.reorder_memory(self.backend, self.buffers, rows, self.length)  # rows < batch
         self.batch = len(rows)
 
     def reset(self) -> None:
@@ -68,7 +69,8 @@ class SegmentMemory:
 
     def to_host(self) -> np.ndarray:
         """(L, B, M, C) float32 copy of the filled memory."""
-        return np.array(self.buffers.states[:, :self.batch, :self.length], dtype=np.float32)
+        return np.asarray(self.backend.to_host(
+            self.buffers.states[:, :self.batch, :self.length]), dtype=np.float32)
 
 
 class XLDecodeState(DecodeState):
@@ -122,7 +124,9 @@ class XLModel(Model):
         or nothing ("none": the call only extends the memory)."""
         B, T = ids.shape
         self._check_memory(memory, B)   # (a closed session's stream must not write a freed block)
-        with self.lock, self.backend.arena.scope():
+        rows = 0 if head == "none" else B if head == "last" else B * T
+        temporaries = head_temporaries(self.config, rows, self.backend.dtype)
+        with self.lock, self.backend.arena.scope(temporaries):
             h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
                                   memory.length)
             memory.advance(T)
@@ -190,7 +194,8 @@ class XLModel(Model):
             for start in range(0, n, T):
                 seg = arr[:, start:min(start + T, n)]
                 targets = arr[0, start + 1:start + 1 + seg.shape[1]]
-                with self.lock, be.arena.scope():
+                temporaries = head_temporaries(cfg, seg.shape[1], be.dtype, scoring=True)
+                with self.lock, be.arena.scope(temporaries):
                     h = xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
                     memory.advance(seg.shape[1])
                     total += float(xl.target_log_probs(be, cfg, params, h.reshape(seg.shape[1], -1),
@@ -225,12 +230,12 @@ class XLModel(Model):
             P = ids.shape[1]
             be, cfg, params = self.backend, self.config, self.params
             with self.lock:   # one call when its scratch fits now; else segments, if they are exact
-                whole = segment_scratch_bytes(cfg, be.dtype, B, P) <= be.arena.available
+                whole = prompt_call_bytes(cfg, be.dtype, B, P) <= be.arena.available
                 chunk = prompt_segment(cfg, P, whole, memory.length)
             for start in range(0, P, chunk):
                 # each segment's scratch goes back before the next one (as in `score`): a prompt
                 # of any length runs in one segment's arena plus the memory
-                with self.lock, be.arena.scope():
+                with self.lock, be.arena.scope(head_temporaries(cfg, B, be.dtype)):
                     part = ids[:, start:start + chunk]
                     h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
                     memory.advance(part.shape[1])
