@@ -13,8 +13,8 @@ from typing import Any
 
 from . import errors
 from .devices import make_backend
-from .errors import (ArenaExhausted, CheckpointError, ConfigError, InputError, MinferError,
-                     ModelNotFoundError, StreamingError, TokenizerError)
+from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
+                     MinferError, ModelNotFoundError, StreamingError, TokenizerError)
 from .io.checkpoint import Checkpoint, read_json
 from .kernels import set_threads
 from .models.registry import family_of
@@ -24,7 +24,7 @@ from .params.formats import FORMATS
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError", "ConfigError", "CheckpointError",
            "InputError", "ArenaExhausted", "ModelNotFoundError", "StreamingError", "TokenizerError",
-           "errors"]
+           "Cancelled", "errors"]
 __version__ = "0.1.0"
 
 # Files whose presence means a model folder carries its tokenizer.

@@ -48,3 +48,8 @@ class TokenizerError(MinferError):
 
 class StreamingError(MinferError, OSError):
     """Streamed layers cannot be stored or read back (the temporary disk is missing or full)."""
+
+
+class Cancelled(MinferError):
+    """A request was cancelled (`Stream.cancel()`, e.g. a client that disconnected) before it
+    ended."""

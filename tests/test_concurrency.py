@@ -336,3 +336,69 @@ def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_pa
             first.close()
     run_bounded(interleave, 20)
     assert m.generate("d e f", max_new_tokens=6) == free.generate("d e f", max_new_tokens=6)
+
+
+# -- streams: what they report, and cancelling one from another thread ---------------------------------
+def test_a_stream_reports_how_it_ended_and_its_token_counts(model):
+    prompt = PROMPTS[3]
+    want = model.generate(prompt, return_details=True)[0][0]
+    s = model.generate(prompt, stream=True)
+    assert s.finish_reason is None
+    assert "".join(s) == want.text
+    assert (s.finish_reason, s.prompt_tokens, s.new_tokens) == (want.finish_reason,
+                                                              want.prompt_tokens, want.new_tokens)
+    short = model.generate(prompt, stream=True, max_new_tokens=2, min_new_tokens=2)
+    list(short)
+    assert (short.finish_reason, short.new_tokens) == ("length", 2)
+
+
+def test_cancelling_a_stream_from_another_thread_stops_it_within_a_step(model):
+    before = model.backend.arena.used
+    s = model.generate(PROMPTS[5], stream=True, max_new_tokens=200, min_new_tokens=200)
+    next(s)
+    steps = []
+    real = type(model).step_together
+
+    def counting(self, states, tokens):
+        steps.append(len(states))
+        if len(steps) == 3:
+            s.cancel()              # a connection handler, while the consumer waits for a step
+        return real(self, states, tokens)
+    type(model).step_together = counting
+    try:
+        rest = run_bounded(lambda: list(s), 30)
+    finally:
+        type(model).step_together = real
+    assert s.finish_reason == "cancelled" and len(rest) <= 4 and len(steps) <= 4
+    assert model.backend.arena.used == before
+
+
+def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):
+    from conftest import make_text_model_folder
+    folder = make_text_model_folder(tmp_path / "m")
+    free = minfer.load(folder)
+    plan = free.plan(1, len(free.tokenizer.encode("a b c")), 400)
+    room = plan["peak"] * 11 // 10            # one request of 400 new tokens, not two
+    assert 2 * plan["decode_state"] > room
+    weights = free.weight_plan.fixed + sum(free.weight_plan.unit_bytes.values()) + 4096
+    m = minfer.load(folder, memory_limit=weights + room, workspace=room)
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():   # holds the memory; with a stop string it advances only when this thread reads
+        first = m.generate("a b c", stream=True, max_new_tokens=400, stop=["never"])
+        next(first)
+        taken.set()
+        done.wait(30)
+        first.close()
+    owner = threading.Thread(target=hold)
+    owner.start()
+    try:
+        assert taken.wait(30)
+        waiting = m.generate("d e f", stream=True, max_new_tokens=400)
+        threading.Timer(0.3, waiting.cancel).start()
+        assert run_bounded(lambda: list(waiting), 30) == []
+        assert waiting.finish_reason == "cancelled"
+    finally:
+        done.set()
+        owner.join(30)
+    assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle

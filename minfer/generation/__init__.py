@@ -12,10 +12,10 @@
 from .options import BatchOptions, DEFAULT_MAX_NEW_TOKENS, GenerationOptions, resolve_options
 from .protocol import DecodeState, DecodingModel, TokenIds
 from .search import Hypothesis, beam_search, token_loop
-from .text import (BadRow, Result, StopMatcher, generate, plan_batches, run, run_iter, stream,
-                   stream_tokens)
+from .text import (BadRow, Result, StopMatcher, Stream, generate, plan_batches, run, run_iter,
+                   stream, stream_tokens)
 
 __all__ = ["BatchOptions", "DEFAULT_MAX_NEW_TOKENS", "GenerationOptions", "resolve_options",
            "DecodeState", "DecodingModel", "TokenIds", "Hypothesis", "beam_search", "token_loop",
-           "BadRow", "Result", "StopMatcher", "generate", "plan_batches", "run", "run_iter",
+           "BadRow", "Result", "StopMatcher", "Stream", "generate", "plan_batches", "run", "run_iter",
            "stream", "stream_tokens"]

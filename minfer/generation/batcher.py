@@ -36,7 +36,7 @@ import threading
 import weakref
 from typing import Any, Callable, Iterator, TypeVar
 
-from ..errors import ArenaExhausted
+from ..errors import ArenaExhausted, Cancelled
 from .protocol import DecodingModel
 
 T = TypeVar("T")
@@ -68,10 +68,12 @@ class Request:
         self.gone = False              # abandoned by its consumer
         self.owner = threading.get_ident()   # the thread consuming it (the last to ask)
         self.release: Callable[[], None] | None = None   # gives its state back (once)
+        self.cancel: threading.Event | None = None       # set from any thread: stop at once
 
     @property
     def active(self) -> bool:
-        return self.error is None and not self.finished and not self.gone
+        return (self.error is None and not self.finished and not self.gone
+                and not (self.cancel is not None and self.cancel.is_set()))
 
 
 class Batcher:
@@ -167,11 +169,19 @@ class Batcher:
                         self.cv.notify_all()
 
     # -- admission --------------------------------------------------------------------------------
-    def admit(self, start: Callable[[], T]) -> T:
+    def wake(self) -> None:
+        """Wake every waiting thread (a request was cancelled: its consumer stops waiting)."""
+        with self.cv:
+            self.cv.notify_all()
+
+    def admit(self, start: Callable[[], T], cancel: threading.Event | None = None) -> T:
         """`start()` (which takes a request's arena memory, raising ArenaExhausted when it
-        cannot), retried while requests in flight will give memory back (see module doc)."""
+        cannot), retried while requests in flight will give memory back (see module doc).
+        `cancel` set while it waits: `Cancelled`."""
         me = threading.get_ident()
         while True:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled while waiting for arena memory")
             with self.cv:
                 seen = self.released
                 self.starting.append(me)   # holds memory from here until it joins (or fails)
@@ -182,10 +192,10 @@ class Batcher:
                     self.starting.remove(me)
                     self.released += 1   # what it held while it tried is back (for others)
                     self.cv.notify_all()
-                if not isinstance(e, ArenaExhausted) or not self._wait_for_memory(seen + 1):
+                if not isinstance(e, ArenaExhausted) or not self._wait_for_memory(seen + 1, cancel):
                     raise
 
-    def _wait_for_memory(self, seen: int) -> bool:
+    def _wait_for_memory(self, seen: int, cancel: threading.Event | None = None) -> bool:
         """Wait until memory was given back since `seen` (True), leading steps of other requests
         while nobody else does; False when nothing in flight can give any back."""
         me = threading.get_ident()
@@ -195,8 +205,8 @@ class Batcher:
         try:
             while True:
                 with self.cv:
-                    if self.released != seen:
-                        return True
+                    if self.released != seen or (cancel is not None and cancel.is_set()):
+                        return True   # (admit then says Cancelled)
                     # requests that advance without this thread: those that run ahead of their
                     # consumers, or whose consumers are other threads not themselves waiting
                     movers = [r for r in self.requests if r.active and r.release is not None
@@ -225,6 +235,8 @@ class Batcher:
         has none."""
         while True:
             with self.cv:
+                if request.cancel is not None and request.cancel.is_set():
+                    raise Cancelled("cancelled")
                 request.owner = threading.get_ident()
                 # coming back means every event popped before has been handled (its stop
                 # strings checked): the request may be stepped again

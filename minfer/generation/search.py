@@ -100,14 +100,16 @@ class Decoding(Request):
 def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
                opts: GenerationOptions, rng: np.random.Generator | None = None,
                stopped: set[int] | None = None, start_decoding: Any = None,
-               info: dict | None = None, repeat: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+               info: dict | None = None, repeat: int = 1,
+               cancel: Any = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Greedy or sampled decoding of a padded batch. Yields (rows, tokens) each step: the batch row
     indices still running and the token each chose. Rows that emit eos, or that the consumer adds to
     `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
     `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
     `repeat`: each input decodes as that many consecutive rows (num_return_sequences).
     Steps are taken together with the other requests decoding on the model at the same time
-    (batcher.py). Closing the generator releases the decode state."""
+    (batcher.py). Closing the generator releases the decode state. `cancel` (a threading.Event)
+    set from another thread ends it with `Cancelled` within a step (or a wait for memory)."""
     if opts.do_sample and rng is None:
         rng = np.random.default_rng(opts.seed)
     start = start_decoding or model.start_decoding
@@ -116,12 +118,13 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     # its consumer abandons it, even while another thread's step is using it
     stack = contextlib.ExitStack()
     state = batcher.admit(lambda: stack.enter_context(
-        start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat)))
+        start(input_ids, attention_mask, opts.max_new_tokens, repeat=repeat)), cancel)
     try:
         decoding = Decoding(model, state, opts, rng, stopped if stopped is not None else set())
     except BaseException:
         batcher.join(None, release=stack.close)   # (gives the state back at once)
         raise
+    decoding.cancel = cancel
     batcher.join(decoding, release=stack.close)
     if info is not None:
         info["first"] = decoding.seqs[:, 0].copy()  # what each row started from

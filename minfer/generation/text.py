@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..errors import ArenaExhausted, InputError, MinferError
+from ..errors import ArenaExhausted, Cancelled, InputError, MinferError
 from .options import GenerationOptions, is_integer, resolve_options, split_batch_options
 from .protocol import DecodingModel
 from .search import Hypothesis, beam_search, token_loop
@@ -573,7 +573,7 @@ def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], 
         start += len(items)
 
 
-def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **options: Any) -> Iterator[Any]:
+def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **options: Any) -> "Stream":
     """Text pieces (or token ids, for token-id input) as they are decided, for one prompt.
     Beam search cannot know its result before the end: it yields the final text once.
     Closing the iterator stops decoding and releases its arena memory. Inputs are checked now,
@@ -592,45 +592,111 @@ def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **opti
     if isinstance(row, BaseException):
         raise row
     if call.opts.num_beams > 1:
-        return _stream_beam(model, [row], kind, call.opts, call.tok, call.rng)
+        return Stream(model, lambda info, cancel: _stream_beam(
+            model, [row], kind, call.opts, call.tok, call.rng, info), len(row))
     ids, mask = model.batch([row])
-    return stream_tokens(model, ids, mask, kind, call.opts, call.tok)
+    return Stream(model, lambda info, cancel: stream_tokens(
+        model, ids, mask, kind, call.opts, call.tok, info=info, cancel=cancel), len(row))
+
+
+class Stream:
+    """One prompt's pieces as they are decided (text, or token ids for token-id input): iterate
+    it. `close()` (the consumer) stops decoding and gives its arena memory back; `cancel()` may
+    be called from any other thread (a server whose client went away): the consumer's next
+    piece, or its wait for a step or for memory, then ends the stream within a step, with
+    finish_reason "cancelled". Once it has ended: `finish_reason` ("eos", "length", "stop",
+    "cancelled"), `prompt_tokens`, `new_tokens` and `token_ids` (the new ids)."""
+
+    def __init__(self, model: DecodingModel, pieces: Callable[[dict, Any], Iterator[Any]],
+                 prompt_tokens: int):
+        import threading
+        self.prompt_tokens = prompt_tokens
+        self.finish_reason: str | None = None
+        self.token_ids: list[int] = []
+        self._model = model
+        self._cancel = threading.Event()
+        self._info: dict = {}
+        self._pieces = pieces(self._info, self._cancel)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Any:
+        if self.finish_reason is not None:
+            raise StopIteration
+        try:
+            return next(self._pieces)
+        except StopIteration:
+            self._end(self._info.get("reason", "length"))
+            raise
+        except Cancelled:
+            self._end("cancelled")
+            raise StopIteration from None
+
+    def _end(self, reason: str) -> None:
+        self._pieces.close()
+        self.finish_reason = reason
+        self.token_ids = list(self._info.get("tokens", []))
+
+    def close(self) -> None:
+        if self.finish_reason is None:
+            self._end("cancelled" if self._cancel.is_set() else "closed")
+
+    def cancel(self) -> None:
+        """Stop it from another thread (thread-safe): see the class doc."""
+        from .batcher import batcher_of
+        self._cancel.set()
+        batcher_of(self._model).wake()
 
 
 def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOptions, tok: Any,
-                 rng: np.random.Generator | None) -> Iterator[Any]:
+                 rng: np.random.Generator | None, info: dict) -> Iterator[Any]:
     ids, mask = model.batch(rows)
     r = _run_batch(model, ids, mask, opts, tok, rng)[0][0]
+    info.update(reason=r.finish_reason, tokens=r.token_ids[len(r.token_ids) - r.new_tokens:])
     if kind != "ids":
         yield r.text
     else:
-        yield from r.token_ids[len(r.token_ids) - r.new_tokens:]
+        yield from info["tokens"]
 
 
 def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind: str,
                   opts: GenerationOptions, tok: Any, start_decoding: Any = None,
-                  on_done: Any = None) -> Iterator[Any]:
+                  on_done: Any = None, info: dict | None = None,
+                  cancel: Any = None) -> Iterator[Any]:
     """Text pieces (kind "text") or token ids (kind "ids") of one row as they are decided.
     `start_decoding` replaces the model's (a session continuing its memory); `on_done(tokens)`
-    receives the generated ids when the stream ends, however it ends."""
+    receives the generated ids when the stream ends, however it ends; `info` receives "tokens"
+    (as they come) and "reason" (how it ended); `cancel`: see token_loop."""
     eos = set(model.token_ids.eos)
     text = _RowText(tok, opts.stop, eos) if kind != "ids" or opts.stop else None
-    generated: list[int] = []
-    loop = token_loop(model, ids, mask, opts, start_decoding=start_decoding)
+    info = {} if info is None else info
+    generated: list[int] = info.setdefault("tokens", [])
+    loop = token_loop(model, ids, mask, opts, start_decoding=start_decoding, cancel=cancel)
     try:
         for _, tokens in loop:
             t = int(tokens[0])
             generated.append(t)
+            if t in eos:
+                info["reason"] = "eos"
             if text is not None:
                 piece = text.push(t)
                 if kind != "ids" and piece:
                     yield piece
                 if text.stopped:
+                    info["reason"] = "stop"
                     return
             if kind == "ids":
                 yield t
+        info.setdefault("reason", "length")
         if kind != "ids":
             tail = text.finish()
+            if text.stopped:
+                info["reason"] = "stop"
             if tail:
                 yield tail
     finally:
