@@ -73,3 +73,31 @@ def test_other_legacy_names_still_get_the_hint(tmp_path):
     with pytest.raises(CheckpointError, match="found model.pt: only safetensors and "
                                               "pytorch_model.bin are read"):
         Checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("shards", [3, 20])   # a small index stats each shard, a large one lists
+def test_a_shard_that_is_a_fifo_is_named_never_opened(tmp_path, shards):
+    import os
+    import threading
+    folder_with(tmp_path)
+    weight_map = {}
+    for i in range(shards):
+        name = f"s{i}.safetensors"
+        weight_map[f"t{i}"] = name
+        if i == 1:
+            os.mkfifo(tmp_path / name)   # opening it would wait for a writer forever
+        else:
+            save_file({f"t{i}": np.zeros(2, np.float32)}, str(tmp_path / name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    box = {}
+
+    def load():
+        try:
+            Checkpoint(tmp_path)
+        except CheckpointError as e:
+            box["error"] = str(e)
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "load hung on the FIFO"
+    assert "s1.safetensors" in box["error"] and ("FIFO" in box["error"] or "missing" in box["error"])

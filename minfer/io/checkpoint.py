@@ -12,6 +12,7 @@ they need (their weight tables) and `params/loader.py` checks them.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +276,17 @@ def check_fits(values: np.ndarray, dtype: Any, what: str, first_row: int = 0) ->
 
 
 def _open_weights(path: Path) -> SafetensorsFile:
-    """A weights file: safetensors, or a torch pickle file (torch_pickle.TorchFile, same interface)."""
+    """A weights file: safetensors, or a torch pickle file (torch_pickle.TorchFile, same interface).
+    Only a regular file: opening a FIFO waits for a writer that never comes (a listing, which
+    finds the shards of a large index, does not tell a FIFO or a device from a file)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a device or socket")
+        raise CheckpointError(f"{path}: is {kind}, not a regular file: a weights file must be one")
     if path.name != LEGACY_WEIGHTS_NAME:
         return SafetensorsFile(path)
     return TorchFile(path)
