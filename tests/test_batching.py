@@ -183,3 +183,25 @@ def test_run_iter_reads_a_window_ahead_at_most_and_names_rows(text_model):
     assert all(r[0].error is None for i, r in enumerate(rest) if i != 6)
     with pytest.raises(InputError, match="unknown generation option"):
         run_iter(text_model, ["a"], max_new_token=2)   # checked at the call, not at next()
+
+
+def test_run_iter_windows_are_bounded_whatever_the_batch_size(text_model, monkeypatch):
+    # a batch size of 65536 read a million prompts ahead; over an endless source nothing came out
+    from minfer.generation import text
+    monkeypatch.setattr(text, "WINDOW_ROWS", 64)
+    monkeypatch.setattr(text, "WINDOW_CHARS", 10**6)
+    read = []
+
+    def endless(length):
+        for i in itertools.count():
+            read.append(i)
+            yield (PROMPTS[i % len(PROMPTS)] + " ") * length
+
+    first = next(run_iter(text_model, endless(1), max_new_tokens=1, max_batch_size=65536))
+    assert first[0].error is None and len(read) == 64            # the row bound
+    monkeypatch.setattr(text, "WINDOW_CHARS", 1000)
+    read.clear()
+    out = run_iter(text_model, endless(60), max_new_tokens=1, max_batch_size=65536,
+                   max_input_tokens=16, truncation=True)
+    next(out)
+    assert 1 <= len(read) <= 1000 // 60 + 1                       # the character bound

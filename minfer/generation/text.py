@@ -13,7 +13,6 @@ over an iterable of any length, a window at a time, in bounded memory (the CLI's
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections.abc import Sequence
@@ -206,10 +205,15 @@ def need_tokenizer(model: DecodingModel, why: str) -> Any:
 
 
 # -- batching ---------------------------------------------------------------------------------------
-# Prompts read and sorted by length together: this many batches' worth (CTranslate2 reads
-# max_batch_size * 16 examples before it sorts and rebatches). Bounds both the memory a stream of
-# millions of prompts holds and how long the first output waits.
+# Prompts read and sorted by length together (`run_iter`): this many batches' worth (CTranslate2
+# reads max_batch_size * 16 examples before it sorts and rebatches), but never more than
+# WINDOW_ROWS prompts nor (past the first) WINDOW_CHARS characters of them, whatever the batch
+# size: the bounds on the memory a stream of millions of prompts holds and on how long the first
+# output waits (a batch size of 65536 read a million prompts ahead; an endless source never
+# yielded).
 SORT_WINDOW_BATCHES = 16
+WINDOW_ROWS = 4096
+WINDOW_CHARS = 32 << 20
 
 
 class BadRow:
@@ -547,8 +551,9 @@ def run_iter(model: DecodingModel, prompts: Iterable[Any], *, task: str | None =
     """Decode any number of prompts in bounded memory: per prompt, in input order, its list of
     Results; a row that cannot run (a `BadRow` from the reader, a non-string, a blank or
     over-long prompt, a batch failure isolated to it) is one Result with `error` set, and the
-    rest carry on. Prompts are read `max_batch_size * SORT_WINDOW_BATCHES` at a time, grouped by
-    length within that window, and the window's results are yielded before the next is read.
+    rest carry on. Prompts are read a window at a time (`max_batch_size * SORT_WINDOW_BATCHES`,
+    at most WINDOW_ROWS prompts and WINDOW_CHARS characters), grouped by length within it, and
+    the window's results are yielded before the next is read.
     `name_row(i)` names row i in errors (default "inputs: prompt i"); `on_batch(prompts,
     new_tokens)` is called after each batch (progress). Options and the tokenizer are checked
     now, not at the first `next()`."""
@@ -560,10 +565,10 @@ def run_iter(model: DecodingModel, prompts: Iterable[Any], *, task: str | None =
 
 def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], str],
                  on_batch: Callable[[int, int], None] | None) -> Iterator[list[Result]]:
-    window = call.batching.max_batch_size * SORT_WINDOW_BATCHES
+    size = min(call.batching.max_batch_size * SORT_WINDOW_BATCHES, WINDOW_ROWS)
     start = 0
     while True:
-        items = list(itertools.islice(prompts, window))
+        items = _window(prompts, size, WINDOW_CHARS)
         if not items:
             return
         name = (lambda base: lambda i: name_row(base + i))(start)
@@ -571,6 +576,19 @@ def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], 
         rows = call.prepare(items, name, planner)
         yield from call.decode(rows, name, planner, isolate=True, on_batch=on_batch)
         start += len(items)
+
+
+def _window(items: Iterator[Any], rows: int, chars: int) -> list[Any]:
+    """The next items: up to `rows` of them, and no more once they hold `chars` characters (at
+    least one item)."""
+    out: list[Any] = []
+    held = 0
+    for item in items:
+        out.append(item)
+        held += len(item) if isinstance(item, str) else 0
+        if len(out) >= rows or held >= chars:
+            break
+    return out
 
 
 def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **options: Any) -> "Stream":
