@@ -17,16 +17,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import click
 import numpy as np
+
+from minfer.generation.text import take_window
 
 from .bulk import (Bulk, Progress, bulk_options, bulk_rows, bulk_settings, close_files, kept_note,
                    open_files, open_to_resume, resume_point, rows_to_come)
 from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
-WINDOW = 256   # rows read, embedded and written at a time in bulk mode
+WINDOW = 256   # rows read, embedded and written at a time in bulk mode (and at most
+               # generation.text.WINDOW_CHARS characters of them)
 NPY_HEADER = 128   # bytes of the .npy header we write: fixed, so it can be rewritten in place
 
 
@@ -68,17 +71,6 @@ def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path,
     _run_bulk(m, bulk, npy, options)
 
 
-def _windows(rows: Iterator[tuple], size: int) -> Iterator[list[tuple]]:
-    window: list[tuple] = []
-    for row in rows:
-        window.append(row)
-        if len(window) == size:
-            yield window
-            window = []
-    if window:
-        yield window
-
-
 def embed_window(m: Any, texts: list[Any], options: dict) -> list[np.ndarray | str]:
     """Each row's embedding, or its error (a BadRow's, or what embedding that row alone
     raised): one call for the rows that read well, row by row only if that call fails."""
@@ -114,7 +106,8 @@ def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
             out.seek(0, os.SEEK_END)
             if out.tell() == 0:
                 _write_npy_header(out, 0, dim)
-        for window in _windows(bulk_rows(source, bulk, skip), WINDOW):
+        rows = bulk_rows(source, bulk, skip)
+        while window := take_window(rows, WINDOW, text=lambda row: row[0]):
             results = embed_window(m, [row[0] for row in window], options)
             for (_, _, extra), result in zip(window, results):
                 error = result if isinstance(result, str) else None

@@ -568,7 +568,7 @@ def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], 
     size = min(call.batching.max_batch_size * SORT_WINDOW_BATCHES, WINDOW_ROWS)
     start = 0
     while True:
-        items = _window(prompts, size, WINDOW_CHARS)
+        items = take_window(prompts, size, WINDOW_CHARS)
         if not items:
             return
         name = (lambda base: lambda i: name_row(base + i))(start)
@@ -578,14 +578,16 @@ def _run_windows(call: _Call, prompts: Iterator[Any], name_row: Callable[[int], 
         start += len(items)
 
 
-def _window(items: Iterator[Any], rows: int, chars: int) -> list[Any]:
-    """The next items: up to `rows` of them, and no more once they hold `chars` characters (at
-    least one item)."""
+def take_window(items: Iterator[Any], rows: int, chars: int = WINDOW_CHARS,
+                text: Callable[[Any], Any] = lambda item: item) -> list[Any]:
+    """The next items: up to `rows` of them, and no more once they hold `chars` characters of
+    text (`text(item)`: the prompt an item carries; at least one item)."""
     out: list[Any] = []
     held = 0
     for item in items:
         out.append(item)
-        held += len(item) if isinstance(item, str) else 0
+        value = text(item)
+        held += len(value) if isinstance(value, str) else 0
         if len(out) >= rows or held >= chars:
             break
     return out
