@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import click
 
@@ -135,6 +135,7 @@ def bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, st
     from minfer.errors import InputError
     from minfer.generation.text import BadRow
     from minfer.io.limits import parse_json
+    number = 0
     for number, offset, raw in lines(stream):
         if number <= skip:
             continue
@@ -163,6 +164,9 @@ def bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, st
         elif not isinstance(prompt, str):
             prompt = BadRow(f"{where}: field {bulk.field!r} is {json_type(prompt)}, not a string")
         yield prompt, where, extra
+    if number < skip:   # more records than input lines: not this input's output
+        fail(f"--resume: {bulk.out_name} holds {skip} records but {bulk.name} has only {number} "
+             "lines: it is not this input's output (remove it, or drop --resume)")
 
 
 def json_type(value: Any) -> str:
@@ -230,18 +234,25 @@ def open_to_resume(path: str) -> BinaryIO | None:
         fail(f"--output {path}: cannot open: {e.strerror or e}")
 
 
-def resume_point(path: str) -> tuple[int, bool]:
+def is_generate_record(obj: Any) -> bool:
+    """Whether a JSON value is a record `generate --input` writes (its result fields are there)."""
+    return (isinstance(obj, dict) and obj.get("finish_reason") in ("eos", "length", "stop", "error")
+            and "text" in obj and (obj["finish_reason"] != "error" or "error" in obj))
+
+
+def resume_point(path: str, is_record: Callable[[Any], bool]) -> tuple[int, bool]:
     """(complete records already in `path`, whether anything after them was cut off). The file
-    is cut after the last complete, valid record: a line the last run was writing when it
-    stopped is dropped, to be written again. No file: (0, False)."""
+    is cut after the last complete record (`is_record` says what the command writes): a line the
+    last run was writing when it stopped, or anything else (a stray line another process
+    appended), ends them, and is dropped to be written again. No file: (0, False)."""
     f = open_to_resume(path)
     if f is None:
         return 0, False
     with f:
         good = end = 0
-        for line in f:   # our own records, one a line
+        while line := f.readline(MAX_LINE_BYTES + 1):   # our own records, one a line
             try:
-                ok = line.endswith(b"\n") and isinstance(json.loads(line), dict)
+                ok = line.endswith(b"\n") and is_record(json.loads(line))
             except (ValueError, RecursionError):
                 ok = False
             if not ok:
@@ -327,7 +338,7 @@ def kept_note(bulk: Bulk, skip: int, cut: bool) -> str:
 def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
     """Bulk mode: input rows -> JSON Lines records in input order, written as each window of
     rows is done (flushed then), so memory stays flat and an interrupted run can --resume."""
-    skip, cut = resume_point(bulk.output_path) if bulk.resume else (0, False)
+    skip, cut = resume_point(bulk.output_path, is_generate_record) if bulk.resume else (0, False)
     source, out = open_files(bulk, "ab" if bulk.resume else "wb")
     progress = Progress(rows_to_come(bulk, skip))
     failed, first, written = 0, None, 0

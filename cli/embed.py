@@ -96,7 +96,7 @@ def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
     if npy:
         skip, cut = _npy_resume_point(bulk.output_path, dim) if bulk.resume else (0, False)
     else:
-        skip, cut = resume_point(bulk.output_path) if bulk.resume else (0, False)
+        skip, cut = resume_point(bulk.output_path, _is_embed_record) if bulk.resume else (0, False)
     source, out = open_files(bulk, ("r+b" if skip or cut else "w+b") if npy
                              else ("ab" if bulk.resume else "wb"))
     progress = Progress(rows_to_come(bulk, skip), unit="text", tokens=False)
@@ -155,6 +155,12 @@ def _write_npy_header(out: BinaryIO, rows: int, dim: int) -> None:
     out.seek(0)
     out.write(b"\x93NUMPY\x01\x00" + (NPY_HEADER - 10).to_bytes(2, "little") + body
               + b" " * pad + b"\n")
+
+
+def _is_embed_record(obj: Any) -> bool:
+    """Whether a JSON value is a record `embed --input` writes: its vector, or its error."""
+    return isinstance(obj, dict) and (
+        isinstance(obj.get("embedding"), list) or (obj.get("embedding", 0) is None and "error" in obj))
 
 
 def _npy_resume_point(path: str, dim: int) -> tuple[int, bool]:
