@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import click
 
-from .common import EXIT_USAGE, fail
+from .common import EXIT_USAGE, fail, writing
 
 # A line longer than this is a row error, read past in pieces, never held whole (json.loads of
 # it would take ~10x its size).
@@ -303,7 +303,33 @@ class Progress:
             self.bar.close()
 
 
-def open_files(bulk: Bulk, out_mode: str) -> tuple[BinaryIO, BinaryIO]:
+class NamedOutput:
+    """The bulk output (a file, or stdout's bytes): a write, flush or close that fails (a full
+    disk) is one line naming it (common.writing). Closing stdout only flushes it."""
+
+    def __init__(self, f: BinaryIO, name: str, owned: bool):
+        self._f, self.name, self._owned = f, name, owned
+
+    def write(self, data: bytes) -> int:
+        with writing(self.name):
+            return self._f.write(data)
+
+    def flush(self) -> None:
+        with writing(self.name):
+            self._f.flush()
+
+    def close(self) -> None:
+        with writing(self.name):
+            if self._owned:
+                self._f.close()
+            else:
+                self._f.flush()
+
+    def __getattr__(self, attr: str) -> Any:   # seek, tell, truncate: as the file does
+        return getattr(self._f, attr)
+
+
+def open_files(bulk: Bulk, out_mode: str) -> tuple[BinaryIO, NamedOutput]:
     """The input stream and the output file (opened in `out_mode`), or a one-line failure."""
     try:
         source = (getattr(sys.stdin, "buffer", sys.stdin) if bulk.input_path == "-"
@@ -311,12 +337,11 @@ def open_files(bulk: Bulk, out_mode: str) -> tuple[BinaryIO, BinaryIO]:
         out = (sys.stdout.buffer if bulk.output_path == "-" else open(bulk.output_path, out_mode))
     except OSError as e:
         fail(f"{e.filename}: cannot open: {e.strerror or e}")
-    return source, out
+    return source, NamedOutput(out, bulk.out_name, bulk.output_path != "-")
 
 
-def close_files(source: BinaryIO, out: BinaryIO) -> None:
-    if out is not sys.stdout.buffer:
-        out.close()
+def close_files(source: BinaryIO, out: NamedOutput) -> None:
+    out.close()
     if source is not getattr(sys.stdin, "buffer", sys.stdin):
         source.close()
 

@@ -8,11 +8,12 @@ with the model or input, 2 for a bad command line, 130 on Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 from dataclasses import dataclass, fields
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import click
 
@@ -41,6 +42,29 @@ def quiet_on_closed_pipe(command):
         except BrokenPipeError:
             exit_on_closed_pipe()
     return run
+
+
+class OutputFailed(Exception):
+    """Writing an output failed (a full disk, a device that refuses): its message names it."""
+
+
+@contextlib.contextmanager
+def writing(name: str) -> Iterator[None]:
+    """Writes to the output `name` (a path, or "stdout") inside the block: an OSError from them
+    becomes one line naming it (a reader that went away stays the quiet BrokenPipeError)."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputFailed(f"{name}: cannot write: {e.strerror or e}") from None
+
+
+def emit(text: str = "", nl: bool = True) -> None:
+    """Print to stdout, flushed, a failure named (see `writing`)."""
+    with writing("stdout"):
+        click.echo(text, nl=nl)
+        sys.stdout.flush()
 
 
 def read_text(stream: BinaryIO, name: str) -> str:

@@ -26,7 +26,7 @@ from minfer.generation.text import take_window
 
 from .bulk import (Bulk, Progress, bulk_options, bulk_rows, bulk_settings, close_files, kept_note,
                    open_files, open_to_resume, resume_point, rows_to_come)
-from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
+from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 WINDOW = 256   # rows read, embedded and written at a time in bulk mode (and at most
                # generation.text.WINDOW_CHARS characters of them)
@@ -66,7 +66,7 @@ def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path,
     if bulk is None:
         vectors = m.embed(list(texts), **options)
         for text, vector in zip(texts, vectors):
-            click.echo(json.dumps({"text": text, "embedding": vector.tolist()}, ensure_ascii=False))
+            emit(json.dumps({"text": text, "embedding": vector.tolist()}, ensure_ascii=False))
         return
     _run_bulk(m, bulk, npy, options)
 

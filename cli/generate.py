@@ -22,7 +22,7 @@ from minfer.generation.options import DEFAULT_MAX_BATCH_SIZE
 
 from .bulk import (MAX_LINE_BYTES, bulk_options, bulk_settings, lines, results_in_order, run_bulk,
                    utf8)
-from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
+from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -149,9 +149,8 @@ def generate(load, prompts, max_new_tokens,
     if stream:
         for prompt in prompts:
             for piece in m.generate(prompt, stream=True, task=task, **options):
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
-            click.echo()
+                emit(piece, nl=False)
+            emit()
         return
     if rows is None:
         rows = ((p, f"PROMPT {i}", p) for i, p in enumerate(prompts, 1))
@@ -188,12 +187,12 @@ def _run_batched(m: Any, rows: Iterable[tuple], as_json: bool, task: str | None,
         if results[0].error is not None:
             failed += 1
             first = first or results[0].error
-            click.echo(json.dumps({"prompt": prompt, "error": results[0].error}, ensure_ascii=False)
-                       if as_json else "")
+            emit(json.dumps({"prompt": prompt, "error": results[0].error}, ensure_ascii=False)
+                 if as_json else "")
             continue
         for r in results:
             if as_json:
-                click.echo(json.dumps({
+                emit(json.dumps({
                     "prompt": prompt, "text": r.text, "token_ids": r.token_ids,
                     "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
                     "new_tokens": r.new_tokens, "seconds": round(r.seconds, 6),
@@ -201,6 +200,6 @@ def _run_batched(m: Any, rows: Iterable[tuple], as_json: bool, task: str | None,
                     **({"score": r.score} if r.score is not None else {}),
                 }, ensure_ascii=False))
             else:
-                click.echo(r.text)
+                emit(r.text)
     if failed:
         fail(f"{failed} of {total} prompts failed (first: {first})")

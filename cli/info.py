@@ -7,7 +7,7 @@ import os
 
 import click
 
-from .common import load_model, quiet_on_closed_pipe, with_model_options
+from .common import emit, load_model, quiet_on_closed_pipe, with_model_options
 
 
 @click.command()
@@ -46,4 +46,4 @@ def info(load, batch, src_len, max_new_tokens) -> None:
              ("files", ", ".join(files))]
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
-        click.echo(f"{key:<{width}}  {value}")
+        emit(f"{key:<{width}}  {value}")

@@ -18,7 +18,7 @@ import sys
 
 import click
 
-from .common import EXIT_INTERRUPT, EXIT_USAGE, exit_on_closed_pipe, fail
+from .common import EXIT_INTERRUPT, EXIT_USAGE, OutputFailed, exit_on_closed_pipe, fail, writing
 from .convert import convert
 from .embed import embed
 from .generate import generate
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     try:
         cli.main(args=argv, prog_name="minfer", standalone_mode=False)
+        with writing("stdout"):   # what is still buffered: a full disk is named now, not at exit
+            sys.stdout.flush()
+    except OutputFailed as e:
+        fail(str(e))
     except click.exceptions.Exit as e:  # --help / --version
         sys.exit(e.exit_code)
     except click.Abort:

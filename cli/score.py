@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import EXIT_USAGE, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
+from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 
 @click.command()
@@ -45,9 +45,9 @@ def score(load, file, segment_len, as_json) -> None:
             bar.close()
     tps = result["tokens"] / result["seconds"] if result["seconds"] else float("inf")
     if as_json:
-        click.echo(json.dumps({**result, "tokens_per_second": tps}))
+        emit(json.dumps({**result, "tokens_per_second": tps}))
     else:
-        click.echo(f"perplexity      {result['perplexity']:.4f}")
-        click.echo(f"tokens          {result['tokens']}")
-        click.echo(f"log-likelihood  {result['log_likelihood']:.4f}")
-        click.echo(f"tokens/s        {tps:.1f}")
+        emit(f"perplexity      {result['perplexity']:.4f}")
+        emit(f"tokens          {result['tokens']}")
+        emit(f"log-likelihood  {result['log_likelihood']:.4f}")
+        emit(f"tokens/s        {tps:.1f}")

@@ -313,3 +313,31 @@ def test_no_stream_under_a_memory_limit_batches_what_fits(text_model_folder, tex
                "--memory-limit", "400KB", "--workspace", "200KB", stdin="\n".join(prompts) + "\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:-1] == text_model.generate(prompts, max_new_tokens=6)
+
+
+# -- a full disk: every output names itself ---------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+DATES = ROOT / "weights" / "tiny-t5-dates"
+EMBEDDER = ROOT / "weights" / "family" / "st_sentence_t5"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args, name", [
+    (["generate", "-m", str(DATES), "date: 4th of July 1976"], "stdout"),
+    (["generate", "-m", str(DATES), "--no-stream", "date: 4th of July 1976"], "stdout"),
+    (["generate", "-m", str(DATES), "--json", "date: 4th of July 1976"], "stdout"),
+    (["generate", "-m", str(DATES), "-i", "{input}", "-o", "-"], "stdout"),
+    (["generate", "-m", str(DATES), "-i", "{input}", "-o", "/dev/full"], "/dev/full"),
+    (["info", "-m", str(DATES)], "stdout"),
+    (["embed", "-m", str(EMBEDDER), "a sentence"], "stdout"),
+    (["embed", "-m", str(EMBEDDER), "-i", "{input}", "-o", "/dev/full"], "/dev/full"),
+])
+def test_a_full_output_is_a_one_line_error_naming_it(tmp_path, args, name):
+    source = tmp_path / "in.txt"
+    source.write_text("date: 4th of July 1976\nspell: 12\n")
+    args = [a.replace("{input}", str(source)) for a in args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", NUMBA_NUM_THREADS="1")
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "minfer", *args], stdout=full,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert_one_line_error(proc, 1, f"{name}: cannot write: No space left on device")
