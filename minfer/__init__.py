@@ -137,9 +137,16 @@ def _recipe(model: Any, **arguments: Any) -> dict[str, Any]:
     folder as an absolute path (another process may run in another working directory); no token
     (the other side authenticates with its own HF_TOKEN)."""
     text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
-    if isinstance(text, str) and text.strip() and Path(text).expanduser().is_dir():
+    if isinstance(text, str) and text.strip() and _is_folder(text):
         text = os.path.abspath(Path(text).expanduser())
     return {"model": text, **arguments}
+
+
+def _is_folder(text: str) -> bool:
+    try:
+        return Path(text).expanduser().is_dir()
+    except OSError:   # a name over the file-name limit: not a folder (resolve_model says more)
+        return False
 
 
 def _stored_format(ckpt: Checkpoint) -> str | None:

@@ -83,7 +83,7 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
         raise ConfigError(f"convert: dtype {dtype!r} is not supported (supported: {', '.join(_CODES)})")
     ckpt = Checkpoint(source)
     out = Path(output)
-    if out.resolve() == Path(source).resolve():
+    if _resolved(out, "output") == _resolved(Path(source), "model"):
         raise ConfigError(f"convert: output folder {out} is the source folder")
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -108,6 +108,16 @@ def convert(source: str | Path, output: str | Path, dtype: str = "float32") -> d
         where = e.filename or (written[-1] if written else out)   # ENOSPC, EROFS, EACCES...
         raise ConfigError(f"convert: cannot write {where}: {e.strerror or e}") from None
     return {"tensors": tensors, "bytes": size, "copied": copied, "output": str(out)}
+
+
+def _resolved(path: Path, what: str) -> Path:
+    """The path with its links followed, or a one-line error (a symlink loop is a RuntimeError
+    before Python 3.13, an OSError after; a name over the limit an OSError)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else "a symbolic link loop"
+        raise ConfigError(f"convert: {what} {path}: {reason}") from None
 
 
 def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tuple[int, list[str]]:

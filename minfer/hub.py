@@ -145,7 +145,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
     repo_id = ALIASES.get(name, name)
     if (not _REPO_ID.fullmatch(repo_id) or "--" in repo_id or ".." in repo_id
             or repo_id.endswith(".git")):
-        raise ConfigError(f"'{name}' is neither an existing folder nor a hub repo id "
+        raise ConfigError(f"'{_shortened(name)}' is neither an existing folder nor a hub repo id "
                           "(expected 'name' or 'org/name' using letters, digits, '-', '_', '.')")
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise ConfigError(f"revision {revision!r} for '{name}' is not a branch, tag, commit hash "
@@ -211,15 +211,25 @@ def _local_folder(name: str | os.PathLike) -> Path | None:
     if not text.strip():  # Path("") is ".", which would silently load the working directory
         raise ConfigError("empty model name: pass a folder or a hub repo id such as 't5-small'")
     path = Path(text).expanduser()
-    if path.is_dir():
-        return path
-    if not isinstance(name, os.PathLike) and not _looks_like_path(text):
-        return None
-    if path.exists():
+    try:   # (a name over the file-name limit is an OSError that is_dir does not swallow)
+        if path.is_dir():
+            return path
+        if not isinstance(name, os.PathLike) and not _looks_like_path(text):
+            return None
+        exists = path.exists()
+    except OSError as e:
+        raise ModelNotFoundError(f"model '{_shortened(text)}': {e.strerror or e} (neither a "
+                                 "folder nor a hub repo id)") from None
+    if exists:
         raise ModelNotFoundError(f"'{text}' is a file, not a model folder: pass the folder holding "
                                  "config.json and the weights")
     raise ModelNotFoundError(f"no such folder '{text}': check the path "
                              "(hub repo ids look like 'org/name')")
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """A long name as its start, its length and its end: an error stays one readable line."""
+    return text if len(text) <= limit else f"{text[:40]}...({len(text)} characters)...{text[-20:]}"
 
 
 def _looks_like_path(text: str) -> bool:

@@ -729,3 +729,28 @@ def test_a_sentence_transformers_repo_with_its_encoder_in_a_module_folder(cache)
         "0_Transformer/config.json": {"model_type": "t5"},
         "0_Transformer/model.safetensors": weights()}, refs=["main"])
     assert hub.resolve_model("org/st-like", offline=True, cache_dir=cache) == snapshot
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "org/" + "b" * 300, "/tmp/" + "c" * 300 + "/x",
+                                  "x/" * 3000])
+def test_names_over_the_file_name_limit_are_one_line_errors(name):
+    # a component over the limit raised a raw OSError (File name too long) from a stat
+    import minfer
+    with pytest.raises((minfer.ModelNotFoundError, minfer.ConfigError)) as caught:
+        minfer.load(name, offline=True)
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 300
+
+
+def test_convert_onto_a_symlink_loop_is_a_config_error(tmp_path):
+    # Path.resolve raised a raw RuntimeError ("Symlink loop") before Python 3.13
+    import os
+
+    import minfer
+    from minfer.convert import convert
+    os.symlink(tmp_path / "loop2", tmp_path / "loop1")
+    os.symlink(tmp_path / "loop1", tmp_path / "loop2")
+    from pathlib import Path
+    dates = Path(__file__).resolve().parents[1] / "weights" / "tiny-t5-dates"
+    with pytest.raises(minfer.ConfigError, match="symbolic link loop|Too many levels"):
+        convert(dates, tmp_path / "loop1")
