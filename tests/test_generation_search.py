@@ -118,3 +118,65 @@ def test_repetition_penalty_at_its_bounds_keeps_scores_finite(text_model, penalt
     for r in row:   # (a penalty < 1 favours repeats: also of the start token, pad, as in HF)
         assert r.new_tokens == 10 and isinstance(r.text, str)
         assert r.score is None or (np.isfinite(r.score) and r.score > -1e9)
+
+
+# -- wide searches: the host work is chunked, bounded whatever the rows ---------------------------------
+@pytest.mark.parametrize("sample", [False, True])
+def test_beam_candidates_equal_one_top_k_over_every_beams_scores(sample, monkeypatch):
+    from minfer.generation import search
+    from minfer.generation.options import GenerationOptions
+    from minfer.generation.processors import log_softmax, top_k_indices
+    monkeypatch.setattr(search, "SEARCH_CHUNK_BYTES", 3 * 4 * 50)    # 3 rows a chunk
+    rng = np.random.default_rng(4)
+    b, K, V, keep_n = 3, 4, 50, 8
+    logits = rng.standard_normal((b * K, V)).astype(np.float32)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1                   # a tie, inside one beam
+    run = rng.standard_normal((b, K)).astype(np.float32)
+    seqs = np.zeros((b * K, 1), np.int64)
+    opts = GenerationOptions(num_beams=K, do_sample=sample, temperature=0.7, top_k=0).validate()
+    got_scores, got_idx = search.beam_candidates(logits, seqs, run, opts, 0, (1,), K, keep_n,
+                                                 np.random.default_rng(9) if sample else None)
+    acc = (log_softmax(logits).reshape(b, K, V) + run[:, :, None]).reshape(b, K * V)
+    if sample:
+        acc = (log_softmax(logits) / np.float32(0.7)).reshape(b, K, V) + run[:, :, None]
+        acc = acc.reshape(b, K * V)
+        noisy = acc + np.random.default_rng(9).gumbel(size=acc.shape).astype(np.float32)
+        want = np.argsort(-noisy, axis=1, kind="stable")[:, :keep_n]
+    else:
+        want = top_k_indices(acc, keep_n)
+    np.testing.assert_array_equal(got_idx, want)
+    np.testing.assert_allclose(got_scores, np.take_along_axis(acc, want, axis=1), rtol=1e-6)
+
+
+def test_wide_searches_stay_within_the_memory_limit(tmp_path):
+    # 640 beams, sampled beams, 640 samples: their scores over rows x vocabulary lived outside
+    # the arena (t5-small under a 600 MiB limit peaked at 1.3 GB); now chunked
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = f"""
+import resource, sys
+sys.path.insert(0, 'tests')
+from factories import write_t5
+import minfer
+from pathlib import Path
+folder = write_t5(Path({str(tmp_path / 'm')!r}), seed=1, vocab_size=32128, d_model=32, d_kv=8,
+                  num_heads=4, d_ff=64)
+m = minfer.load(folder, memory_limit='200MiB')
+m.generate([[5, 6, 7, 1]], max_new_tokens=2, num_beams=2)
+m.generate([[5, 6, 7, 1]], max_new_tokens=2, do_sample=True, num_return_sequences=2)
+before = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) << 10
+for kw in (dict(num_beams=640), dict(num_beams=640, do_sample=True, seed=1),
+           dict(do_sample=True, num_return_sequences=640, seed=1)):
+    m.generate([[5, 6, 7, 8, 9, 1]], max_new_tokens=4, min_new_tokens=4, **kw)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+print(peak - before, m.plan(640, 6, 4)['peak'])
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown, plan = map(int, out.stdout.split())
+    # what the plan counts (arena pages touched) plus a bounded few tens of MiB of host work
+    # (the chunks, K x 2K beam candidates); before: 350 MB more than the plan
+    assert grown < plan + (64 << 20), (grown >> 20, plan >> 20)

@@ -72,12 +72,24 @@ class Decoding(Request):
 
     def advance(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t, opts = self.t, self.opts
-        scores = process(logits, self.seqs[:, :t + 1], opts, t, self.eos_ids)
+        tokens = np.empty(len(logits), np.int64)
+        for a, b in row_chunks(*logits.shape):   # the processors' copies stay a few MiB
+            tokens[a:b] = self._choose(logits[a:b], self.seqs[a:b, :t + 1])
+        self.seqs[:, t + 1] = tokens
+        self.t = t + 1
+        if self.t == opts.max_new_tokens or (tokens[:, None] == self.eos).any(axis=1).all():
+            self.finished = True
+        return self.rows, tokens
+
+    def _choose(self, logits: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """Rows of logits (r, V) and their sequences so far -> each row's token (r,)."""
+        t, opts = self.t, self.opts
+        scores = process(logits, seqs, opts, t, self.eos_ids)
         if opts.do_sample:
-            best = scores.max(axis=1, keepdims=True)                        # (b, 1)
+            best = scores.max(axis=1, keepdims=True)                        # (r, 1)
         else:
             tokens = np.argmax(scores, axis=1).astype(np.int64)
-            best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (b, 1)
+            best = np.take_along_axis(scores, tokens[:, None], axis=1)      # (r, 1)
         if not np.isfinite(best).all():
             # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
             raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
@@ -87,14 +99,68 @@ class Decoding(Request):
             # shifted so the best score is 0 first: softmax and the warpers are shift-invariant,
             # and (x - best) / temperature <= 0 cannot overflow however small the temperature
             # (it goes to -inf: a tiny temperature is greedy decoding, not NaN); that
-            # overflow is intended, so NumPy need not warn about it
+            # overflow is intended, so NumPy need not warn about it. Chunks draw in row order:
+            # the same draws as one call over every row.
             with np.errstate(over="ignore"):
                 tokens = sample(warp(scores - best, opts), self.rng)
-        self.seqs[:, t + 1] = tokens
-        self.t = t + 1
-        if self.t == opts.max_new_tokens or (tokens[:, None] == self.eos).any(axis=1).all():
-            self.finished = True
-        return self.rows, tokens
+        return tokens
+
+
+# The searches' host work over (rows, V) scores runs this many bytes of float32 rows at a time:
+# their copies (log-softmax, the processors', the sampler's cumulative sums, Gumbel noise) stay
+# a bounded few MiB outside the arena whatever the number of rows (640 sampled beams of t5-small
+# had 1.3 GB of them: twice a 600 MiB memory limit).
+SEARCH_CHUNK_BYTES = 4 << 20
+
+
+def row_chunks(rows: int, width: int) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges covering `rows` rows of `width` float32 scores, SEARCH_CHUNK_BYTES each."""
+    step = max(1, SEARCH_CHUNK_BYTES // max(4 * width, 1))
+    for a in range(0, rows, step):
+        yield a, min(rows, a + step)
+
+
+def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray,
+                    opts: GenerationOptions, step: int, eos_ids: Any, K: int, keep_n: int,
+                    rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search's candidates of one step: logits (b*K, V) of b inputs' K beams, their
+    sequences (b*K, t) and running scores (b, K) -> per input the `keep_n` best (scores (b,
+    keep_n), flat indices beam * V + token into its K*V candidates), best first, ties in index
+    order. Sampling: drawn without replacement, keep_n ~ softmax(scores) by Gumbel top-k.
+
+    The beams' rows are scored a chunk at a time, each row keeping its own keep_n best: the
+    input's keep_n best are among those (a candidate beaten by keep_n of its own row's cannot be
+    in the input's best keep_n), so the result equals one top-k over (b, K*V) scores that never
+    exist whole."""
+    R, V = logits.shape
+    b = R // K
+    vals = np.empty((R, keep_n), np.float32)     # each row's keep_n best: scores (sampled: noisy)
+    keys = np.empty((R, keep_n), np.float32)     # ... and the scores they carry
+    idx = np.empty((R, keep_n), np.int64)
+    flat_scores = run_scores.reshape(R)
+    for a, e in row_chunks(R, V):
+        logp = log_softmax(logits[a:e])
+        logp = process(logp, seqs[a:e], opts, step, eos_ids)
+        if opts.do_sample:
+            logp = warp(logp, opts)
+        acc = logp + flat_scores[a:e, None]                                  # (r, V)
+        if opts.do_sample:   # Gumbel noise, drawn in (row, token) order as over the whole
+            noisy = acc + rng.gumbel(size=acc.shape).astype(np.float32)
+            top = top_k_indices(noisy, keep_n)
+            vals[a:e] = np.take_along_axis(noisy, top, axis=1)
+        else:
+            top = top_k_indices(acc, keep_n)
+            vals[a:e] = np.take_along_axis(acc, top, axis=1)
+        keys[a:e] = np.take_along_axis(acc, top, axis=1)
+        idx[a:e] = top
+    beam = np.arange(R) % K
+    flat = (beam[:, None] * V + idx).reshape(b, K * keep_n)                 # into each input's K*V
+    vals, keys = vals.reshape(b, K * keep_n), keys.reshape(b, K * keep_n)
+    # best first, ties by flat index: a stable sort of the candidates laid out in flat order
+    order = np.argsort(flat, axis=1, kind="stable")
+    flat, vals, keys = (np.take_along_axis(a, order, axis=1) for a in (flat, vals, keys))
+    pick = np.argsort(-vals, axis=1, kind="stable")[:, :keep_n]
+    return np.take_along_axis(keys, pick, axis=1), np.take_along_axis(flat, pick, axis=1)
 
 
 def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -170,18 +236,9 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             if not np.isfinite(logits).all():   # else every beam sinks to "impossible", unnamed
                 raise InputError(f"step {cur - 1}: the model's logits are not finite (its "
                                  "weights or activations overflowed)")
-            logp = log_softmax(logits)
-            logp = process(logp, running[live, :, :cur].reshape(b * K, cur), opts, cur - 1,
-                           token_ids.eos)
-            if opts.do_sample:
-                logp = warp(logp, opts)
-            acc = (logp.reshape(b, K, V) + run_scores[live, :, None]).reshape(b, K * V)
-            if opts.do_sample:   # sample keep_n distinct candidates ~ softmax(acc): Gumbel top-k
-                noisy = acc + rng.gumbel(size=acc.shape).astype(np.float32)
-                top = np.argsort(-noisy, axis=1, kind="stable")[:, :keep_n]
-            else:
-                top = top_k_indices(acc, keep_n)                       # (b, keep_n) best first
-            top_scores = np.take_along_axis(acc, top, axis=1)
+            top_scores, top = beam_candidates(
+                logits, running[live, :, :cur].reshape(b * K, cur), run_scores[live], opts,
+                cur - 1, token_ids.eos, K, keep_n, rng)                     # (b, keep_n) each
             parent, token = top // V, top % V
             cand = np.take_along_axis(running[live], parent[:, :, None], axis=1)  # (b, keep_n, L)
             cand[:, :, cur] = token

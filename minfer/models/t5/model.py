@@ -232,8 +232,13 @@ class T5Model(Model):
             ws = StepScratch.allocate(be.arena, cfg, R, keys, be.dtype)
             out = t5.decode_steps(be, cfg, self.params, [(s.live, s.length) for s in states],
                                   np.concatenate(tokens), ws, ws.logits)
-            host = np.array(be.to_host(out), np.float32)   # a copy: the scope ends here
+            # each state's rows into its own (planned) logits buffer: the scope ends here, and a
+            # host copy of every row's logits would be memory no plan counts
+            bounds = np.cumsum([0] + [s.batch for s in states])
+            for state, a, b in zip(states, bounds[:-1], bounds[1:]):
+                state.live.logits[:, 0] = out[a:b]
+        results = []
         for state in states:
             state.length += 1
-        bounds = np.cumsum([0] + [s.batch for s in states])
-        return [host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            results.append(np.asarray(be.to_host(state.live.logits[:, 0]), np.float32))
+        return results
