@@ -218,3 +218,66 @@ def test_overflowing_scores_are_one_line_errors_in_every_search(overflowing_fold
         warnings.simplefilter("ignore", RuntimeWarning)   # NumPy says "overflow" on the way
         out = m.generate([[5, 6, 7, 1]], max_new_tokens=4, **how)
         list(out) if how.get("stream") else out
+
+
+# -- concurrency: abandoned, collected and cancelled streams beside ordinary calls, bounded arena ------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_concurrency_fuzz_under_a_bounded_arena(text_model_folder, text_model, seed):
+    import gc
+    import threading
+
+    import minfer
+    prompts = ["a b c", "date: 1999", "x y", "spell: 1234", "hello world", "one two three"]
+    want = {p: text_model.generate(p, max_new_tokens=6) for p in prompts}
+    plan = text_model.plan(1, 12, 6)["peak"]
+    weights = text_model.weight_plan.fixed + sum(text_model.weight_plan.unit_bytes.values())
+    m = minfer.load(text_model_folder, memory_limit=weights + 4096 + 3 * plan, workspace=3 * plan)
+    errors, streams = [], []
+    lock = threading.Lock()
+
+    def work(k):
+        r = random.Random(seed * 100 + k)
+        for _ in range(6):
+            p = r.choice(prompts)
+            action = r.choice(["generate", "stream", "abandon", "cycle", "cancel", "beam"])
+            if action == "generate":
+                got = m.generate(p, max_new_tokens=6)
+                assert got == want[p], (p, got)
+            elif action == "beam":
+                m.generate(p, max_new_tokens=6, num_beams=2)
+            elif action == "stream":
+                assert "".join(m.generate(p, stream=True, max_new_tokens=6)) == want[p]
+            else:
+                s = m.generate(p, stream=True, max_new_tokens=6)
+                next(s, None)
+                if action == "cycle":          # only the cyclic GC will finalise it
+                    holder = {"s": s}
+                    holder["me"] = holder
+                elif action == "cancel":
+                    with lock:
+                        streams.append(s)
+                del s
+            if r.random() < 0.3:
+                gc.collect()
+            if r.random() < 0.3:
+                with lock:
+                    if streams:
+                        streams.pop().cancel()    # another thread's stream, from this one
+
+    def wrap(k):
+        try:
+            work(k)
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=wrap, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "hung"
+    assert not errors, errors[:2]
+    for s in streams:
+        s.close()
+    del streams
+    gc.collect()
+    assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle
