@@ -278,6 +278,6 @@ def test_concurrency_fuzz_under_a_bounded_arena(text_model_folder, text_model, s
     assert not errors, errors[:2]
     for s in streams:
         s.close()
-    del streams
+    streams.clear()
     gc.collect()
     assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle
