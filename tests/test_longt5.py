@@ -270,3 +270,25 @@ def test_16k_tokens_run_within_the_plan_with_linear_memory(tmp_path):
     arena.reset_peak()
     out = model.generate(ids, max_new_tokens=4, min_new_tokens=4)
     assert len(out[0]) == 5 and arena.stats().peak <= model.plan(1, 16384, 4)["peak"]
+
+
+def test_a_longt5_encoder_only_save_loads_and_encodes_as_the_full_model(tmp_path):
+    # LongT5EncoderModel writes only encoder.* and shared.*: it loads as an encoder-only model
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    src = ROOT / "weights" / "longt5" / "tglobal"
+    tensors = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
+               if not (k.startswith("decoder.") or k == "lm_head.weight")}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["architectures"] = ["LongT5EncoderModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ref = np.load(src / "reference.npz")
+    ids, mask = ref["input_ids"], ref["attention_mask"]
+    enc = minfer.load(tmp_path)
+    assert enc.config.encoder_only
+    got = enc.encode(ids, mask) * mask[..., None]
+    np.testing.assert_array_equal(got, minfer.load(src).encode(ids, mask) * mask[..., None])
+    with pytest.raises(minfer.InputError):
+        enc.generate([[5, 6, 1]])
