@@ -395,3 +395,26 @@ def test_xl_float16_layer_norm_of_large_values_is_finite(strict_cuda):
     want = (xf - xf.mean(-1, keepdims=True)) / np.sqrt(xf.var(-1, keepdims=True) + 1e-5)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got.astype(np.float64), want, atol=5e-3)
+
+
+# =====================================================================================================
+# The T5 family's variants (LongT5's attention, UMT5's per-layer biases, UL2's shapes)
+# =====================================================================================================
+@pytest.mark.parametrize("case", ["longt5/local", "longt5/tglobal", "family/umt5_seq2seq",
+                                  "family/ul2_shape"])
+def test_t5_variants_on_the_device_path_match_the_cpu_within_their_plan(strict_cuda, case):
+    folder = ROOT / "weights" / case
+    ref = np.load(folder / "reference.npz")
+    ids = ref["input_ids"]
+    mask = ref["attention_mask"] if "attention_mask" in ref.files else np.ones_like(ids)
+    cpu = minfer.load(folder)
+    m = minfer.load(folder, device="cuda", dtype="float32")
+    got, syncs, outside, peak = run_counted(strict_cuda, m, lambda: m.encode(ids, mask))
+    want = cpu.encode(ids, mask)
+    assert rel(got * mask[..., None], want * mask[..., None]) < 1e-5
+    assert syncs == 1 and outside == 0
+    assert peak <= m.plan(ids.shape[0], ids.shape[1])["encoder_scratch"]
+    got, syncs, outside, peak = run_counted(
+        strict_cuda, m, lambda: m.generate(ids, attention_mask=mask, max_new_tokens=4))
+    assert got == cpu.generate(ids, attention_mask=mask, max_new_tokens=4) and outside == 0
+    assert peak <= m.plan(ids.shape[0], ids.shape[1], 4)["peak"]
