@@ -219,12 +219,7 @@ class Batcher:
                         self.cv.wait(timeout=1.0)
                         continue
                     self.leading = True
-                try:
-                    self._step()
-                finally:
-                    with self.cv:
-                        self.leading = False
-                        self.cv.notify_all()
+                self._lead()
         finally:
             with self.cv:
                 self.admitting.discard(me)
@@ -252,12 +247,16 @@ class Batcher:
                     self.cv.wait()
                     continue
                 self.leading = True
-            try:
-                self._step()
-            finally:
-                with self.cv:
-                    self.leading = False
-                    self.cv.notify_all()
+            self._lead()
+
+    def _lead(self) -> None:
+        """One step by this thread, which has just taken the lead (`leading`); then hand it back."""
+        try:
+            self._step()
+        finally:
+            with self.cv:
+                self.leading = False
+                self.cv.notify_all()
 
     @staticmethod
     def _eligible(r: Request) -> bool:
