@@ -27,10 +27,6 @@ __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "M
            "errors"]
 __version__ = "0.1.0"
 
-# Files whose presence means a model folder carries its tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "vocab.json",
-                   "vocab.txt")
-
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
          *, memory_limit: int | str | None = None, num_threads: int | None = None,
@@ -69,7 +65,7 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
                      offline=offline, cache_dir=cache_dir)
     from .hub import resolve_model
-    from .tokenizer import load_tokenizer
+    from .tokenizers import has_tokenizer, load_tokenizer
     folder = resolve_model(model, revision, offline=offline, token=token, cache_dir=cache_dir)
     ckpt = Checkpoint(folder)
     family = family_of(ckpt.config, str(folder / "config.json"))
@@ -79,7 +75,7 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
     be.num_threads = set_threads(num_threads)
-    tokenizer = load_tokenizer(folder) if any((folder / f).is_file() for f in TOKENIZER_FILES) else None
+    tokenizer = load_tokenizer(folder) if has_tokenizer(folder) else None
     loaded = family.load(ckpt, be, read_json(folder / "generation_config.json"), tokenizer, recorder)
     if recorder is None:
         loaded._reload_call = functools.partial(load, **recipe)  # what the model pickles as

@@ -1,4 +1,4 @@
-"""minfer.tokenizer: both sources (tokenizer.json, spiece.model), T5 conventions, streaming.
+"""minfer.tokenizers: both sources (tokenizer.json, spiece.model), T5 conventions, streaming.
 
 Always runs on the committed tiny tokenizer (weights/tokenizers/tiny-t5, byte fallback); the real T5
 vocabulary is read from ../shared/t5-tokenizer and those tests skip when it is absent, as do the
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from minfer.errors import InputError, TokenizerError
-from minfer.tokenizer import (IncrementalDecoder, JsonTokenizer, SentencePieceTokenizer,
+from minfer.tokenizers import (IncrementalDecoder, JsonTokenizer, SentencePieceTokenizer,
                               load_tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Write weights/tokenizers/hf-variants.json: the token ids `transformers` gives for tokenizer folders
 saved the ways hub repositories save them, for tests/test_tokenizer.py to compare with
-`minfer.tokenizer` without transformers installed.
+`minfer.tokenizers` without transformers installed.
 
 Each variant is the committed tiny tokenizer (weights/tokenizers/tiny-t5) or the real T5 one
 (../shared/t5-tokenizer, not in the repository) with a few settings changed (`VARIANTS`, applied by
