@@ -227,7 +227,7 @@ def _init_settings(folder: Path) -> tuple[dict[str, Any], dict[int, _Token]]:
     saved: dict[int, _Token] = {}
     if isinstance(decoder, dict):
         for key, value in decoder.items():
-            token = _token(value)
+            token = _token(value) if isinstance(value, dict) else None
             if not key.isdigit() or token is None:
                 raise TokenizerError(f"{path}: added_tokens_decoder entry {key!r:.40} is not an id "
                                      "with a {\"content\": ...} token")
