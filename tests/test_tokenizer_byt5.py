@@ -206,3 +206,17 @@ def test_matches_transformers_live(fixtures, variant, tmp_path):
             ids = hf(text).input_ids
             assert tok.encode(text) == ids, text
             assert tok.decode(ids, False) == hf.decode(ids, skip_special_tokens=False)
+
+
+def test_a_byt5_model_folder_loads_with_its_tokenizer(tmp_path):
+    """The issue's symptom: a ByT5 folder (config.json naming ByT5Tokenizer, no vocabulary file)
+    loaded without a tokenizer, and generate("...") died on `None.encode`. Now it has one."""
+    from factories import write_t5
+
+    import minfer
+    folder = write_t5(tmp_path / "byt5", vocab_size=384, tokenizer_class="ByT5Tokenizer")
+    model = minfer.load(folder)
+    assert isinstance(model.tokenizer, ByteTokenizer)
+    out = model.generate("Grüße 😀", max_new_tokens=3)
+    assert isinstance(out, str)
+    assert model.tokenizer.encode("Grüße 😀")[-1] == 1

@@ -24,6 +24,7 @@ SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
 # spaces, other whitespace before and after a space, punctuation, digits, accents, a line break.
 _PROBES = ("a b", "a  b c", "ab. cd,\te f", "1 2  3", "x \ty\t z", "\u00e9t\u00e9 \u00fc", "a \nb\n c",
            "A B", "a\u3000 b")
+_SPACE_RUN = re.compile(r"\s*")
 # A lone UTF-16 half: a str that holds one is no text (see check_text).
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -114,8 +115,8 @@ class Tokenizer:
     byte_ids: frozenset[int]
     path: Path
     prefix_ids: tuple[int, ...] = ()
-    # Added tokens whose matching can reach across a cut (see `_is_cut`): every added token's
-    # text, and those that swallow the whitespace after them (`rstrip`).
+    # Added tokens, whose matching can reach across a cut (see `_is_cut`): their texts, and
+    # those of the ones that swallow the whitespace after them (`rstrip`).
     _added_texts: tuple[str, ...] = ()
     _rstrip_texts: tuple[str, ...] = ()
     # Where encode_window may cut a text (window.py says why these keep the ids): the positions
@@ -145,10 +146,15 @@ class Tokenizer:
         return [self.eos_id] if self.eos_id is not None else []
 
     def _is_cut(self, text: str, k: int) -> bool:
-        """Whether a cut at k, one of the `_cut_points`, keeps the text's ids (window.py): not
-        inside an added token's text, nor right after an added token that would swallow the
-        space at k."""
-        return not (any(text.endswith(t, 0, k) for t in self._rstrip_texts)
+        """Whether a cut at k, one of the `_cut_points`, keeps the text's ids (window.py): no added
+        token starts there or right after the whitespace there (a token matched after
+        normalisation leaves the space before it to the text on its left, and one that starts
+        with whitespace may match any of it), none ends there that swallows the whitespace after
+        it, and none spans k."""
+        after = _SPACE_RUN.match(text, k).end()
+        return not (any(text.startswith(t, k) or text.startswith(t.lstrip(), after)
+                        for t in self._added_texts)
+                    or any(text.endswith(t, 0, k) for t in self._rstrip_texts)
                     or self._inside_added(text, k))
 
     def _inside_added(self, text: str, k: int) -> bool:

@@ -61,7 +61,7 @@ class LibraryTokenizer(Tokenizer):
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         vocab = self._tok.get_vocab(with_added_tokens=False)
         self.byte_ids = frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))
-        self._added_texts = tuple(t.content for t in added.values() if " " in t.content[1:])
+        self._added_texts = tuple(t.content for t in added.values())
         self._rstrip_texts = tuple(t.content for t in added.values() if t.rstrip)
 
     def _encode(self, text: str) -> list[int]:
