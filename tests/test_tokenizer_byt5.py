@@ -74,7 +74,7 @@ def test_matches_committed_transformers(fixtures, variant, tmp_path):
     want = expected["variants"][variant]
     tok = load_tokenizer(module.build_variant(BYT5, tmp_path / variant, module.BYT5_VARIANTS[variant]))
     assert isinstance(tok, ByteTokenizer)
-    assert tok.vocab_size == want["len"]
+    assert tok.vocab_size == want["end"]
     for text, index in zip(data["byt5"]["texts"], want["rows"]):
         row = expected["rows"][index]
         assert tok.encode(text) == row["ids"], text

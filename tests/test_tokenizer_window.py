@@ -31,7 +31,8 @@ SPECIALS = {
     "t5": ["<extra_id_0>", "<extra_id_9>", "</s>", "<pad>", "<unk>"],
     "t5-added": ["<extra_id_0>", "</s>", "<sep>", "<L>", "<R>", "ish", "Foo", "bar", " gap", "<B>",
                  "\ufb01ne"],
-    "byt5": ["<extra_id_0>", "<extra_id_124>", "</s>", "<pad>", "<unk>", "<code>", "<R>", "<L>"],
+    "byt5": ["<extra_id_0>", "<extra_id_124>", "</s>", "<pad>", "<unk>", "<code>", "<R>", "<L>", "<w>",
+             "\u00c3"],
     "bpe": ["<mask>", "<s>", "</s>", "<pad>", "<extra_id_0>", "<extra_id_99>", "<code>", "<py>", "<R>"],
     "words": ["<eos>", "<unk>"],
 }
@@ -128,17 +129,25 @@ def test_window_equals_the_full_encoding(source, small_pieces):
 
 
 def test_window_gets_the_specials_around_it(source):
-    """add_eos: what encode puts around a text goes around the window (T5 `</s>`; RoBERTa `<s>` and
-    `</s>`; ByT5 `</s>` unless the window ends with one)."""
+    """add_eos: what encode puts around a text goes around the window (`around`)."""
     tok, _ = source
     text = "The house is wonderful. " * 20
-    full, plain = tok.encode(text), tok.encode(text, add_eos=False)
-    before = len(full) - len(plain) - (1 if tok.eos_id is not None and full[-1] == tok.eos_id
-                                       and plain[-1:] != [tok.eos_id] else 0)
-    head, cut = tok.encode_window(text, 7, "start")
-    assert cut and head == full[:before] + plain[:7] + full[len(full) - (len(full) - len(plain) - before):]
-    assert tok.encode_window(text, len(plain))[0] == full
-    assert tok.encode_window(text, 7, "end")[0][-7 - len(full) + len(plain) + before:][:7] == plain[-7:]
+    plain = tok.encode(text, add_eos=False)
+    assert tok.encode(text) == tok.around(plain)
+    for side, part in (("start", plain[:7]), ("end", plain[-7:])):
+        assert tok.encode_window(text, 7, side) == (tok.around(part), True)
+    assert tok.encode_window(text, len(plain)) == (tok.encode(text), False)
+
+
+def test_what_goes_around():
+    """T5: `</s>` after; RoBERTa BPE: `<s>` before, `</s>` after; ByT5: `</s>` after unless the ids
+    end with one (transformers' ByT5Tokenizer adds no second)."""
+    t5 = load_tokenizer(TOKENIZERS / "tiny-t5")
+    bpe = load_tokenizer(TOKENIZERS / "roberta-bpe")
+    byt5 = load_tokenizer(TOKENIZERS / "byt5")
+    assert t5.around([7]) == [7, 1] and t5.around([7, 1]) == [7, 1, 1]
+    assert bpe.around([7]) == [1, 7, 2] and bpe.around([]) == [1, 2]
+    assert byt5.around([7]) == [7, 1] and byt5.around([7, 1]) == [7, 1]
 
 
 def test_large_text_on_the_real_vocabulary():

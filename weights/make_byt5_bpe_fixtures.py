@@ -86,9 +86,12 @@ BYT5_VARIANTS: dict[str, dict[str, Any]] = {
             "eos_token": _legacy("</s>"), "pad_token": _legacy("<pad>"), "unk_token": "<unk>",
             "additional_special_tokens": sentinels(3) + ["<lang>"]},
         "added_tokens.json": {"<code>": 259, "<lang>": 260}}},
+    # saved with ids: a rstrip, a lstrip and a single_word token, and one of one byte's character
+    # (chr(0xC3) "Ã", which then also stands for the byte 0xC3 in the text's UTF-8)
     "added-tokens-decoder": {"config": {"added_tokens_decoder+": {
         "384": _added("<code>", False), "385": _added("<R>", True, rstrip=True),
-        "386": _added("<L>", True, lstrip=True)}, "additional_special_tokens+": ["<R>", "<L>"]}},
+        "386": _added("<L>", True, lstrip=True), "387": _added("<w>", False, single_word=True),
+        "388": _added("\u00c3", False)}, "additional_special_tokens+": ["<R>", "<L>"]}},
 }
 
 BYT5_TEXTS = [
@@ -105,6 +108,7 @@ BYT5_TEXTS = [
     "ends with eos</s>",
     "tabs\tand\nnewlines\r\n",
     "x <code> y<lang>z <R>  w  <L> v",
+    "<w> a<w> <w>b <w> <code><w><R><L> ü Ã",
     "",
     " ",
     "\x00\x7f\u0080\uffff\U0010ffff",
@@ -301,7 +305,9 @@ def byt5_expected(transformers: Any, work: Path) -> dict[str, Any]:
         assert type(hf).__name__ == "ByT5Tokenizer", (name, type(hf))
         decoded = [[hf.decode(ids, skip_special_tokens=skip) for skip in (True, False)]
                    if max(ids) < len(hf) else None for ids in BYT5_DECODE]   # else HF raises
-        out[name] = {"len": len(hf), "rows": [table.index(_row(hf, t)) for t in BYT5_TEXTS],
+        # ids 0..end-1 (len(hf) counts texts, one fewer where an added token's text is a byte's)
+        end = max(hf.get_vocab().values()) + 1
+        out[name] = {"end": end, "rows": [table.index(_row(hf, t)) for t in BYT5_TEXTS],
                      "decode": decoded}
     return {"rows": table.rows, "variants": out}
 

@@ -159,14 +159,9 @@ class Tokenizer:
 
     def _inside_added(self, text: str, k: int) -> bool:
         """Whether an occurrence of an added token's text spans position k (starts before k and
-        ends after it)."""
-        for t in self._added_texts:
-            start = text.find(t, max(0, k - len(t) + 1), k + len(t) - 1)
-            while 0 <= start < k:
-                if start + len(t) > k:
-                    return True
-                start = text.find(t, start + 1, k + len(t) - 1)
-        return False
+        ends after it: `find` looks only where such an occurrence would lie)."""
+        return any(text.find(t, max(0, k - len(t) + 1), k + len(t) - 1) >= 0
+                   for t in self._added_texts)
 
     def _probe_cuts(self) -> None:
         """Switch cutting off (`_cut_points` None) if a cut changes the ids of a probe text: a file
@@ -191,9 +186,11 @@ class Tokenizer:
         (RoBERTa BPE); False gives the text's own ids only."""
         check_text(text, "encode()")
         ids = self._encode(text)
-        return self._around(ids) if add_eos else ids
+        return self.around(ids) if add_eos else ids
 
-    def _around(self, ids: list[int]) -> list[int]:
+    def around(self, ids: list[int]) -> list[int]:
+        """A text's ids with the special tokens `encode(add_eos=True)` puts around them; len(
+        around([])) is how many that is (ByT5 puts no second `</s>` after one)."""
         return [*self.prefix_ids, *ids, *self._suffix(ids)]
 
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
@@ -206,7 +203,8 @@ class Tokenizer:
                       add_eos: bool = True) -> tuple[list[int], bool]:
         """The first (side="start") or last (side="end") `n` ids of `encode(text, add_eos=False)`,
         and whether that encoding has more than n; with add_eos, the special tokens `encode` puts
-        around a text are put around the window. Work and memory grow with n, not with the text:
+        around a text are put around the window (`around`: a prompt of at most L ids in all takes
+        n = L - len(around([]))). Work and memory grow with n, not with the text:
         the text is encoded in pieces, from the chosen side, until more than n ids are known
         (window.py says where it cuts and why the ids are those of the full encoding)."""
         check_text(text, "encode_window()")
@@ -216,7 +214,7 @@ class Tokenizer:
             raise InputError(f"encode_window(): side must be 'start' or 'end', got {side!r:.40}")
         cuts = None if self._cut_points is None else window.Cuts(self._cut_points, self._is_cut)
         ids, cut = window.encode_window(self._encode, cuts, text, n, side)
-        return (self._around(ids) if add_eos else ids), cut
+        return (self.around(ids) if add_eos else ids), cut
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (ints or NumPy integers); see each source for its rules."""

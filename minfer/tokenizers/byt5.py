@@ -125,34 +125,39 @@ class ByteTokenizer(Tokenizer):
     _cut_points = re.compile(r"(?<=\S)(?=\S| )")
 
     def _encode(self, text: str) -> list[int]:
+        if self._split is None:
+            return self._bytes(text)
         ids: list[int] = []
         for piece in self._pieces(text):
             i = self._ids.get(piece)
-            if i is not None:
-                ids.append(i)
-            elif self._byte_tokens:           # an added token of one byte's character stands for it
-                ids.extend(self._ids.get(chr(b), b + OFFSET) for b in piece.encode("utf-8"))
-            else:
-                ids += (np.frombuffer(piece.encode("utf-8"), np.uint8).astype(np.int64)
-                        + OFFSET).tolist()
+            ids += [i] if i is not None else self._bytes(piece)
         return ids
 
+    def _bytes(self, text: str) -> list[int]:
+        """The ids of a text's UTF-8 bytes (an added token whose text is one byte's character,
+        chr(b), stands for byte b, as in transformers)."""
+        data = text.encode("utf-8")
+        if self._byte_tokens:
+            return [self._ids.get(chr(b), b + OFFSET) for b in data]
+        return (np.frombuffer(data, np.uint8).astype(np.int64) + OFFSET).tolist()
+
     def _pieces(self, text: str) -> list[str]:
-        """The text split around its added tokens, their whitespace stripped as their flags say
-        (PreTrainedTokenizer.tokenize)."""
-        if self._split is None:
-            return [text]
+        """PreTrainedTokenizer.tokenize's pieces: the text cut around its added tokens (no empty
+        pieces), then each token's neighbours stripped of whitespace, or glued to it, as its
+        flags say; a piece that is an added token's text is that token."""
         pieces: list[str] = []
         at = 0
         for m in self._split.finditer(text):
             pieces += [text[at:m.start()], m.group()]
             at = m.end()
         pieces.append(text[at:])
+        pieces = [p for p in pieces if p]
         for i, piece in enumerate(pieces):
-            if i % 2 == 0:
+            if piece not in self._ids:
                 continue
             token = self._added[self._ids[piece]]
-            left, right = pieces[i - 1], pieces[i + 1] if i + 1 < len(pieces) else None
+            left = pieces[i - 1] if i > 0 else None
+            right = pieces[i + 1] if i + 1 < len(pieces) else None
             if token.rstrip and right:
                 pieces[i + 1] = right.lstrip()
             if token.lstrip and left:

@@ -72,7 +72,7 @@ class LibraryTokenizer(Tokenizer):
         for k, t in enumerate(texts):
             check_text(t, f"encode_batch(): text {k}")
         out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-        return [self._around(ids) for ids in out] if add_eos else out
+        return [self.around(ids) for ids in out] if add_eos else out
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
