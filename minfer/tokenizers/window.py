@@ -62,11 +62,8 @@ class Cuts:
 
     def last(self, text: str, lo: int, hi: int) -> int | None:
         """The last cut k with lo < k <= hi (k < len(text))."""
-        found = None
-        for m in self.points.finditer(text, lo + 1, min(hi + 1, len(text))):
-            if self.accept(text, m.start()):
-                found = m.start()
-        return found
+        points = [m.start() for m in self.points.finditer(text, lo + 1, min(hi + 1, len(text)))]
+        return next((k for k in reversed(points) if self.accept(text, k)), None)
 
     def first(self, text: str, lo: int, hi: int) -> int | None:
         """The first cut k with lo <= k < hi (k > 0)."""
