@@ -14,26 +14,18 @@ from pathlib import Path
 import pytest
 
 from minfer.errors import TokenizerError
-from minfer.tokenizers import (BpeTokenizer, IncrementalDecoder, JsonTokenizer, WordTokenizer,
-                               load_tokenizer)
+from minfer.tokenizers import BpeTokenizer, JsonTokenizer, WordTokenizer, load_tokenizer
+from tokenizer_checks import one_line_naming, stream, weights_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BPE = ROOT / "weights" / "tokenizers" / "roberta-bpe"
-SCRIPT = ROOT / "weights" / "make_byt5_bpe_fixtures.py"
 EXPECTED = ROOT / "weights" / "tokenizers" / "byt5-bpe-expected.json"
 CODE = "def add(a, b):\n    return a + b"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("make_byt5_bpe_fixtures", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def fixtures():
-    return _script(), json.loads(EXPECTED.read_text(encoding="utf-8"))
+    return weights_script("make_byt5_bpe_fixtures"), json.loads(EXPECTED.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +56,10 @@ def resaved(tmp_path_factory):
     decoder = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
                         "rstrip": t.rstrip, "single_word": t.single_word, "special": t.special}
                for i, t in backend.get_added_tokens_decoder().items()}
-    config = {"tokenizer_class": "RobertaTokenizer", "added_tokens_decoder": decoder,
-              "additional_special_tokens": [f"<extra_id_{i}>" for i in range(100)],
-              **{k: v for k, v in _script().BPE_MAP.items() if k != "additional_special_tokens"}}
+    config = {**weights_script("make_byt5_bpe_fixtures").BPE_MAP,
+              "tokenizer_class": "RobertaTokenizer", "added_tokens_decoder": decoder}
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
-
-
-def stream(tok, ids, skip=True) -> list[str]:
-    dec = IncrementalDecoder(tok, skip)
-    return [dec.push(i) for i in ids] + [dec.flush()]
-
-
-def one_line_naming(err: pytest.ExceptionInfo, *what) -> None:
-    message = str(err.value)
-    assert "\n" not in message
-    for w in what:
-        assert str(w) in message, message
 
 
 def test_fixtures_are_current_and_small(fixtures):
@@ -91,7 +70,7 @@ def test_fixtures_are_current_and_small(fixtures):
     assert sum(p.stat().st_size for p in BPE.iterdir()) < 24 * 1024
 
 
-@pytest.mark.parametrize("variant", _script().BPE_VARIANTS)
+@pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BPE_VARIANTS)
 def test_matches_committed_transformers(fixtures, variant, tmp_path, resaved):
     """ids (`<s> ... </s>` with add_eos, the text's own without), decoded texts: what transformers
     4.57's AutoTokenizer (RobertaTokenizerFast) gives; the slow RobertaTokenizer gives the same
@@ -127,7 +106,8 @@ def test_code_is_never_unknown_words(codet5):
     assert len(ids) < len(CODE)                        # merged, not one id per character
     assert codet5.decode(ids) == CODE
     assert codet5.token_to_id("<extra_id_0>") == codet5.vocab_size - 1
-    assert codet5.decode([codet5.token_to_id("<extra_id_0>")] + ids, False).startswith("<extra_id_0><s>def")
+    sentinel = codet5.token_to_id("<extra_id_0>")
+    assert codet5.decode([sentinel] + ids, False).startswith("<extra_id_0><s>def")
 
 
 def test_resaved_tokenizer_json_gets_the_same_ids(codet5, resaved):
@@ -275,7 +255,7 @@ def test_nothing_runs_from_a_vocab_file(tmp_path):
     one_line_naming(err, tmp_path / "vocab.json")
 
 
-@pytest.mark.parametrize("variant", _script().BPE_VARIANTS)
+@pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BPE_VARIANTS)
 def test_matches_transformers_live(fixtures, variant, tmp_path, resaved):
     """The same folders against the installed transformers, fast and slow (skipped without it)."""
     transformers = pytest.importorskip("transformers")

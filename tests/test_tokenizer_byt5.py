@@ -5,7 +5,6 @@ folder's bad settings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -16,40 +15,21 @@ import pytest
 
 from minfer.errors import TokenizerError
 from minfer.tokenizers import ByteTokenizer, IncrementalDecoder, has_tokenizer, load_tokenizer
+from tokenizer_checks import one_line_naming, stream, weights_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BYT5 = ROOT / "weights" / "tokenizers" / "byt5"
-SCRIPT = ROOT / "weights" / "make_byt5_bpe_fixtures.py"
 EXPECTED = ROOT / "weights" / "tokenizers" / "byt5-bpe-expected.json"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("make_byt5_bpe_fixtures", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)                 # its top level needs no transformers
-    return module
 
 
 @pytest.fixture(scope="module")
 def fixtures():
-    return _script(), json.loads(EXPECTED.read_text(encoding="utf-8"))
+    return weights_script("make_byt5_bpe_fixtures"), json.loads(EXPECTED.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
 def saved():
     return load_tokenizer(BYT5)
-
-
-def stream(tok, ids, skip=True) -> list[str]:
-    dec = IncrementalDecoder(tok, skip)
-    return [dec.push(i) for i in ids] + [dec.flush()]
-
-
-def one_line_naming(err: pytest.ExceptionInfo, *what: str) -> None:
-    message = str(err.value)
-    assert "\n" not in message
-    for w in what:
-        assert str(w) in message, message
 
 
 def test_fixtures_are_current_and_small(fixtures):
@@ -65,7 +45,7 @@ def test_fixtures_are_current_and_small(fixtures):
                                                 "added_tokens.json"}
 
 
-@pytest.mark.parametrize("variant", _script().BYT5_VARIANTS)
+@pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BYT5_VARIANTS)
 def test_matches_committed_transformers(fixtures, variant, tmp_path):
     """ids with and without </s>, decoded texts both ways, the decoding of invalid UTF-8, the
     vocabulary size: what transformers 4.57's ByT5Tokenizer gives for the same folder."""
@@ -193,7 +173,7 @@ def test_bad_added_tokens_json(tmp_path):
         one_line_naming(err, tmp_path / "added_tokens.json")
 
 
-@pytest.mark.parametrize("variant", _script().BYT5_VARIANTS)
+@pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BYT5_VARIANTS)
 def test_matches_transformers_live(fixtures, variant, tmp_path):
     """The same folders against the installed transformers (skipped without it)."""
     transformers = pytest.importorskip("transformers")

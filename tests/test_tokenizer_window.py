@@ -6,7 +6,6 @@ by n, not by the text."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from minfer.errors import InputError
 from minfer.tokenizers import load_tokenizer, window
+from tokenizer_checks import weights_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZERS = ROOT / "weights" / "tokenizers"
@@ -53,13 +53,11 @@ def random_text(rng: random.Random, specials: list[str]) -> str:
     return rng.choice(["", " ", "\n"]) + text if rng.random() < 0.2 else text
 
 
-def _variant(module_file: str, base: Path, name: str, tmp: Path) -> Path:
-    spec = importlib.util.spec_from_file_location(module_file, ROOT / "weights" / f"{module_file}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if module_file == "make_tokenizer_fixtures":
+def _variant(script: str, base: Path, name: str, tmp: Path) -> Path:
+    module = weights_script(script)
+    if script == "make_tokenizer_fixtures":
         return module.build_variant(base, tmp / name, module.VARIANTS[name])
-    variants = module.BYT5_VARIANTS if "byt5" in str(base) else module.BPE_VARIANTS
+    variants = module.BYT5_VARIANTS if base.name == "byt5" else module.BPE_VARIANTS
     return module.build_variant(base, tmp / name, variants[name])
 
 

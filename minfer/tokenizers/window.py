@@ -7,8 +7,8 @@ the source's `_cut_points` pattern matches and its `_is_cut(text, k)` accepts, m
 encode(text) == encode(text[:k]) + encode(text[k:]).
 
 Why cuts at spaces are exact (Tokenizer's `_cut_points`: a space after a character that is not
-whitespace; `_is_cut`: outside added tokens; checked by tests/test_tokenizer_window.py on thousands of random
-texts for every source, against the full encoding, from both sides):
+whitespace; `_is_cut`: away from added tokens; checked by tests/test_tokenizer_window.py on
+thousands of random texts for every source, against the full encoding, from both sides):
 - every source splits its text into words at spaces before its model sees them, and each word
   is encoded alone: SentencePiece (`split_by_whitespace`) and tokenizer.json's Metaspace start a
   word at each "▁"; WhitespaceSplit / BERT split at whitespace; byte-level BPE's regex gives the
@@ -19,19 +19,22 @@ texts for every source, against the full encoding, from both sides):
   spaces) or on whitespace runs (collapsing them; stripping the text's first and last space), and
   a cut at the start of a run leaves the run whole in the second piece, where the same rules give
   the same "▁" (T5's normaliser strips that leading space and its Metaspace prepends "▁" again);
-- an added token that swallows the whitespace after it (`rstrip`) is never cut from that
-  whitespace, and no cut falls inside an added token's text.
+- added tokens are kept away from cuts: none spans one; none that swallows the whitespace after
+  it (`rstrip`) ends at one; none starts at one or right after its whitespace (a token matched
+  after normalisation leaves the space before it to the text on its left, and one whose text
+  starts with whitespace may match anywhere in the run).
 A tokenizer.json whose pre-tokenizer does not split at spaces (a Metaspace with `split: false`
-lets a SentencePiece piece span words), or a file that fails the load-time probe (`_probe`),
-is encoded whole and sliced: exact, but not bounded.
+lets a SentencePiece piece span words), or a file that fails the load-time probe
+(`Tokenizer._probe_cuts`), is encoded whole and sliced: exact, but not bounded.
 ByT5's bytes are independent of each other: it cuts anywhere between two characters that are not
 whitespace (so no special token's stripping of whitespace reaches the cut) and outside its added
 tokens. The Transformer-XL word vocabulary splits at whitespace and line breaks: exact.
 
 The one inexact case is a text with no cut at all over MAX_RUN characters (a long run without a
 space: base64, minified code): the piece is cut there anyway. Only the ids next to that cut can
-differ from the full encoding's (the pieces on either side of it are words cut in two), and they
-are MAX_RUN characters away from the side the window is taken from.
+differ from the full encoding's (a word cut in two), and they come after the ids of the run's
+first MAX_RUN characters, so a window of n ids is still exact unless those characters make fewer
+than n ids (the word vocabulary makes one `<unk>` of any such run, and one per piece of it).
 
 Work and memory: each piece is at most max(MAX_RUN, MIN_SPAN + CHARS_PER_ID * (n + 1))
 characters, and the pieces stop once n ids are passed, so both grow with n, not with the text.
