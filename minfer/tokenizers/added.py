@@ -91,8 +91,8 @@ def config_tokens(folder: Path, added_token: type, roberta: bool = False) -> Con
     decoder = config.get("added_tokens_decoder")
     names = dict(config)
     if not isinstance(decoder, dict):
-        names.update(_legacy_specials(folder, config))
-        decoder = _legacy_added(folder, names)
+        names.update(legacy_specials(folder, config))
+        decoder = legacy_added(folder, special_names(names))
     if roberta:
         for key, default in _ROBERTA_DEFAULTS.items():
             names.setdefault(key, default)
@@ -114,29 +114,23 @@ def config_tokens(folder: Path, added_token: type, roberta: bool = False) -> Con
             return token
         return None
 
-    specials: list[Any] = [names.get(key) for key in NAMED_SPECIALS]
-    for key in _LISTED_SPECIALS:
-        listed = names.get(key)
-        specials += list(listed.values()) if isinstance(listed, dict) else \
-            list(listed) if isinstance(listed, list) else []
-    special_names = {token_name(v) for v in specials} - {None}
-
+    specials = _specials(names)
+    named = special_names(names)
     out: list[Any] = []
     for key in sorted((k for k in decoder if str(k).lstrip("-").isdigit()), key=int):
         entry = decoder[key]
-        if isinstance(entry, str):            # added_tokens.json: special if a special names it
-            special = entry in special_names
-            token = added_token(entry, rstrip=False, lstrip=False, normalized=not special,
-                                special=special)
+        if isinstance(entry, tuple):          # added_tokens.json's (content, special)
+            token = added_token(entry[0], rstrip=False, lstrip=False, normalized=not entry[1],
+                                special=entry[1])
         else:
             token = make(entry, False)
         if token is not None:
-            token.special = bool(token.special or token.content in special_names)
+            token.special = bool(token.special or token.content in named)
             out.append(token)
     return ConfigTokens(out, [t for t in (make(v, True) for v in specials) if t is not None], names)
 
 
-def _legacy_specials(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
+def legacy_specials(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
     """special_tokens_map.json's values as transformers' legacy path takes them: each overrides
     the config's, flagged special; its additional_special_tokens follow the config's."""
     out: dict[str, Any] = {}
@@ -152,15 +146,31 @@ def _legacy_specials(folder: Path, config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _legacy_added(folder: Path, names: dict[str, Any]) -> dict[str, Any]:
-    """added_tokens.json ({token: id}) as decoder entries {id: token}."""
+def legacy_added(folder: Path, named: set[str]) -> dict[int, tuple[str, bool]]:
+    """added_tokens.json ({token: id}) as decoder entries {id: (token, special)}: special when
+    the settings name it so far (transformers decides before the class completes them)."""
     path = folder / "added_tokens.json"
     data = read_object(path)
     for token, index in data.items():
         if not is_int(index) or index < 0:
             raise TokenizerError(f"{path}: token {token!r:.60} has id {index!r:.40}, not a "
                                  "non-negative integer")
-    return {index: token for token, index in data.items()}
+    return {index: (token, token in named) for token, index in data.items()}
+
+
+def _specials(names: dict[str, Any]) -> list[Any]:
+    """The special tokens the settings name, in transformers' order."""
+    out: list[Any] = [names.get(key) for key in NAMED_SPECIALS]
+    for key in _LISTED_SPECIALS:
+        listed = names.get(key)
+        out += list(listed.values()) if isinstance(listed, dict) else \
+            list(listed) if isinstance(listed, list) else []
+    return out
+
+
+def special_names(names: dict[str, Any]) -> set[str]:
+    """The texts of the special tokens the settings name."""
+    return {token_name(v) for v in _specials(names)} - {None}
 
 
 def token_state(token: Any) -> tuple:

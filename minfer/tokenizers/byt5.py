@@ -38,7 +38,8 @@ import numpy as np
 
 from ..errors import TokenizerError
 from ..io.limits import is_int
-from .added import MAX_EXTRA_IDS, NAMED_SPECIALS
+from .added import (MAX_EXTRA_IDS, NAMED_SPECIALS, legacy_added, legacy_specials,
+                    special_names)
 from .base import Tokenizer, read_json_text, read_object, token_name
 
 CLASS = "ByT5Tokenizer"
@@ -82,6 +83,8 @@ class ByteTokenizer(Tokenizer):
     """ByT5's UTF-8 bytes (path: the folder; there is no vocabulary file)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any]):
+        # `settings` (the fast tokenizers' reading of the configs) is not used: a slow tokenizer
+        # reads them its own way (_init_settings)
         self.path = folder
         config = folder / "tokenizer_config.json"
         where = config if config.is_file() else folder / "config.json"
@@ -101,7 +104,8 @@ class ByteTokenizer(Tokenizer):
         self._added = added
         self._ids = {t.content: i for i, t in added.items()}
         self.vocab_size = max(BYTE_END, max(added) + 1)
-        _check_fits(folder, where, len(sentinels), names.get("extra_ids", DEFAULT_EXTRA_IDS))
+        _check_fits(folder, where, sum("<extra_id_" in _name(v) for v in sentinels),
+                    names.get("extra_ids", DEFAULT_EXTRA_IDS))
         self.special_ids = frozenset(i for i in map(self.token_to_id, specials) if i is not None)
         self.byte_ids = frozenset()
         # transformers' `legacy_added_tokens`: the added tokens that are not special, and the
@@ -238,27 +242,9 @@ def _init_settings(folder: Path) -> tuple[dict[str, Any], dict[int, _Token]]:
                                      "with a {\"content\": ...} token")
             saved[int(key)] = token
         return names, saved
-    for key, value in read_object(folder / "special_tokens_map.json").items():
-        if key == "additional_special_tokens" and isinstance(value, list):
-            listed = names.get(key) if isinstance(names.get(key), list) else []
-            seen = {_name(v) for v in listed}
-            value = listed + [_token(v, special=True) if isinstance(v, dict) else v
-                              for v in value if _name(v) not in seen]
-        elif isinstance(value, dict):
-            value = _token(value, special=True)
-        names[key] = value
-    added_path = folder / "added_tokens.json"
-    if added_path.is_file():
-        data, _ = read_json_text(added_path)
-        if not isinstance(data, dict):
-            raise TokenizerError(f"{added_path}: not a JSON object of {{token: id}}")
-        special = {_name(names.get(k)) for k in NAMED_SPECIALS} | \
-            {_name(v) for v in names.get("additional_special_tokens") or []}
-        for content, index in data.items():
-            if not is_int(index) or index < 0 or not content:
-                raise TokenizerError(f"{added_path}: token {content!r:.60} has id {index!r:.40}, "
-                                     "not a non-negative integer")
-            saved[index] = _Token(content, special=content in special)
+    names.update(legacy_specials(folder, names))
+    for index, (content, special) in legacy_added(folder, special_names(names)).items():
+        saved[index] = _Token(content, special=special)
     return names, saved
 
 
