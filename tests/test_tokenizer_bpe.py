@@ -47,10 +47,9 @@ def resaved(tmp_path_factory):
         return out
     from tokenizers import processors
     tok = load_tokenizer(BPE)
-    backend = tok._tok
+    backend = tok._tok                  # a tokenizer of this fixture's own: changed, then dropped
     backend.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 1))
     backend.save(str(out / "tokenizer.json"))
-    backend.post_processor = None
     for name in ("vocab.json", "merges.txt", "config.json"):
         shutil.copy(BPE / name, out)
     decoder = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
