@@ -25,7 +25,7 @@ XL_WORDS = ROOT / "weights" / "transfo_xl" / "adaptive_div4_bin"
 WORDS = ["the", "The", "house", "is", "wonderful", "March", "5,", "2021", "Friday", "def", "add(a,",
          "b):", "return", "a", "+", "b", "x=1;", "print(i)", "don't", "U.S.", "1,000.5", "well-known",
          "naïve", "Zürich", "ﬁne", "日本語", "中文", "😀", "👍🏽", "e\u0301", "ÄÖÜ", "...", "(", ")",
-         "\"quoted\"", "$5", "ｶﾀｶﾅ", "ＦＵＬＬ", "@-@", "<unk>"]
+         "\"quoted\"", "$5", "ｶﾀｶﾅ", "ＦＵＬＬ", "@-@", "<unk>", "\u2581", "a\u2581b", "\u0120x"]
 SPACES = [" ", " ", " ", "  ", "   ", "\t", "\n", " \n ", "\r\n", "\u3000", "\xa0", " \t", "\n\n",
           "\u2003", ""]
 SPECIALS = {

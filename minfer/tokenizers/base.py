@@ -25,6 +25,7 @@ SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
 _PROBES = ("a b", "a  b c", "ab. cd,\te f", "1 2  3", "x \ty\t z", "\u00e9t\u00e9 \u00fc", "a \nb\n c",
            "A B", "a\u3000 b")
 _SPACE_RUN = re.compile(r"\s*")
+METASPACE = "\u2581"                       # "▁", SentencePiece's word-start mark
 # A lone UTF-16 half: a str that holds one is no text (see check_text).
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -122,8 +123,9 @@ class Tokenizer:
     # Where encode_window may cut a text (window.py says why these keep the ids): the positions
     # this pattern finds that `_is_cut` accepts; None: the source cannot be cut. A space after a
     # character that is not whitespace: every source splits words there, and the space then
-    # starts the next word (SentencePiece's "▁", byte-level BPE's "Ġ").
-    _cut_points: re.Pattern | None = re.compile(r"(?<=\S) ")
+    # starts the next word (SentencePiece's "▁", byte-level BPE's "Ġ"). A "▁" in the text is
+    # whitespace to SentencePiece (a space is one once normalised), so it counts as whitespace.
+    _cut_points: re.Pattern | None = re.compile(f"(?<=[^\\s{METASPACE}]) ")
 
     # -- what a source provides -------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -146,14 +148,17 @@ class Tokenizer:
         return [self.eos_id] if self.eos_id is not None else []
 
     def _is_cut(self, text: str, k: int) -> bool:
-        """Whether a cut at k, one of the `_cut_points`, keeps the text's ids (window.py): no added
-        token starts there or right after the whitespace there (a token matched after
+        """Whether a cut at k, one of the `_cut_points`, keeps the text's ids (window.py). Not
+        where the whitespace at k runs into a "▁" (the piece after the cut would start with it,
+        and Metaspace then puts back no space that a normaliser stripped); and away from added
+        tokens: none starts at k or right after its whitespace (a token matched after
         normalisation leaves the space before it to the text on its left, and one that starts
-        with whitespace may match any of it), none ends there that swallows the whitespace after
-        it, and none spans k."""
+        with whitespace may match any of it), none that swallows the whitespace after it ends at
+        k, none spans k."""
         after = _SPACE_RUN.match(text, k).end()
-        return not (any(text.startswith(t, k) or text.startswith(t.lstrip(), after)
-                        for t in self._added_texts)
+        return not (text.startswith(METASPACE, after)
+                    or any(text.startswith(t, k) or text.startswith(t.lstrip(), after)
+                           for t in self._added_texts)
                     or any(text.endswith(t, 0, k) for t in self._rstrip_texts)
                     or self._inside_added(text, k))
 

@@ -11,10 +11,11 @@ The rule, first match wins:
 5. a word vocabulary (words.py): `vocab.pkl`, `vocab.bin`, `vocab.json`, `vocab.txt` in that
    order, only for a Transformer-XL folder: config.json's `model_type` is `transfo-xl`, or there is
    no config.json (a bare vocabulary), and the class named is `TransfoXLTokenizer` or none.
-A `vocab.json` that is neither (a T5 folder's vocab.json without merges.txt, which was once read as
-words and turned `def add(a, b)` into unknown words) is a one-line error naming what is missing,
-as is any other folder with vocabulary files no source takes. A present file whose library is not
-installed is skipped for the next source, and named if none is left.
+A vocab.json beside merges.txt is never read as words. A `vocab.json` that is neither (a T5
+folder's vocab.json without merges.txt, which was once read as words and turned `def add(a, b)`
+into unknown words) is a one-line error naming what is missing, as is any other folder with
+vocabulary files no source takes. A present file whose library is not installed is skipped for
+the next source, and named if none is left.
 """
 
 from __future__ import annotations

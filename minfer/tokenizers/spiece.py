@@ -20,9 +20,8 @@ from typing import Any
 from ..errors import TokenizerError
 from ..io.limits import is_int
 from .added import DEFAULT_EXTRA_IDS, MAX_EXTRA_IDS
-from .base import MissingLibrary, Tokenizer, first_line
+from .base import METASPACE, MissingLibrary, Tokenizer, first_line
 
-_METASPACE = "\u2581"                       # "▁", SentencePiece's word-start mark
 
 
 def _bytes_text(run: bytes) -> str:
@@ -41,7 +40,7 @@ class SentencePieceTokenizer(Tokenizer):
             import sentencepiece
         except ImportError:
             raise MissingLibrary(f"{path}: reading it needs the 'sentencepiece' package "
-                                  "(pip install sentencepiece)") from None
+                                 "(pip install sentencepiece)") from None
         self.path = path
         try:
             proto = path.read_bytes()
@@ -107,7 +106,7 @@ class SentencePieceTokenizer(Tokenizer):
             parts.append(_bytes_text(bytes(run)))
         if not parts:
             return ""
-        return parts[0].replace(_METASPACE, "") + "".join(parts[1:]).replace(_METASPACE, " ")
+        return parts[0].replace(METASPACE, "") + "".join(parts[1:]).replace(METASPACE, " ")
 
     def token_to_id(self, token: str) -> int | None:
         if token in self._sentinel_ids:

@@ -7,7 +7,7 @@ the source's `_cut_points` pattern matches and its `_is_cut(text, k)` accepts, m
 encode(text) == encode(text[:k]) + encode(text[k:]).
 
 Why cuts at spaces are exact (Tokenizer's `_cut_points`: a space after a character that is not
-whitespace; `_is_cut`: away from added tokens; checked by tests/test_tokenizer_window.py on
+whitespace, nor a "▁", which SentencePiece takes for one; `_is_cut`: away from added tokens; checked by tests/test_tokenizer_window.py on
 thousands of random texts for every source, against the full encoding, from both sides):
 - every source splits its text into words at spaces before its model sees them, and each word
   is encoded alone: SentencePiece (`split_by_whitespace`) and tokenizer.json's Metaspace start a
