@@ -27,10 +27,6 @@ __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "M
            "Cancelled", "errors"]
 __version__ = "0.1.0"
 
-# Files whose presence means a model folder carries its tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "vocab.pkl", "vocab.bin", "vocab.json",
-                   "vocab.txt")
-
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
          *, memory_limit: int | str | None = None, num_threads: int | None = None,
@@ -82,7 +78,6 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
                      tokenizer_subfolder=tokenizer_subfolder)
     from .hub import check_subfolder, resolve_model
     from .io.sentence_transformers import read_sentence_modules
-    from .tokenizer import load_tokenizer
     root = folder = resolve_model(model, revision, offline=offline, token=token,
                                   cache_dir=cache_dir, subfolder=subfolder,
                                   also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
@@ -97,7 +92,7 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
         dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
     be = make_backend(device, dtype, workspace, memory_limit)
     be.num_threads = set_threads(num_threads)
-    tokenizer = _tokenizer(load_tokenizer, root, tokenizer_subfolder, ckpt.folder, folder)
+    tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
     loaded = family.load(ckpt, be, read_json(ckpt.folder / "generation_config.json"), tokenizer,
                          recorder, parts)
     if modules is not None:
@@ -116,18 +111,19 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     return loaded
 
 
-def _tokenizer(load_tokenizer: Any, root: Path, subfolder: str | None, *folders: Path) -> Any:
+def _tokenizer(root: Path, subfolder: str | None, *folders: Path) -> Any:
     """The tokenizer of `root / subfolder` when one is named (it must hold one), else of the
     first of `folders` that holds tokenizer files (None when none does)."""
+    from .tokenizers import has_tokenizer, load_tokenizer
     if subfolder:
         from .hub import check_subfolder
         where = root / check_subfolder(subfolder, "tokenizer_subfolder")
-        if not any((where / f).is_file() for f in TOKENIZER_FILES):
+        if not has_tokenizer(where):
             raise TokenizerError(f"{where}: no tokenizer files (tokenizer_subfolder="
                                  f"{subfolder!r})")
         return load_tokenizer(where)
     for folder in folders:
-        if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        if has_tokenizer(folder):
             return load_tokenizer(folder)
     return None
 

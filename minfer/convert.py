@@ -32,9 +32,9 @@ from .io.checkpoint import Checkpoint
 from .io.tensors import STORAGE
 from .models.registry import family_of
 from .params.formats import FORMATS, SCALE_SUFFIX, quantize_int8, to_bfloat16_bits
+from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
-COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "spiece.model", "vocab.json", "vocab.txt")
+COPY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 # dtype -> the safetensors dtype of every tensor that is not an int8 matrix
 _CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items()}
 
@@ -151,9 +151,9 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
             written.append(out / name)
             shutil.copy(ckpt.folder / name, out / name)
             copied.append(name)
-    vocab_pickles = [n for n in ("vocab.pkl", "vocab.bin") if (ckpt.folder / n).is_file()]
+    vocab_pickles = [n for n in PICKLED_VOCABULARIES if (ckpt.folder / n).is_file()]
     if vocab_pickles and not (out / "vocab.txt").exists() and not (out / "vocab.json").exists():
-        from .tokenizer import load_tokenizer  # a word vocabulary: rewrite it without pickle
+        from .tokenizers import load_tokenizer  # a word vocabulary: rewrite it without pickle
         tok = load_tokenizer(ckpt.folder)
         symbols = [tok.id_to_token(i) for i in range(tok.vocab_size)]
         written.append(out / "vocab.txt")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ConfigError, ModelNotFoundError
+from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
 # Pre-organisation ids the hub now redirects. Resolving them here keeps one cache folder per model
 # (models--google-t5--t5-small) whichever spelling was typed, and offline look-ups cannot follow
@@ -44,12 +45,7 @@ DEFAULT_REVISIONS = {
 # with fnmatch, whose `*` also crosses `/`: a loose "*.json" would pull in onnx/ and other folders.
 SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
 SHARD_PATTERN = "model-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].safetensors"
-OTHER_FILES = (
-    "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "spiece.model",
-    "vocab.json", "vocab.txt",
-    "vocab.pkl", "vocab.bin",  # Transformer-XL's WT103 word vocabulary
-)
+OTHER_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, *PICKLED_VOCABULARIES)
 BIN_FILE = "pytorch_model.bin"
 # A sentence-transformers folder: its module list and settings at the top, each module's files
 # in a folder named "<index>_<Module>" (1_Pooling/config.json, 2_Dense/model.safetensors, ...;

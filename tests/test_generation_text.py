@@ -148,7 +148,8 @@ def test_missing_vocabulary_names_the_files_the_family_reads(tmp_path):
 
     import minfer
     t5 = minfer.load(write_t5(tmp_path / "m"))
-    with pytest.raises(InputError, match=r"has none \(tokenizer.json or spiece.model\)"):
+    with pytest.raises(InputError, match=r"has none \(tokenizer.json, spiece.model, vocab.json \+ "
+                                         r"merges.txt or tokenizer_class ByT5Tokenizer\)"):
         t5.generate("hello")
     folder = XL_FIXTURES / "adaptive_div4"
     if not (folder / "config.json").is_file():

@@ -320,14 +320,16 @@ def test_allow_patterns_fetch_only_what_minfer_reads():
         "model-00002-of-00002.safetensors", "pytorch_model.bin", "tf_model.h5",
         "flax_model.msgpack",
         "rust_model.ot", "spiece.model", "tokenizer.json", "tokenizer_config.json",
-        "special_tokens_map.json", "vocab.pkl", "vocab.bin", "onnx/config.json",
+        "special_tokens_map.json", "vocab.pkl", "vocab.bin", "merges.txt", "added_tokens.json",
+        "onnx/config.json", "onnx/merges.txt",
         "onnx/model.safetensors", "onnx/decoder_model.onnx", "onnx/tokenizer.json",
         "model-x/y-of-z.safetensors", "model-00001-of-00002.safetensors/extra",
     ]
     wanted = {"config.json", "generation_config.json", "model.safetensors",
               "model.safetensors.index.json", "model-00001-of-00002.safetensors",
               "model-00002-of-00002.safetensors", "spiece.model", "tokenizer.json",
-              "tokenizer_config.json", "special_tokens_map.json", "vocab.pkl", "vocab.bin"}
+              "tokenizer_config.json", "special_tokens_map.json", "vocab.pkl", "vocab.bin",
+              "merges.txt", "added_tokens.json"}
     kept = set(filter_repo_objects(repo_files, allow_patterns=hub.allow_patterns()))
     assert kept == wanted
     kept = set(filter_repo_objects(repo_files, allow_patterns=hub.allow_patterns(include_bin=True)))

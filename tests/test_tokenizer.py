@@ -1,4 +1,4 @@
-"""minfer.tokenizer: both sources (tokenizer.json, spiece.model), T5 conventions, streaming.
+"""minfer.tokenizers: both sources (tokenizer.json, spiece.model), T5 conventions, streaming.
 
 Always runs on the committed tiny tokenizer (weights/tokenizers/tiny-t5, byte fallback); the real T5
 vocabulary is read from ../shared/t5-tokenizer and those tests skip when it is absent, as do the
@@ -7,7 +7,6 @@ comparisons with `transformers` when it is not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -19,8 +18,9 @@ import numpy as np
 import pytest
 
 from minfer.errors import InputError, TokenizerError
-from minfer.tokenizer import (IncrementalDecoder, JsonTokenizer, SentencePieceTokenizer,
-                              load_tokenizer)
+from minfer.tokenizers import (IncrementalDecoder, JsonTokenizer, SentencePieceTokenizer,
+                               load_tokenizer)
+from tokenizer_checks import weights_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "weights" / "tokenizers" / "tiny-t5"
@@ -413,10 +413,7 @@ def test_tiny_matches_transformers(tiny, tiny_sp):
 # -- tokenizer.json / tokenizer_config.json as hub repositories save them ----------------------
 
 def _variants_module():
-    spec = importlib.util.spec_from_file_location("make_tokenizer_fixtures", VARIANTS_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)                  # its top level needs no transformers
-    return module
+    return weights_script(VARIANTS_SCRIPT.stem)
 
 
 @pytest.fixture(scope="module")

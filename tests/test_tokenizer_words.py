@@ -1,4 +1,4 @@
-"""The Transformer-XL word-level tokenizer (WikiText-103 conventions) in minfer.tokenizer."""
+"""The Transformer-XL word-level tokenizer (WikiText-103 conventions) in minfer.tokenizers (words.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from minfer.errors import InputError, TokenizerError
-from minfer.tokenizer import IncrementalDecoder, WordTokenizer, load_tokenizer
+from minfer.tokenizers import IncrementalDecoder, WordTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "weights" / "transfo_xl" / "adaptive_div4_bin"

@@ -17,7 +17,7 @@ What it makes (about 40 KB in all):
   SentencePiece's whitespace handling, a Metaspace pre-tokenizer, a post-processor appending `</s>`
   and a ByteFallback + Metaspace decoder.
 - `tokenizer_config.json`, `special_tokens_map.json`: T5-style (`extra_ids`: 10), loadable by
-  `transformers.T5TokenizerFast` / `T5Tokenizer` as well as by `minfer.tokenizer`.
+  `transformers.T5TokenizerFast` / `T5Tokenizer` as well as by `minfer.tokenizers`.
 
 The script checks that both files encode its corpus (and a few harder strings) to the same ids.
 It will be shared by the small trained T5 checkpoints, so the vocabulary must cover digits, month

@@ -1,6 +1,6 @@
 """Write weights/tokenizers/hf-variants.json: the token ids `transformers` gives for tokenizer folders
 saved the ways hub repositories save them, for tests/test_tokenizer.py to compare with
-`minfer.tokenizer` without transformers installed.
+`minfer.tokenizers` without transformers installed.
 
 Each variant is the committed tiny tokenizer (weights/tokenizers/tiny-t5) or the real T5 one
 (../shared/t5-tokenizer, not in the repository) with a few settings changed (`VARIANTS`, applied by
@@ -17,7 +17,8 @@ Each variant is the committed tiny tokenizer (weights/tokenizers/tiny-t5) or the
   sentinels T5Tokenizer fills in when the config names none, special tokens that are vocabulary
   pieces but not added tokens, the model type taken from config.json;
 - `tokenizer_class: PreTrainedTokenizerFast` (the file run as written, in every transformers) and
-  `legacy: false`.
+  `legacy: false`;
+- an added_tokens.json (read only where tokenizer_config.json has no `added_tokens_decoder`).
 
 The oracle is `transformers.AutoTokenizer.from_pretrained(folder)(text)["input_ids"]` under the
 pinned dev version, transformers 4.57.6, which runs a tokenizer.json as written (as the `tokenizers`
@@ -79,7 +80,8 @@ NO_SENTINEL_LIST = {"additional_special_tokens": None, "extra_ids": None}
 # tokenizer.json (next free ids) and, as save_pretrained does, to tokenizer_config.json's
 # added_tokens_decoder; "config_add" adds them to the config only; "drop_added" removes the added
 # tokens whose content contains that string (from both files); "config" / "map" set keys of
-# tokenizer_config.json / special_tokens_map.json (None deletes); "config_json" writes config.json.
+# tokenizer_config.json / special_tokens_map.json (None deletes); "config_json" writes config.json;
+# "added_json" writes added_tokens.json.
 VARIANTS: dict[str, dict[str, Any]] = {
     "as-shipped": {},
     "padding-fixed": {"json": {"padding": _padding({"Fixed": 24})}},
@@ -104,6 +106,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "generic-class": {"config": {"tokenizer_class": "PreTrainedTokenizerFast"},
                       "json": {"truncation": _truncation(3)}},
     "legacy-false": {"config": {"legacy": False}},
+    # added_tokens.json, which transformers reads only where the config has no added_tokens_decoder
+    # (the tiny config has none, the real one has): a new token, a vocabulary word, a sentinel
+    "added-tokens-json": {"added_json": ["<aj>", "Friday", "<extra_id_0>"],
+                          "config": {"additional_special_tokens+": ["<aj>"]}},
 }
 
 TEXTS = [
@@ -123,6 +129,7 @@ TEXTS = [
     "a gap  gap",
     "x <B> y<B>z",
     "Friday日本 Fridays",
+    "a<aj>b <aj> Friday",
 ]
 
 
@@ -165,6 +172,9 @@ def build_variant(src: Path, dst: Path, spec: dict[str, Any]) -> Path:
         (dst / name).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
     if "config_json" in spec:
         (dst / "config.json").write_text(json.dumps(spec["config_json"]), encoding="utf-8")
+    if "added_json" in spec:      # {token: id}, new ids after the file's last
+        added = {token: next_id + k for k, token in enumerate(spec["added_json"])}
+        (dst / "added_tokens.json").write_text(json.dumps(added), encoding="utf-8")
     return dst
 
 

@@ -1,7 +1,7 @@
 """The text layer: prompts in, text (or token ids) out, optionally streamed as decided.
 
 Prompts are tokenized (with a task's prefix), batched, decoded by the search loops, and detokenized
-per row as tokens arrive (`tokenizer.IncrementalDecoder`), with stop strings cut as soon as they
+per row as tokens arrive (`tokenizers.IncrementalDecoder`), with stop strings cut as soon as they
 appear and never emitted. `generate` is what the models' public `generate()` calls.
 
 Batching: any number of prompts is split into batches (`plan_batches`): shortest first within a
@@ -75,7 +75,7 @@ class _RowText:
     """Per-row streaming detokeniser plus stop-string matcher."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], eos: set[int]):
-        from ..tokenizer import IncrementalDecoder
+        from ..tokenizers import IncrementalDecoder
         self.decoder = IncrementalDecoder(tokenizer)
         self.matcher = StopMatcher(stops)
         self.eos = eos
@@ -180,21 +180,15 @@ def _check_prompt(prompt: Any, where: str) -> str:
                          "string (or every item a list of token ids)")
     if not prompt.strip():
         raise InputError(f"{where}: empty prompt (nothing but whitespace)")
-    from ..tokenizer import check_text   # the tokenizer's own check, here naming the prompt
+    from ..tokenizers import check_text   # the tokenizer's own check, here naming the prompt
     check_text(prompt, where)
     return prompt
 
 
-# The vocabulary files a checkpoint of each kind ships (tokenizer.load_tokenizer reads any of
-# them): T5, the encoder-decoder family, tokenizer.json or spiece.model; Transformer-XL, the
-# decoder-only one, its word vocabulary.
-_TOKENIZER_FILES = {True: "tokenizer.json or spiece.model",
-                    False: "vocab.txt, vocab.pkl, vocab.bin or vocab.json"}
-
-
 def tokenizer_files(model: DecodingModel) -> str:
     """The vocabulary files a model of this kind would have its tokenizer read from."""
-    return _TOKENIZER_FILES[bool(model.is_encoder_decoder)]
+    from ..tokenizers import source_files
+    return source_files(bool(model.is_encoder_decoder))
 
 
 def need_tokenizer(model: DecodingModel, why: str) -> Any:
