@@ -153,14 +153,13 @@ def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray
             vals[a:e] = np.take_along_axis(acc, top, axis=1)
         keys[a:e] = np.take_along_axis(acc, top, axis=1)
         idx[a:e] = top
-    beam = np.arange(R) % K
-    flat = (beam[:, None] * V + idx).reshape(b, K * keep_n)                 # into each input's K*V
-    vals, keys = vals.reshape(b, K * keep_n), keys.reshape(b, K * keep_n)
-    # best first, ties by flat index: a stable sort of the candidates laid out in flat order
-    order = np.argsort(flat, axis=1, kind="stable")
-    flat, vals, keys = (np.take_along_axis(a, order, axis=1) for a in (flat, vals, keys))
-    pick = np.argsort(-vals, axis=1, kind="stable")[:, :keep_n]
-    return np.take_along_axis(keys, pick, axis=1), np.take_along_axis(flat, pick, axis=1)
+    # Laid out (b, K * keep_n), beam by beam, each beam's best first with ties in token order:
+    # among equal values that is the order of their flat indices beam * V + token, so a top-k
+    # that breaks ties by position breaks them by flat index, as one over K*V would.
+    pick = top_k_indices(vals.reshape(b, K * keep_n), keep_n)               # (b, keep_n)
+    beam, rank = pick // keep_n, pick % keep_n
+    rows = np.arange(b)[:, None] * K + beam                                 # rows of idx / keys
+    return keys[rows, rank], beam * V + idx[rows, rank]
 
 
 def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -233,7 +232,9 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             b = len(live)
             logits = state.step(running[live, :, cur - 1].reshape(-1))          # (b*K, V)
             V = logits.shape[1]
-            if not np.isfinite(logits).all():   # else every beam sinks to "impossible", unnamed
+            # (else every beam sinks to "impossible", unnamed; max and min see NaN and inf
+            # without a (rows, V) mask)
+            if not (np.isfinite(logits.max()) and np.isfinite(logits.min())):
                 raise InputError(f"step {cur - 1}: the model's logits are not finite (its "
                                  "weights or activations overflowed)")
             top_scores, top = beam_candidates(
