@@ -205,3 +205,35 @@ def test_run_iter_windows_are_bounded_whatever_the_batch_size(text_model, monkey
                    max_input_tokens=16, truncation=True)
     next(out)
     assert 1 <= len(read) <= 1000 // 60 + 1                       # the character bound
+
+
+# -- prompts far longer than their limit: tokenized only as far as the limit reaches ---------------------
+def test_a_long_prompt_is_cut_as_its_full_encoding_would_be(text_model):
+    tok = text_model.tokenizer
+    words = ["date:", "1999", "and", "more", "words", "spell:", "1234", "hello", "world", "x"]
+    prompt = " ".join(words[(i * 7) % len(words)] for i in range(6000))     # ~30k characters
+    full = tok.encode(prompt)
+    for limit in (16, 64):
+        got = text_model.generate(prompt, max_new_tokens=3, max_input_tokens=limit,
+                                  truncation=True, return_details=True)[0][0]
+        cut = full[:limit - 1] + full[-1:]        # the start, and the closing </s>
+        assert got.prompt_tokens == limit
+        assert got.token_ids == text_model.generate([cut], max_new_tokens=3)[0]
+
+
+def test_a_huge_prompt_costs_what_its_limit_allows(text_model, monkeypatch):
+    from minfer.errors import ArenaExhausted
+    tok = text_model.tokenizer
+    longest = []
+    real = type(tok)._encode
+    monkeypatch.setattr(type(tok), "_encode", lambda self, text: (longest.append(len(text)),
+                                                                   real(self, text))[1])
+    prompt = "date: 4th of July 1976 and more words " * (8_000_000 // 38)  # 8 MB
+    got = text_model.generate(prompt, max_new_tokens=2, max_input_tokens=32, truncation=True,
+                              return_details=True)[0][0]
+    assert got.error is None and got.prompt_tokens == 32
+    with pytest.raises(InputError, match="more than 32 tokens, more than max_input_tokens 32"):
+        text_model.generate(prompt, max_new_tokens=2, max_input_tokens=32)
+    with pytest.raises(ArenaExhausted, match=r"more than \d+ prompt tokens"):
+        text_model.generate(prompt, max_new_tokens=2)     # the arena's own bound
+    assert max(longest) < 100_000        # pieces near the limit, never the 8 MB text

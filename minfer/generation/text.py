@@ -199,6 +199,11 @@ def need_tokenizer(model: DecodingModel, why: str) -> Any:
 
 
 # -- batching ---------------------------------------------------------------------------------------
+# A prompt longer than this many characters per token of its limit is tokenized through
+# `encode_window` (work bounded by the limit; exact, see tokenizers/window.py); shorter ones in
+# one batch call, which is faster for many short prompts.
+LONG_PROMPT_CHARS_PER_TOKEN = 16
+
 # Prompts read and sorted by length together (`run_iter`): this many batches' worth (CTranslate2
 # reads max_batch_size * 16 examples before it sorts and rebatches), but never more than
 # WINDOW_ROWS prompts nor (past the first) WINDOW_CHARS characters of them, whatever the batch
@@ -289,13 +294,29 @@ class BatchPlanner:
             self._rows[length] = lo
         return self._rows[length]
 
-    def too_big(self, length: int, where: str) -> ArenaExhausted | None:
-        """The error of a prompt that cannot run even alone, naming the bytes; else None."""
+    def longest(self, cap: int = 1 << 20) -> int | None:
+        """The most prompt tokens one prompt may have and still fit an idle arena; None when no
+        bound is known (no plan) or `cap` tokens fit (a model that runs prompts in segments)."""
+        if self.available is None or self.peak(1, cap) <= self.idle:
+            return None
+        lo, hi = 0, cap            # the plan grows with the length: binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak(1, mid) <= self.idle:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def too_big(self, length: int, where: str, more: bool = False) -> ArenaExhausted | None:
+        """The error of a prompt of `length` tokens (`more`: of more than length - 1) that cannot
+        run even alone, naming the bytes; else None."""
         if self.max_rows(length) > 0:
             return None
+        tokens = f"more than {length - 1}" if more else f"{length}"
         return ArenaExhausted(getattr(self.arena, "name", "arena"), self.peak(1, length),
                               self.idle, self.arena.capacity,
-                              f"{where} ({length} prompt tokens, up to {self.max_new_tokens} new "
+                              f"{where} ({tokens} prompt tokens, up to {self.max_new_tokens} new "
                               f"tokens{f' x {self.repeat} rows' if self.repeat > 1 else ''}; the "
                               "bytes available are those left when no other request runs)")
 
@@ -337,9 +358,17 @@ class _Call:
         """Each row's prompt token ids (task prefix, `</s>` as the family declares, truncated
         when asked), or the error that keeps it from running, naming it."""
         rows: list[Any] = [self._check(item, i, name(i)) for i, item in enumerate(items)]
-        if self.kind != "ids":   # one tokenizer call for the rows that passed
+        if self.kind != "ids":
+            limit = self._token_limit(planner)
             todo = [i for i, r in enumerate(rows) if isinstance(r, str)]
-            texts = [self.prefix + rows[i] for i in todo]
+            # a prompt far longer than the limit is tokenized only as far as the limit reaches
+            # (a 10 MB prompt took 20 s and 2.9 GB before its error, even truncated to 64)
+            long = {i for i in todo if limit is not None and
+                    len(self.prefix) + len(rows[i]) > LONG_PROMPT_CHARS_PER_TOKEN * limit + 4096}
+            for i in long:
+                rows[i] = self._encode_long(self.prefix + rows[i], limit, name(i), planner)
+            todo = [i for i in todo if i not in long]
+            texts = [self.prefix + rows[i] for i in todo]   # one tokenizer call for the rest
             encoded = self.tok.encode_batch(texts, add_eos=self.model.add_eos_to_prompt) if texts else []
             for i, ids in zip(todo, encoded):
                 rows[i] = ids
@@ -347,6 +376,32 @@ class _Call:
             if isinstance(row, list):
                 rows[i] = self._fit(row, name(i), planner)
         return rows
+
+    def _token_limit(self, planner: BatchPlanner) -> int | None:
+        """The most prompt tokens a row may have and run: max_input_tokens, else the longest
+        prompt the arena holds alone (None: no bound, e.g. Transformer-XL's segments)."""
+        given = self.batching.max_input_tokens
+        return given if given is not None else planner.longest()
+
+    def _encode_long(self, text: str, limit: int, where: str,
+                     planner: BatchPlanner) -> list[int] | MinferError:
+        """A long prompt's ids as `_fit` would leave them, the work bounded by `limit` (the
+        tokenizer's encode_window): the start (encoder-decoder) or the end (decoder-only) when it
+        is cut; its error when it cannot run."""
+        add = self.model.add_eos_to_prompt
+        n = limit - (len(self.tok.around([])) if add else 0)
+        if n < 1:   # (no room for text beside the specials: the general path decides)
+            return self.tok.encode(text, add_eos=add)
+        side = "start" if self.model.is_encoder_decoder else "end"
+        ids, cut = self.tok.encode_window(text, n, side, add_eos=add)
+        if not cut:
+            return ids
+        if self.batching.max_input_tokens is None:   # the arena's bound
+            return planner.too_big(limit + 1, where, more=True)
+        if not self.batching.truncation:
+            return InputError(f"{where}: more than {limit} tokens, more than max_input_tokens "
+                              f"{limit} (truncation=True, or --truncate, cuts it)")
+        return ids
 
     def _check(self, item: Any, i: int, where: str) -> Any:
         """A prompt string (texts), checked token ids (ids), or the row's error."""
