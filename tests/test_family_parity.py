@@ -257,3 +257,20 @@ def test_encoder_only_int8_conversion_and_pickling(tmp_path):
     assert rel_err(got[mask], ref["encoder_states"][mask]) < 0.1
     again = pickle.loads(pickle.dumps(minfer.load(FIXTURES / "umt5_seq2seq", parts="encoder")))
     assert again.parts == ("encoder",) and again.load_recipe["parts"] == "encoder"
+
+
+def test_byt5_text_generation_is_its_token_id_generation_decoded(tmp_path):
+    # the ByT5-shaped fixture (greedy ids equal transformers') with ByT5's byte tokenizer: text
+    # in and out goes through the same ids; streamed pieces join to the same text
+    import shutil
+    folder = tmp_path / "byt5"
+    shutil.copytree(ROOT / "weights" / "family" / "byt5_shape", folder)
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        shutil.copy(ROOT / "weights" / "tokenizers" / "byt5" / name, folder / name)
+    m = minfer.load(folder)
+    for prompt in ("Grüße, Zürich!", "naïve 😀 café", "<extra_id_0> fill"):
+        ids = m.tokenizer.encode(prompt)
+        out = m.generate([ids], max_new_tokens=12)[0]
+        text = m.generate(prompt, max_new_tokens=12)
+        assert text == m.tokenizer.decode(out)
+        assert "".join(m.generate(prompt, stream=True, max_new_tokens=12)) == text
