@@ -373,6 +373,34 @@ def test_cancelling_a_stream_from_another_thread_stops_it_within_a_step(model):
     assert model.backend.arena.used == before
 
 
+def test_cancelling_a_batched_call_from_another_thread_stops_it_within_a_step(model):
+    """generation.run(cancel=event): a server's non-streamed request whose client went away. The
+    call raises Cancelled within a step, tries no row again, and gives every state back."""
+    from minfer.generation import run
+    before = model.backend.arena.used
+    cancel = threading.Event()
+    steps = []
+    real = type(model).step_together
+
+    def counting(self, states, tokens):
+        steps.append(len(states))
+        if len(steps) == 3:
+            cancel.set()            # a connection handler, while the caller decodes
+        return real(self, states, tokens)
+    type(model).step_together = counting
+    try:
+        with pytest.raises(minfer.Cancelled):
+            run_bounded(lambda: run(model, PROMPTS[:40], cancel=cancel, max_batch_size=8,
+                                    max_new_tokens=200, min_new_tokens=200), 30)
+    finally:
+        type(model).step_together = real
+    assert len(steps) <= 4          # neither the batch's rows nor the later batches ran on
+    assert model.backend.arena.used == before
+    # an event never set changes nothing
+    _, results = run(model, PROMPTS[:3], cancel=threading.Event())
+    assert [r[0].text for r in results] == [model.generate(p) for p in PROMPTS[:3]]
+
+
 def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):
     from conftest import make_text_model_folder
     folder = make_text_model_folder(tmp_path / "m")
