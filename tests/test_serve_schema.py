@@ -4,6 +4,7 @@ jobs' refusals (jobs.py). The server itself is tested over HTTP in test_serve.py
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
@@ -66,6 +67,7 @@ def test_openai_fields_map_onto_generate_options(body, want):
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens", "limit of 512"),
     ({"stream_options": {"include_usage": "y"}}, "stream_options", "true or false"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "more than 16"),
     ({"prompt": [1, 2, 3]}, "prompt", "token ids are not supported"),
     ({"prompt": []}, "prompt", "non-empty list"),
     ({"prompt": None}, "prompt", "required"),
@@ -205,3 +207,22 @@ def test_embedding_needs_an_encoder_and_texts_within_the_limit(model):
         jobs.embed(jobs.Job(model), request, 2)
     vectors, tokens = jobs.embed(jobs.Job(model), request, 100)
     assert (vectors == model.embed(["a b"])).all() and tokens == len(model.tokenizer.encode("a b"))
+
+
+def test_embeddings_run_a_window_at_a_time_and_stop_between_windows(model, monkeypatch):
+    monkeypatch.setattr(jobs, "EMBED_WINDOW", 2)
+    texts = ["one", "two two", "three", "four four four", "five"]
+    request = schema.embedding_request({"input": texts})
+    vectors, _ = jobs.embed(jobs.Job(model), request, 100)
+    assert (vectors == np.concatenate([model.embed(texts[i:i + 2]) for i in (0, 2, 4)])).all()
+    job, calls = jobs.Job(model), []
+    real = type(model).embed
+
+    def embed(self, window, **kwargs):
+        calls.append(window)
+        job.cancel()                    # the client leaves while the first window runs
+        return real(self, window, **kwargs)
+    monkeypatch.setattr(type(model), "embed", embed)
+    with pytest.raises(minfer.Cancelled):
+        jobs.embed(job, request, 100)
+    assert calls == [texts[:2]]

@@ -13,7 +13,8 @@ generation.run's `cancel`).
   iterated in turn by this one thread (their steps are taken together by the batcher), each
   piece handed to the event loop through `emit` as it is decided. n > 1 sampled sequences of a
   prompt are n streams; with a seed, sequence j draws from seed + j.
-- `embed`: `model.embed` and the token count of each text.
+- `embed`: `model.embed` (a window of texts at a time, so that a cancelled request stops
+  between windows) and the token count of each text.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Job:
 
     def check(self) -> None:
         if self.cancelled.is_set():
-            raise Cancelled("cancelled before it started")
+            raise Cancelled("cancelled")
 
 
 Count = Callable[[int, int], None]   # (prompt tokens, generated tokens): the metrics
@@ -134,6 +135,12 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
         count(sum(s.prompt_tokens for s in streams), sum(s.new_tokens for s in streams))
 
 
+# Texts embedded per model.embed call: a cancelled request stops between windows (embed sorts
+# and batches within a call, so a request of up to this many texts gets exactly model.embed's
+# vectors for the whole list)
+EMBED_WINDOW = 256
+
+
 def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[np.ndarray, int]:
     """The texts' embeddings and their token count; a text over max_input_tokens is refused
     before anything is encoded."""
@@ -141,9 +148,14 @@ def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[n
     model = job.model
     if not hasattr(model, "embed"):
         raise InputError(f"{model.folder}: a {model.family} model has no encoder: it cannot embed")
-    counts = token_counts(model, request.texts)
+    texts = request.texts
+    counts = token_counts(model, texts)
     for i, n in enumerate(counts):
         if n > max_input_tokens:
             raise InputError(f"input[{i}]: {n} tokens, more than this server's limit of "
                              f"{max_input_tokens} (serve --max-input-tokens)")
-    return model.embed(request.texts), sum(counts)
+    windows = []
+    for start in range(0, len(texts), EMBED_WINDOW):
+        job.check()
+        windows.append(model.embed(texts[start:start + EMBED_WINDOW]))
+    return np.concatenate(windows), sum(counts)

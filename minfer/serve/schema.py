@@ -41,6 +41,10 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
 
+# Stop strings per request at most: each is matched against the text after every token (OpenAI
+# allows 4; vLLM any number)
+MAX_STOP = 16
+
 # OpenAI fields minfer cannot honour: refused unless they ask for nothing (null, false, 0, "",
 # an empty list or object)
 _UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
@@ -183,6 +187,9 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
     if not isinstance(include_usage, bool):
         raise APIError(400, "stream_options.include_usage must be true or false",
                        param="stream_options")
+    stop = _strings(body, "stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: {len(stop)} strings, more than {MAX_STOP}", param="stop")
     early = body.get("early_stopping")
     if early is not None and not (isinstance(early, bool) or early == "never"):
         raise APIError(400, "early_stopping must be true, false or \"never\"",
@@ -193,7 +200,7 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         top_p=top_p, top_k=None if top_k is None else max(top_k, 0),
         num_return_sequences=n, num_beams=num_beams,
         length_penalty=_number(body, "length_penalty"), early_stopping=early,
-        stop=_strings(body, "stop"), seed=_integer(body, "seed"),
+        stop=stop, seed=_integer(body, "seed"),
         repetition_penalty=_number(body, "repetition_penalty"),
         max_input_tokens=truncate or max_input_tokens, truncation=truncate is not None or None)
     return GenerationRequest(prompts, options, n, stream, include_usage,
