@@ -29,22 +29,17 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DATES = REPO / "weights" / "tiny-t5-dates"
-CHECKPOINTS = HERE / "checkpoints"
-DEFAULT_TOKENIZER = Path("/work/shared/t5-tokenizer")
-TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer_config.json",
-                   "special_tokens_map.json")
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+import bench_t5 as b5  # noqa: E402
+
+DATES = b5.REPO / "weights" / "tiny-t5-dates"
 T5_SMALL = dict(vocab_size=32128, d_model=512, d_kv=64, num_heads=8, d_ff=2048, num_layers=6,
                 num_decoder_layers=6, relative_attention_num_buckets=32,
                 relative_attention_max_distance=128, feed_forward_proj="relu",
@@ -53,13 +48,12 @@ T5_SMALL = dict(vocab_size=32128, d_model=512, d_kv=64, num_heads=8, d_ff=2048, 
 
 # -- models and their requests ------------------------------------------------------------------------
 def t5_small_folder(tokenizer: Path) -> Path:
-    folder = CHECKPOINTS / "t5-small-serve"
+    folder = b5.CHECKPOINTS / "t5-small-serve"
     if not (folder / "model.safetensors").is_file():
         print(f"writing a random t5-small-shaped checkpoint to {folder} ...", flush=True)
-        sys.path.insert(0, str(REPO / "tests"))
         from factories import write_t5
         write_t5(folder, seed=0, **T5_SMALL)
-    for name in TOKENIZER_FILES:
+    for name in b5.TOKENIZER_FILES:
         if not (tokenizer / name).is_file():
             raise SystemExit(f"--tokenizer {tokenizer}: no {name} (the public T5 tokenizer)")
         shutil.copyfile(tokenizer / name, folder / name)
@@ -84,42 +78,10 @@ def requests_for(model_name: str, count: int, new_tokens: int, tokenizer: Path) 
 
 
 # -- the server -------------------------------------------------------------------------------------
-class Server:
-    def __init__(self, folder: Path, threads: int, max_running: int):
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", "-m", str(folder), "--port", "0",
-             "--log-level", "warning", "--threads", str(threads),
-             "--max-running", str(max_running), "--max-waiting", str(4 * max_running)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        import httpx
-        deadline = time.monotonic() + 300
-        self.url = None
-        while True:
-            if self.url is None:
-                self.log.seek(0)
-                found = re.search(rb"listening on (http://\S+)", self.log.read())
-                self.url = found.group(1).decode() if found else None
-            else:
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                self.log.seek(0)
-                raise SystemExit("the server did not start:\n" + self.log.read().decode())
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+def start_server(folder: Path, threads: int, max_running: int):
+    from serve_process import Server   # tests/serve_process.py: port 0, waits for /health
+    return Server(folder, "--threads", str(threads), "--max-running", str(max_running),
+                  "--max-waiting", str(4 * max_running), startup=300)
 
 
 # -- the clients ------------------------------------------------------------------------------------
@@ -265,7 +227,7 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=60.0,
                    help="a level stops issuing requests after this long")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    p.add_argument("--tokenizer", type=Path, default=b5.DEFAULT_TOKENIZER)
     p.add_argument("--json", default=None)
     p.add_argument("--chart", default=None)
     args = p.parse_args()
@@ -275,7 +237,7 @@ def main() -> int:
         if name not in ("tiny", "t5-small"):
             raise SystemExit(f"--models: unknown model {name!r} (tiny, t5-small)")
         folder, bodies = requests_for(name, args.requests, args.new_tokens, args.tokenizer)
-        server = Server(folder, args.threads, max(counts))
+        server = start_server(folder, args.threads, max(counts))
         try:
             asyncio.run(level(server.url, bodies[:4], 2, args.seconds))   # warm-up
             levels = [asyncio.run(level(server.url, bodies, c, args.seconds)) for c in counts]

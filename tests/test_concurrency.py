@@ -10,6 +10,7 @@ import pytest
 
 import minfer
 from conftest import XL_FIXTURES
+from minfer.generation.batcher import batcher_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "weights" / "tiny-t5-dates"
@@ -65,12 +66,16 @@ def test_concurrent_requests_share_decode_steps(model, monkeypatch):
                         lambda self, states, tokens: (sizes.append(len(states)),
                                                       real(self, states, tokens))[1])
     barrier = threading.Barrier(6)
+    batcher = batcher_of(model)
+    steps, stepped = batcher.steps, batcher.stepped
 
     def work(k):
         barrier.wait()
         model.generate(PROMPTS[k * 7], max_new_tokens=12, min_new_tokens=12)
     run_threads(6, work)
     assert max(sizes) >= 3 and len(sizes) < 6 * 12   # fewer steps than requests x tokens
+    # the batcher's counts (a server's metrics): every step, and the requests each took
+    assert (batcher.steps - steps, batcher.stepped - stepped) == (len(sizes), sum(sizes))
 
 
 def test_threads_calling_forward_get_the_sequential_logits(model):

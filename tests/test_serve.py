@@ -3,12 +3,10 @@ over HTTP by the official `openai` client and by httpx. Every loop is bounded in
 and every process is stopped by the test that started it."""
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
 import minfer
+import serve_process
 from minfer import embedding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,73 +32,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"max_tokens": 2048, "ignore_eos": True}   # seconds of decoding on the tiny model
 
 
-class Server:
-    """`minfer serve ... --port 0` in a subprocess; its output goes to a file (a full pipe
-    would stall it). Ready once /health answers 200."""
-
-    def __init__(self, model, *args, startup=90):
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minfer", "serve", "-m", str(model), "--host", "127.0.0.1",
-             "--port", "0", "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup
-        self.url = None
-        while self.url is None:
-            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", self.output())
-            if found:
-                self.url = found.group(1)
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"the server did not start:\n{self.output()}")
-            else:
-                time.sleep(0.05)
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"the server never became healthy:\n{self.output()}")
-            time.sleep(0.05)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode("utf-8", "replace")
-
-    def client(self, **kwargs) -> "httpx.Client":
-        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
-
+class Server(serve_process.Server):
     def openai(self, key=KEY) -> "openai.OpenAI":
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        return {m.group(1): float(m.group(2))
-                for m in re.finditer(r"^(minfer_\S+) (\S+)$", text, re.M)}
-
-    def settle(self, seconds=30) -> dict[str, float]:
-        """The metrics once nothing runs or waits (bounded in time)."""
-        deadline = time.monotonic() + seconds
-        while True:
-            m = self.metrics()
-            if m["minfer_requests_running"] == 0 and m["minfer_requests_waiting"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"requests still in flight: {m}"
-            time.sleep(0.05)
-
-    def stop(self, sig=signal.SIGTERM, seconds=60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(seconds)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-                raise AssertionError(f"the server did not stop in {seconds} s:\n{self.output()}")
-        return self.proc.returncode
 
 
 @contextmanager
@@ -227,6 +162,35 @@ def test_concurrent_clients_get_the_offline_answers_and_leave_nothing_behind(ser
     assert got == want
     m = server.settle()
     assert m["minfer_arena_used_bytes"] == 0
+
+
+def test_concurrent_requests_are_decoded_together(server):
+    """The continuous batcher takes the steps of requests in flight together: 8 clients sent at
+    once need far fewer decode steps than 8 x 150 tokens (the metrics count steps and the
+    requests each stepped)."""
+    before = server.settle()
+    barrier = threading.Barrier(8)
+    statuses = []
+
+    def client(k):
+        with server.client(headers=AUTH) as http:
+            barrier.wait(30)
+            r = http.post("/v1/completions", json={"prompt": PROMPTS[k], "max_tokens": 150,
+                                                   "ignore_eos": True, "stream": k % 2 == 1})
+            statuses.append((r.status_code, len(r.content)))
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and [s for s, _ in statuses] == [200] * 8
+    after = server.settle()
+    steps = after["minfer_decode_steps_total"] - before["minfer_decode_steps_total"]
+    stepped = (after["minfer_decode_step_requests_total"]
+               - before["minfer_decode_step_requests_total"])
+    assert stepped == 8 * 150 and steps < 8 * 150 / 2   # a mean batch above 2 (ideally 8)
+    assert after["minfer_generated_tokens_total"] - before["minfer_generated_tokens_total"] \
+        == 8 * 150
 
 
 # -- bad requests -----------------------------------------------------------------------------------

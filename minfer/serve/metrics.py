@@ -11,6 +11,9 @@
     minfer_arena_used_bytes            gauge: the model's arena bytes in use (weights under a
                                        memory limit, decode states, scratch)
     minfer_arena_capacity_bytes        gauge: the arena's size
+    minfer_decode_steps_total          counter: decode steps the continuous batcher took
+    minfer_decode_step_requests_total  counter: requests stepped, summed over those steps
+                                       (divided by the steps: the mean batch)
 
 Gauges are read when scraped (callbacks), so they cannot drift from what they describe.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -27,10 +31,26 @@ _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _FIRST_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+class _BatcherCounts:
+    """The batcher's step counters, read when scraped (a collector: counters cannot be set)."""
+
+    def __init__(self, batcher: Any):
+        self.batcher = batcher
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily("minfer_decode_steps", "Decode steps the continuous batcher "
+                                  "took", value=self.batcher.steps)
+        yield CounterMetricFamily("minfer_decode_step_requests", "Requests stepped, summed over "
+                                  "the decode steps (/ steps: the mean batch)",
+                                  value=self.batcher.stepped)
+
+
 class Metrics:
-    def __init__(self, arena: Any, running: Callable[[], int], waiting: Callable[[], int]):
+    def __init__(self, arena: Any, batcher: Any, running: Callable[[], int],
+                 waiting: Callable[[], int]):
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_BatcherCounts(batcher))
         Gauge("minfer_requests_running", "Requests being decoded or embedded now",
               registry=r).set_function(running)
         Gauge("minfer_requests_waiting", "Accepted requests waiting for a worker or for arena "

@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import Cancelled, InputError, MinferError
+from ..generation.batcher import batcher_of
 from . import jobs, responses
 from .errors import APIError, from_exception
 from .limits import Limits
@@ -66,7 +67,8 @@ class Service:
     def __init__(self, model: Any, name: str, limits: Limits):
         self.model, self.name, self.limits = model, name, limits
         self.workers = Workers(model, limits.max_running, limits.max_waiting)
-        self.metrics = Metrics(model.backend.arena, self.workers.running, self.workers.waiting)
+        self.metrics = Metrics(model.backend.arena, batcher_of(model), self.workers.running,
+                               self.workers.waiting)
         self.created = int(time.time())
         self.ready = threading.Event()
 
