@@ -122,8 +122,11 @@ class Service:
         task.cancel()
         if gone in done:
             raise _ClientGone()
-        raise APIError(504, f"the request ran longer than {self.limits.request_timeout:g} s "
-                       "(serve --request-timeout)")
+        raise self.timed_out()
+
+    def timed_out(self) -> APIError:
+        return APIError(504, f"the request ran longer than {self.limits.request_timeout:g} s "
+                        "(serve --request-timeout)")
 
 
 async def _disconnected(request: Request) -> None:
@@ -199,55 +202,69 @@ async def _start_stream(service: Service, request: Request, job: jobs.Job,
     first = await service.wait(request, job, queue.get(), deadline)
     if isinstance(first, jobs.Failed):
         raise first.error
-    events = _events(service, job, req, answer, queue, start, deadline)
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _EventStream(service, job, req, answer, queue, start, deadline)
 
 
-async def _events(service: Service, job: jobs.Job, req: GenerationRequest,
-                  answer: responses.Answer, queue: asyncio.Queue, start: float,
-                  deadline: float) -> AsyncIterator[bytes]:
+class _EventStream(StreamingResponse):
+    """A streamed request's response. However it ends (all sent, the client gone, cancelled at
+    shutdown, even before its first event), its job is cancelled (nothing, if it is done) and
+    the request is recorded with the status its events reached (499 until they end)."""
+
+    def __init__(self, service: Service, job: jobs.Job, req: GenerationRequest,
+                 answer: responses.Answer, queue: asyncio.Queue, start: float, deadline: float):
+        self.service, self.job, self.start = service, job, start
+        self.endpoint = "chat/completions" if answer.chat else "completions"
+        self.outcome = {"status": CLIENT_GONE}
+        super().__init__(_events(service, req, answer, queue, start, deadline, self.outcome),
+                         media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+            self.service.metrics.answered(self.endpoint, self.outcome["status"],
+                                          time.monotonic() - self.start)
+
+
+async def _events(service: Service, req: GenerationRequest, answer: responses.Answer,
+                  queue: asyncio.Queue, start: float, deadline: float,
+                  outcome: dict) -> AsyncIterator[bytes]:
     """The stream's events: each piece as it comes, each choice's end, usage if asked, then
-    [DONE]; a failure or the deadline is an error event and the end. When the client leaves,
-    Starlette cancels this generator: the job is cancelled with it."""
+    [DONE]; a failure or the deadline is an error event and the end (`outcome["status"]` says
+    which)."""
     total = len(req.prompts) * req.n
     ended = prompt_tokens = new_tokens = 0
-    status, first_piece = CLIENT_GONE, True
-    try:
-        if answer.chat:   # each choice's first chunk says who speaks (OpenAI's, vLLM's order)
-            for index in range(total):
-                yield responses.event(answer.chunk(index, "", first=True))
-        while ended < total:
-            try:
-                item = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                item = jobs.Failed(APIError(504, f"the request ran longer than "
-                                            f"{service.limits.request_timeout:g} s "
-                                            "(serve --request-timeout)"))
-            if isinstance(item, jobs.Piece):
-                if first_piece:
-                    service.metrics.first_token.observe(time.monotonic() - start)
-                    first_piece = False
-                yield responses.event(answer.chunk(item.index, item.text))
-            elif isinstance(item, jobs.Ended):
-                ended += 1
-                new_tokens += item.new_tokens
-                prompt_tokens += item.prompt_tokens if item.index % req.n == 0 else 0
-                yield responses.event(answer.chunk(item.index, None if answer.chat else "",
-                                                   reason=item.reason))
-            elif isinstance(item, jobs.Failed):
-                error = _api_error(item.error, "messages" if answer.chat else "prompt")
-                status = error.status
-                yield responses.event(error.body())
-                return
-        if req.include_usage:
-            yield responses.event(answer.usage_chunk(responses.usage(prompt_tokens, new_tokens)))
-        yield responses.DONE
-        status = 200
-    finally:
-        job.cancel()   # (a finished job: nothing to stop)
-        service.metrics.answered("chat/completions" if answer.chat else "completions", status,
-                                 time.monotonic() - start)
+    first_piece = True
+    if answer.chat:   # each choice's first chunk says who speaks (OpenAI's, vLLM's order)
+        for index in range(total):
+            yield responses.event(answer.chunk(index, "", first=True))
+    while ended < total:
+        try:
+            item = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0))
+        except asyncio.TimeoutError:
+            item = jobs.Failed(service.timed_out())
+        if isinstance(item, jobs.Piece):
+            if first_piece:
+                service.metrics.first_token.observe(time.monotonic() - start)
+                first_piece = False
+            yield responses.event(answer.chunk(item.index, item.text))
+        elif isinstance(item, jobs.Ended):
+            ended += 1
+            new_tokens += item.new_tokens
+            prompt_tokens += item.prompt_tokens if item.index % req.n == 0 else 0
+            yield responses.event(answer.chunk(item.index, None if answer.chat else "",
+                                               reason=item.reason))
+        elif isinstance(item, jobs.Failed):
+            error = _api_error(item.error, "messages" if answer.chat else "prompt")
+            outcome["status"] = error.status
+            yield responses.event(error.body())
+            return
+    if req.include_usage:
+        yield responses.event(answer.usage_chunk(responses.usage(prompt_tokens, new_tokens)))
+    yield responses.DONE
+    outcome["status"] = 200
 
 
 # -- embeddings, models, health, metrics --------------------------------------------------------------
