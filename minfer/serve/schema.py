@@ -24,12 +24,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InputError
-from ..generation.options import (BATCH_OPTION_NAMES, GenerationOptions, is_integer,
-                                  resolve_options, shown)
+from ..generation.options import BATCH_OPTION_NAMES, is_integer, resolve_options, shown
 from .chat import chat_prompt
 from .errors import APIError
 
@@ -125,7 +124,6 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
     ignore_eos: bool = False
-    settled: GenerationOptions | None = field(default=None, repr=False)
 
 
 def completion_request(body: dict, max_tokens: int, max_input_tokens: int) -> GenerationRequest:
@@ -225,7 +223,7 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int) -> Generatio
     if request.stream and request.n > 1 and settled.num_beams > 1:
         raise APIError(400, "stream with n > 1 and beam search is not supported (a beam search "
                        "streams its result once, at the end)", param="n")
-    request.options, request.settled = options, settled
+    request.options = options
     return request
 
 
