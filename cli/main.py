@@ -1,6 +1,6 @@
 """The command line: the click group and the console entry point, which turns every failure into
 one line. Click commands only, one file per command (generate.py with bulk.py, embed.py,
-info.py, score.py, convert.py), the options they share in common.py: parse, call minfer, print. No model
+info.py, score.py, convert.py, serve.py), the options they share in common.py: parse, call minfer, print. No model
 logic lives here.
 
 Every failure is one line on stderr ("minfer: error: ...") and a non-zero exit: 1 for a problem
@@ -24,6 +24,7 @@ from .embed import embed
 from .generate import generate
 from .info import info
 from .score import score
+from .serve import serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -32,7 +33,7 @@ def cli() -> None:
     """minfer: framework-free T5 and Transformer-XL inference and T5 sentence embeddings."""
 
 
-for command in (generate, embed, info, score, convert):
+for command in (generate, embed, info, score, convert, serve):
     cli.add_command(command)
 
 

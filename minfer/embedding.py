@@ -169,6 +169,15 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
     return out
 
 
+def token_counts(model: Any, texts: Sequence[str], *, prompt_name: str | None = None,
+                 prompt: str | None = None) -> list[int]:
+    """How many tokens `embed` encodes for each text (the prompt's included, cut at
+    max_seq_length): a server's usage counts, and what it bounds."""
+    modules = model.sentence_modules
+    text_prompt = prompt_for(modules, prompt_name, prompt)
+    return [len(tokens_of(model, text_prompt + t, modules)) for t in texts]
+
+
 def tokens_of(model: Any, text: str, modules: SentenceModules | None) -> list[int]:
     """Token ids of one text as sentence-transformers' Transformer module makes them: stripped,
     lower-cased if asked, cut at max_seq_length keeping the closing `</s>`."""

@@ -10,6 +10,7 @@ import pytest
 
 import minfer
 from conftest import XL_FIXTURES
+from minfer.generation.batcher import batcher_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "weights" / "tiny-t5-dates"
@@ -65,12 +66,16 @@ def test_concurrent_requests_share_decode_steps(model, monkeypatch):
                         lambda self, states, tokens: (sizes.append(len(states)),
                                                       real(self, states, tokens))[1])
     barrier = threading.Barrier(6)
+    batcher = batcher_of(model)
+    steps, stepped = batcher.steps, batcher.stepped
 
     def work(k):
         barrier.wait()
         model.generate(PROMPTS[k * 7], max_new_tokens=12, min_new_tokens=12)
     run_threads(6, work)
     assert max(sizes) >= 3 and len(sizes) < 6 * 12   # fewer steps than requests x tokens
+    # the batcher's counts (a server's metrics): every step, and the requests each took
+    assert (batcher.steps - steps, batcher.stepped - stepped) == (len(sizes), sum(sizes))
 
 
 def test_threads_calling_forward_get_the_sequential_logits(model):
@@ -371,6 +376,34 @@ def test_cancelling_a_stream_from_another_thread_stops_it_within_a_step(model):
         type(model).step_together = real
     assert s.finish_reason == "cancelled" and len(rest) <= 4 and len(steps) <= 4
     assert model.backend.arena.used == before
+
+
+def test_cancelling_a_batched_call_from_another_thread_stops_it_within_a_step(model):
+    """generation.run(cancel=event): a server's non-streamed request whose client went away. The
+    call raises Cancelled within a step, tries no row again, and gives every state back."""
+    from minfer.generation import run
+    before = model.backend.arena.used
+    cancel = threading.Event()
+    steps = []
+    real = type(model).step_together
+
+    def counting(self, states, tokens):
+        steps.append(len(states))
+        if len(steps) == 3:
+            cancel.set()            # a connection handler, while the caller decodes
+        return real(self, states, tokens)
+    type(model).step_together = counting
+    try:
+        with pytest.raises(minfer.Cancelled):
+            run_bounded(lambda: run(model, PROMPTS[:40], cancel=cancel, max_batch_size=8,
+                                    max_new_tokens=200, min_new_tokens=200), 30)
+    finally:
+        type(model).step_together = real
+    assert len(steps) <= 4          # neither the batch's rows nor the later batches ran on
+    assert model.backend.arena.used == before
+    # an event never set changes nothing
+    _, results = run(model, PROMPTS[:3], cancel=threading.Event())
+    assert [r[0].text for r in results] == [model.generate(p) for p in PROMPTS[:3]]
 
 
 def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):

@@ -187,3 +187,24 @@ def test_normalize_and_dense():
     layer = Dense(np.array([[1.0, 0.0], [0.0, -1.0]], np.float32), np.array([0.5, 0.0], np.float32),
                   "relu", ROOT)
     assert np.allclose(embedding.dense(x, layer), [[3.5, 0.0], [0.5, 0.0]])
+
+
+def test_token_counts_are_the_tokens_embed_encodes(monkeypatch):
+    """embedding.token_counts (a server's usage): the default prompt's tokens included, cut at
+    max_seq_length as embed cuts them; equal to the ids embed hands the encoder."""
+    model = minfer.load(ROOT / "weights" / "family" / "st_prompts")
+    texts = ["short", "a much longer text " * 40]
+    seen = []
+    real = type(model).encode
+
+    def encode(self, ids, mask):
+        seen.extend(int(n) for n in np.asarray(mask).sum(axis=1))
+        return real(self, ids, mask)
+    monkeypatch.setattr(type(model), "encode", encode)
+    for kwargs in ({}, {"prompt_name": "passage"}, {"prompt": "x y z "}):
+        seen.clear()
+        model.embed(texts, **kwargs)
+        counts = embedding.token_counts(model, texts, **kwargs)
+        assert sorted(counts) == sorted(seen)
+    limit = model.sentence_modules.max_seq_length
+    assert counts[1] == limit and counts[0] == len(model.tokenizer.encode("x y z short"))

@@ -88,6 +88,8 @@ class Batcher:
         self.admitting: set[int] = set()    # threads waiting for memory (they consume nothing)
         self.releasing = 0                  # states being given back right now
         self.released = 0                   # how many times memory was given back
+        self.steps = 0                      # decode steps taken, and the requests they stepped
+        self.stepped = 0                    # (summed): stepped / steps is the mean batch
 
     # -- registration -----------------------------------------------------------------------------
     def join(self, request: Request | None, release: Callable[[], None] | None = None) -> None:
@@ -290,6 +292,8 @@ class Batcher:
             for r in batch:
                 r.error = e
             return
+        self.steps += 1          # (only the leader writes them)
+        self.stepped += len(batch)
         for r, s in zip(batch, scores):
             try:
                 event = r.advance(s)

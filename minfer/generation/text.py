@@ -325,8 +325,10 @@ class _Call:
     """What one call settles before any row runs (options, task prefix, tokenizer, one random
     generator for all its batches) and how its rows are prepared and decoded."""
 
-    def __init__(self, model: DecodingModel, task: str | None, options: dict):
+    def __init__(self, model: DecodingModel, task: str | None, options: dict,
+                 cancel: Any = None):
         self.batching, options = split_batch_options(options)
+        self.cancel = cancel   # a threading.Event another thread may set: see run()
         self.opts, self.prefix = resolve_options(model, task, **options)
         self.model = model
         self.kind = "texts"
@@ -472,8 +474,10 @@ class _Call:
         try:
             ids, mask = batch_of(sel)
             t0 = time.perf_counter()
-            results = _run_batch(self.model, ids, mask, self.opts, self.tok, self.rng)
+            results = _run_batch(self.model, ids, mask, self.opts, self.tok, self.rng, self.cancel)
         except MinferError as e:
+            if isinstance(e, Cancelled):   # the whole call stops: no row is tried again
+                raise
             if len(sel) > 1 and (isolate or isinstance(e, ArenaExhausted)):
                 half = len(sel) // 2
                 return (self._decode(sel[:half], batch_of, name, isolate)
@@ -495,7 +499,8 @@ def _finish(model: DecodingModel, h: Hypothesis, text: str | None, reason: str, 
 
 
 def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: GenerationOptions,
-               tok: Any, rng: np.random.Generator | None = None) -> list[list[Result]]:
+               tok: Any, rng: np.random.Generator | None = None,
+               cancel: Any = None) -> list[list[Result]]:
     eos = set(model.token_ids.eos)
     n = opts.num_return_sequences
     prompt_lens = mask.sum(axis=1)
@@ -518,7 +523,7 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
     stopped: set[int] = set()
     info: dict = {}
     for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, rng, stopped=stopped,
-                                                     info=info, repeat=n)):
+                                                     info=info, repeat=n, cancel=cancel)):
         if step == 0:
             for h, first in zip(hyps, info["first"]):
                 h.tokens.append(int(first))
@@ -545,15 +550,22 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
 
 
 def run(model: DecodingModel, inputs: Any, *, task: str | None = None, attention_mask: Any = None,
-        row_errors: bool = False, **options: Any) -> tuple[str, list[list[Result]]]:
+        row_errors: bool = False, cancel: Any = None,
+        **options: Any) -> tuple[str, list[list[Result]]]:
     """Decode every prompt; returns the input kind and per prompt its list of results.
 
     Prompts run in batches of at most `max_batch_size` that the memory plan lets fit, grouped by
     token length, and come back in input order. A row that cannot run (not a string, blank,
     longer than max_input_tokens without truncation, too big for the arena even alone): with
     `row_errors`, one Result with `error` set in its place, the other rows decoded; without, the
-    first such row's error is raised before anything is decoded."""
-    call = _Call(model, task, options)
+    first such row's error is raised before anything is decoded.
+
+    `cancel`: a threading.Event that another thread may set (a server whose client went away):
+    the call then ends within a step of greedy or sampled decoding, or in its wait for arena
+    memory, raising `Cancelled`, with every decode state given back (beam search runs to its
+    end). To end a wait for memory at once, also call `batcher.batcher_of(model).wake()`, as
+    `Stream.cancel` does."""
+    call = _Call(model, task, options, cancel)
     kind, prompts = _normalise_inputs(inputs)
     name = _row_names(kind)
     if not row_errors and kind != "ids":   # a bad prompt is named before anything else is asked

@@ -1,0 +1,74 @@
+"""`minfer serve`: an OpenAI-compatible HTTP server for one model (minfer.serve), run by uvicorn.
+
+Loads the model with the shared model options, builds `minfer.serve.app` with the serving limits
+and serves it on --host/--port (127.0.0.1 unless told otherwise; port 0: any free port, printed
+on stderr) until SIGTERM or Ctrl-C. Needs the [serve] extra.
+"""
+
+from __future__ import annotations
+
+import click
+
+from minfer.serve.limits import Limits
+
+from .common import EXIT_USAGE, fail, load_model, with_model_options
+
+_DEFAULTS = Limits()
+
+
+@click.command()
+@with_model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; put a proxy with TLS in front).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (0: any free port, printed on stderr).")
+@click.option("--api-key", envvar="MINFER_API_KEY", default=None, metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/* (or set MINFER_API_KEY).")
+@click.option("--served-model-name", default=None, metavar="NAME",
+              help="The model name clients send and /v1/models lists  [default: --model].")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Allow browser requests from this origin (repeatable; '*' for any). No CORS "
+                   "headers without it.")
+@click.option("--max-running", type=click.IntRange(min=1), default=_DEFAULTS.max_running,
+              show_default=True, help="Requests decoded at once (their steps are batched together).")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=_DEFAULTS.max_waiting,
+              show_default=True, help="Requests queued beyond those; one more gets 429.")
+@click.option("--max-body-size", default="4MiB", show_default=True, metavar="SIZE",
+              help="Largest request body; larger gets 413.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=_DEFAULTS.max_tokens,
+              show_default=True, help="Largest max_tokens a request may ask for (and the cap of "
+                                      "the checkpoint's default).")
+@click.option("--max-input-tokens", type=click.IntRange(min=1), default=None,
+              help="Prompt tokens at most; longer gets 400  [default: the longest prompt the "
+                   "workspace holds alone, at most 16384].")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=_DEFAULTS.request_timeout, show_default=True,
+              help="Seconds a request may take; then it is cancelled (504).")
+@click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds for requests in flight to finish.")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              default="info", show_default=True, help="uvicorn's log level (info logs each request).")
+def serve(load, host, port, api_key, served_model_name, cors_origins, max_running, max_waiting,
+          max_body_size, max_tokens, max_input_tokens, request_timeout, grace_period,
+          log_level) -> None:
+    """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
+    /v1/embeddings, /v1/models, /health and /metrics. Concurrent requests are decoded together
+    (continuous batching)."""
+    from minfer.arena import parse_bytes
+    try:
+        from minfer.serve import app, serve as run_server
+    except ImportError as e:   # without the [serve] extra: say how to get it
+        fail(str(e))
+    if api_key is not None and not api_key.strip():
+        fail("--api-key (or MINFER_API_KEY) is empty", EXIT_USAGE)
+    max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
+    model = load_model(load)
+    application = app(model, name=served_model_name or load.model, api_key=api_key,
+                      cors_origins=cors_origins, max_running=max_running,
+                      max_waiting=max_waiting, max_body_bytes=max_body_bytes,
+                      max_tokens=max_tokens, max_input_tokens=max_input_tokens,
+                      request_timeout=request_timeout)
+    try:
+        run_server(application, host, port, grace_period=grace_period, log_level=log_level)
+    except OSError as e:   # the address is taken, or not ours to bind
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")

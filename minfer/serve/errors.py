@@ -1,0 +1,50 @@
+"""Errors as OpenAI's API returns them: an HTTP status and `{"error": {"message", "type", "param",
+"code"}}`, whatever went wrong (a bad field, a full queue, a model that cannot do it, a bug).
+
+`APIError` is raised by the request checks and the routes; `from_exception` maps what minfer
+raises to one: a request the model cannot run (bad options, a prompt over the limit, too big for
+the arena even alone, an encoder-only model asked to generate: InputError, ArenaExhausted) is the
+client's (400), anything else the server's (500, its message kept to one line).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ArenaExhausted, InputError
+
+# OpenAI's `type` for each status it uses (their API reference's error codes).
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+class APIError(Exception):
+    """One failed request: its status, and the fields of OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = " ".join(str(message).split())   # one line
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def from_exception(e: BaseException, param: str | None = None) -> APIError:
+    """What a request's failure inside minfer means for its client."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (InputError, ArenaExhausted)):
+        # options out of range, prompts over max_input_tokens or too big for the arena even
+        # alone, a model that cannot generate or embed: the request, not the server (a bad
+        # value in the checkpoint's own files, a ConfigError, is the server's)
+        return APIError(400, str(e), param=param)
+    return APIError(500, f"{type(e).__name__}: {e}", code="internal_error")

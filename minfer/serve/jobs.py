@@ -1,0 +1,161 @@
+"""What a request runs in its worker thread: the same generate / embed calls a Python user makes,
+and how the event loop stops them.
+
+A `Job` is one request's handle: `cancel()` may be called from the event loop (the client went
+away, the request timed out, the server is shutting down); the job's decoding then ends within a
+step, or its wait for arena memory at once, and its memory is given back (Stream.cancel and
+generation.run's `cancel`).
+
+- `complete`: a non-streamed request, all its prompts and sequences in one `generation.run`
+  call (batched by the memory plan; a prompt that cannot run fails the call before anything is
+  decoded). Returns per prompt its list of `Result`.
+- `stream`: a streamed request, one `model.generate(stream=True)` per prompt and sequence,
+  iterated in turn by this one thread (their steps are taken together by the batcher), each
+  piece handed to the event loop through `emit` as it is decided. n > 1 sampled sequences of a
+  prompt are n streams; with a seed, sequence j draws from seed + j.
+- `embed`: `model.embed` (a window of texts at a time, so that a cancelled request stops
+  between windows) and the token count of each text.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..embedding import token_counts
+from ..errors import Cancelled, InputError
+from ..generation import Result, run
+from ..generation.batcher import batcher_of
+from ..generation.options import MAX_SEED
+from .schema import EmbeddingRequest, GenerationRequest
+
+
+class Job:
+    """One request's work, stoppable from another thread."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.cancelled = threading.Event()
+        self._streams: list[Any] = []
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """From any thread: stop the request's decoding within a step."""
+        self.cancelled.set()
+        with self._lock:
+            streams = list(self._streams)
+        for s in streams:
+            s.cancel()
+        batcher_of(self.model).wake()   # a wait for memory sees the event at once
+
+    def _track(self, stream: Any) -> Any:
+        with self._lock:
+            self._streams.append(stream)
+        if self.cancelled.is_set():   # cancelled while it was being made
+            stream.cancel()
+        return stream
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled("cancelled")
+
+
+Count = Callable[[int, int], None]   # (prompt tokens, generated tokens): the metrics
+
+
+def complete(job: Job, request: GenerationRequest, count: Count) -> list[list[Result]]:
+    job.check()
+    job.model.check_can_generate()
+    _, results = run(job.model, request.prompts, cancel=job.cancelled, **request.options)
+    count(sum(row[0].prompt_tokens for row in results),
+          sum(r.new_tokens for row in results for r in row))
+    return results
+
+
+# What `stream` emits (the event loop reads them in this order for each choice):
+@dataclass
+class Started:
+    """Every stream was made: the prompts are valid and fit (the response may start)."""
+
+
+@dataclass
+class Piece:
+    index: int
+    text: str
+
+
+@dataclass
+class Ended:
+    index: int
+    reason: str
+    prompt_tokens: int
+    new_tokens: int
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], count: Count) -> None:
+    """The request's streams, iterated in turn by this thread; `emit` receives Started, then
+    Pieces and an Ended per choice; any failure is a Failed, the last thing emitted. The tokens
+    are counted however it ends (a stream cut short counts what it generated)."""
+    streams: list[Any] = []
+    try:
+        job.check()
+        job.model.check_can_generate()
+        for prompt in request.prompts:
+            for j in range(request.n):
+                options = dict(request.options, num_return_sequences=1)
+                if request.n > 1 and options.get("seed") is not None:
+                    options["seed"] = (options["seed"] + j) % (MAX_SEED + 1)
+                streams.append(job._track(job.model.generate(prompt, stream=True, **options)))
+        emit(Started())
+        live = list(enumerate(streams))
+        while live:
+            for item in list(live):
+                index, s = item
+                piece = next(s, None)
+                if piece is not None:
+                    emit(Piece(index, piece))
+                elif s.finish_reason is not None:
+                    if s.finish_reason == "cancelled":
+                        raise Cancelled("cancelled")
+                    emit(Ended(index, s.finish_reason, s.prompt_tokens, s.new_tokens))
+                    live.remove(item)
+    except BaseException as e:   # reported to the loop, which answers the client
+        emit(Failed(e))
+    finally:
+        for s in streams:
+            s.close()   # (a finished one: nothing; an abandoned one gives its memory back)
+        count(sum(s.prompt_tokens for s in streams), sum(s.new_tokens for s in streams))
+
+
+# Texts embedded per model.embed call: a cancelled request stops between windows (embed sorts
+# and batches within a call, so a request of up to this many texts gets exactly model.embed's
+# vectors for the whole list)
+EMBED_WINDOW = 256
+
+
+def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[np.ndarray, int]:
+    """The texts' embeddings and their token count; a text over max_input_tokens is refused
+    before anything is encoded."""
+    job.check()
+    model = job.model
+    if not hasattr(model, "embed"):
+        raise InputError(f"{model.folder}: a {model.family} model has no encoder: it cannot embed")
+    texts = request.texts
+    counts = token_counts(model, texts)
+    for i, n in enumerate(counts):
+        if n > max_input_tokens:
+            raise InputError(f"input[{i}]: {n} tokens, more than this server's limit of "
+                             f"{max_input_tokens} (serve --max-input-tokens)")
+    windows = []
+    for start in range(0, len(texts), EMBED_WINDOW):
+        job.check()
+        windows.append(model.embed(texts[start:start + EMBED_WINDOW]))
+    return np.concatenate(windows), sum(counts)

@@ -1,0 +1,72 @@
+"""The serving limits: how much the server takes on at once and per request, checked once.
+
+    max_running       requests decoded (or embedded) at once, each in a worker thread; their
+                      decode steps are taken together by the continuous batcher
+    max_waiting       requests accepted beyond those, waiting for a thread; one more: 429
+    max_body_bytes    request body size; larger: 413
+    max_tokens        a request's max_tokens at most (and the default's cap); larger: 400
+    max_input_tokens  prompt tokens at most (embeddings: tokens per input); longer: 400 naming
+                      the limit. Default: the longest prompt whose run, generating the model's
+                      default new tokens (at most max_tokens), fits the arena alone by the
+                      model's memory plan, at most LONGEST_DEFAULT
+    request_timeout   seconds from arrival to the last byte; a request still running then is
+                      cancelled (504, or an error event in a stream)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import InputError
+from ..generation.options import is_integer, resolve_options
+
+LONGEST_DEFAULT = 16384   # LongT5's inputs; no T5 was trained on longer
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_running: int = 64
+    max_waiting: int = 256
+    max_body_bytes: int = 4 << 20
+    max_tokens: int = 2048
+    max_input_tokens: int | None = None
+    request_timeout: float = 600.0
+
+    def checked(self, model: Any) -> "Limits":
+        """Each limit a positive number (one-line InputError naming it); max_input_tokens
+        settled from the model when unset."""
+        for name in ("max_running", "max_waiting", "max_body_bytes", "max_tokens",
+                     "max_input_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or value < (0 if name == "max_waiting"
+                                                                       else 1)):
+                raise InputError(f"{name} must be a positive integer, got {value!r:.40}")
+        timeout = self.request_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not (math.isfinite(timeout) and timeout > 0):
+            raise InputError(f"request_timeout must be a positive number of seconds, got "
+                             f"{timeout!r:.40}")
+        if self.max_input_tokens is None:
+            return replace(self, max_input_tokens=longest_prompt(model, self.max_tokens))
+        return self
+
+
+def longest_prompt(model: Any, max_tokens: int) -> int:
+    """The longest prompt (tokens, at most LONGEST_DEFAULT) that the model's memory plan lets
+    run alone in the arena while generating its default number of new tokens."""
+    new_tokens = 1
+    if getattr(model, "can_generate", False):
+        new_tokens = min(resolve_options(model)[0].max_new_tokens, max_tokens)
+    room = getattr(model, "free_when_idle", None)
+    if room is None or not hasattr(model, "plan"):
+        return LONGEST_DEFAULT
+    lo, hi = 1, LONGEST_DEFAULT   # the plan grows with the length: binary search
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.plan(1, mid, new_tokens)["peak"] <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

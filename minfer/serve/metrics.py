@@ -1,0 +1,82 @@
+"""The server's Prometheus metrics (GET /metrics, text format), one registry per app.
+
+    minfer_requests_running            gauge: requests being decoded or embedded now
+    minfer_requests_waiting            gauge: accepted requests waiting for a worker or for arena
+                                       memory
+    minfer_requests_total              counter, by endpoint and HTTP status (429s included)
+    minfer_prompt_tokens_total         counter: prompt tokens of finished generations
+    minfer_generated_tokens_total      counter: tokens generated (cancelled requests' too)
+    minfer_request_duration_seconds    histogram by endpoint: arrival to the last byte
+    minfer_time_to_first_token_seconds histogram: arrival to the first streamed piece
+    minfer_arena_used_bytes            gauge: the model's arena bytes in use (weights under a
+                                       memory limit, decode states, scratch)
+    minfer_arena_capacity_bytes        gauge: the arena's size
+    minfer_decode_steps_total          counter: decode steps the continuous batcher took
+    minfer_decode_step_requests_total  counter: requests stepped, summed over those steps
+                                       (divided by the steps: the mean batch)
+
+Gauges are read when scraped (callbacks), so they cannot drift from what they describe.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_FIRST_TOKEN = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _BatcherCounts:
+    """The batcher's step counters, read when scraped (a collector: counters cannot be set)."""
+
+    def __init__(self, batcher: Any):
+        self.batcher = batcher
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily("minfer_decode_steps", "Decode steps the continuous batcher "
+                                  "took", value=self.batcher.steps)
+        yield CounterMetricFamily("minfer_decode_step_requests", "Requests stepped, summed over "
+                                  "the decode steps (/ steps: the mean batch)",
+                                  value=self.batcher.stepped)
+
+
+class Metrics:
+    def __init__(self, arena: Any, batcher: Any, running: Callable[[], int],
+                 waiting: Callable[[], int]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_BatcherCounts(batcher))
+        Gauge("minfer_requests_running", "Requests being decoded or embedded now",
+              registry=r).set_function(running)
+        Gauge("minfer_requests_waiting", "Accepted requests waiting for a worker or for arena "
+              "memory", registry=r).set_function(waiting)
+        Gauge("minfer_arena_used_bytes", "Arena bytes in use", registry=r).set_function(
+            lambda: arena.used)
+        Gauge("minfer_arena_capacity_bytes", "Arena size in bytes", registry=r).set_function(
+            lambda: arena.capacity)
+        self.requests = Counter("minfer_requests", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("minfer_prompt_tokens", "Prompt tokens of generations",
+                                     registry=r)
+        self.generated_tokens = Counter("minfer_generated_tokens", "Tokens generated",
+                                        registry=r)
+        self.duration = Histogram("minfer_request_duration_seconds", "Request latency, arrival "
+                                  "to last byte", ["endpoint"], buckets=_LATENCY, registry=r)
+        self.first_token = Histogram("minfer_time_to_first_token_seconds", "Arrival to the "
+                                     "first streamed piece", buckets=_FIRST_TOKEN, registry=r)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.generated_tokens.inc(generated)
+
+    def answered(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.duration.labels(endpoint).observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""OpenAI response bodies: completions and chat completions (whole, or as server-sent-event chunks),
+embeddings, the model list, usage. Pure functions of what generate / embed returned.
+
+minfer's finish reasons map to OpenAI's: "eos" and "stop" (a stop string) are "stop", "length"
+is "length". Choice `index` runs over prompts, then over the n sequences of each:
+prompt i's sequence j is index i * n + j (OpenAI's and vLLM's order).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from typing import Any, Iterable
+
+import numpy as np
+
+DONE = b"data: [DONE]\n\n"
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return _FINISH.get(reason or "", reason)
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def event(body: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8") \
+        + b"\n\n"
+
+
+class Answer:
+    """The response shapes of one generation request: `chat` (chat.completion) or a text
+    completion, with one id, creation time and model name for all its chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, choices: Iterable[tuple[int, str, str]], use: dict[str, int]) -> dict[str, Any]:
+        """The non-streamed response: choices as (index, text, minfer's finish reason)."""
+        out = []
+        for index, text, reason in choices:
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(reason)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice.update(text=text, logprobs=None)
+            out.append(choice)
+        return {**self._head(False), "choices": out, "usage": use}
+
+    def chunk(self, index: int, text: str | None = None, reason: str | None = None,
+              first: bool = False) -> dict[str, Any]:
+        """A streamed chunk: a piece of choice `index`'s text, or its end (`reason`). A chat
+        choice's first chunk also says the role."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(reason)}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice.update(text=text or "", logprobs=None)
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:
+        """stream_options.include_usage: the last chunk, with no choices."""
+        return {**self._head(True), "choices": [], "usage": use}
+
+
+def embeddings(vectors: np.ndarray, model: str, prompt_tokens: int, as_base64: bool) -> dict[str, Any]:
+    """(N, E) float32 vectors -> the embeddings list; base64 holds each vector's little-endian
+    float32 bytes (what the openai client asks for by default)."""
+    data = []
+    for i, v in enumerate(vectors):
+        vector = np.ascontiguousarray(v, "<f4")
+        value: Any = base64.b64encode(vector.tobytes()).decode("ascii") if as_base64 \
+            else vector.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def model_list(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "minfer"}]}

@@ -1,0 +1,264 @@
+"""OpenAI request bodies: their fields checked (type and range, each error naming its field) and
+mapped onto the options `model.generate` and `model.embed` take.
+
+Completions and chat completions share the sampling fields; vLLM's extras are read under vLLM's
+names. Unknown fields are ignored, as OpenAI's API ignores them; a known field that asks for
+something minfer does not do (logprobs, echo, suffix, logit_bias, presence or frequency
+penalties, tools, a JSON response format) is refused rather than silently dropped. A null field is
+unset. The mapping (README "Serving" lists it for users):
+
+    max_tokens, max_completion_tokens   max_new_tokens (unset: the checkpoint's, capped by the server)
+    temperature                         0: greedy; > 0: sampling at that temperature; unset: the
+                                        checkpoint's own (greedy for most T5 checkpoints)
+    top_p, top_k                        top_p, top_k (-1 or 0: no cut); either alone means sampling
+    n                                   num_return_sequences
+    best_of + use_beam_search, num_beams  num_beams (vLLM's beam width); length_penalty, early_stopping
+    stop, seed, repetition_penalty      the same names
+    min_tokens                          min_new_tokens
+    ignore_eos                          min_new_tokens = max_new_tokens (eos cannot end it early)
+    truncate_prompt_tokens              cut longer prompts to this many tokens (truncation)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import InputError
+from ..generation.options import BATCH_OPTION_NAMES, is_integer, resolve_options, shown
+from .chat import chat_prompt
+from .errors import APIError
+
+# minfer's option -> the request field that sets it (for errors the library's checks raise)
+_FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+             "num_return_sequences": "n", "num_beams": "best_of", "do_sample": "temperature",
+             "max_input_tokens": "truncate_prompt_tokens"}
+
+_SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
+              "length_penalty", "early_stopping")
+
+# Stop strings per request at most: each is matched against the text after every token (OpenAI
+# allows 4; vLLM any number)
+MAX_STOP = 16
+
+# OpenAI fields minfer cannot honour: refused unless they ask for nothing (null, false, 0, "",
+# an empty list or object)
+_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+                "frequency_penalty", "tools", "functions", "prompt_logprobs")
+
+
+# -- the body ---------------------------------------------------------------------------------------
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object (strict JSON: no NaN or Infinity), or a 400 saying why not."""
+    def refuse_constant(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant)
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 (byte {e.start})") from None
+    except (ValueError, RecursionError) as e:   # JSONDecodeError is a ValueError
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_model(body: dict, served: str) -> None:
+    """`model`, if given, must be the served model's name (vLLM answers 404 otherwise)."""
+    name = body.get("model")
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise APIError(400, f"model must be a string, got {shown(name)}", param="model")
+    if name != served:
+        raise APIError(404, f"The model {name!r:.100} does not exist (this server serves "
+                       f"{served!r})", param="model", code="model_not_found")
+
+
+# -- typed fields -----------------------------------------------------------------------------------
+def _get(body: dict, name: str, check: Callable[[Any], bool], must: str) -> Any:
+    value = body.get(name)
+    if value is not None and not check(value):
+        raise APIError(400, f"{name} must be {must}, got {shown(value)}", param=name)
+    return value
+
+
+def _integer(body: dict, name: str, low: int | None = None) -> int | None:
+    value = _get(body, name, is_integer, "an integer")
+    if value is not None and low is not None and value < low:
+        raise APIError(400, f"{name} must be at least {low}, got {shown(value)}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, low: float | None = None) -> float | None:
+    def finite(v: Any) -> bool:
+        return (is_integer(v) or isinstance(v, float)) and math.isfinite(float(v))
+    value = _get(body, name, finite, "a finite number")
+    if value is not None and low is not None and value < low:
+        raise APIError(400, f"{name} must be at least {low:g}, got {shown(value)}", param=name)
+    return value
+
+
+def _boolean(body: dict, name: str) -> bool | None:
+    return _get(body, name, lambda v: isinstance(v, bool), "true or false")
+
+
+def _strings(body: dict, name: str) -> list[str] | None:
+    """A string or a non-empty list of strings (stop, prompt, input)."""
+    value = _get(body, name, lambda v: isinstance(v, str) or (
+        isinstance(v, list) and bool(v) and all(isinstance(s, str) for s in v)),
+        "a string or a non-empty list of strings")
+    return None if value is None else [value] if isinstance(value, str) else value
+
+
+# -- generation -------------------------------------------------------------------------------------
+@dataclass
+class GenerationRequest:
+    """A checked completion or chat request: what to run and how to answer."""
+    prompts: list[str]
+    options: dict[str, Any]           # model.generate's keyword options (None: unset)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False       # stream_options.include_usage: a last chunk with usage
+    ignore_eos: bool = False
+
+
+def completion_request(body: dict, max_tokens: int, max_input_tokens: int) -> GenerationRequest:
+    """POST /v1/completions: `prompt` a string or a list of strings."""
+    if body.get("prompt") is None:
+        raise APIError(400, "prompt is required: a string or a list of strings", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(is_integer(t) or isinstance(t, list)
+                                                   for t in prompt):
+        raise APIError(400, "prompt: token ids are not supported here, send text",
+                       param="prompt")
+    prompts = _strings(body, "prompt")
+    return _generation(body, prompts, "max_tokens", max_tokens, max_input_tokens)
+
+
+def chat_request(body: dict, max_tokens: int, max_input_tokens: int) -> GenerationRequest:
+    """POST /v1/chat/completions: `messages` made one prompt by the chat rule (chat.py)."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported",
+                       param="response_format")
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    return _generation(body, [chat_prompt(body.get("messages"))], limit_field, max_tokens,
+                       max_input_tokens)
+
+
+def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: int,
+                max_input_tokens: int) -> GenerationRequest:
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise APIError(400, f"{name} is not supported by minfer's server", param=name)
+    wanted = _integer(body, tokens_field, 1)
+    if wanted is not None and wanted > max_tokens:
+        raise APIError(400, f"{tokens_field} {wanted} is over this server's limit of "
+                       f"{max_tokens} (serve --max-tokens)", param=tokens_field)
+    temperature = _number(body, "temperature", 0)
+    top_p, top_k = _number(body, "top_p"), _integer(body, "top_k", -1)
+    do_sample = (None if temperature is None and top_p is None and top_k is None
+                 else temperature is None or temperature > 0)
+    n = _integer(body, "n", 1) or 1
+    num_beams = _integer(body, "num_beams", 1)
+    best_of = _integer(body, "best_of", 1)
+    if _boolean(body, "use_beam_search"):
+        num_beams = best_of if best_of is not None else n
+        if num_beams < 2:
+            raise APIError(400, "best_of must be greater than 1 with use_beam_search (it is the "
+                           "beam width)", param="best_of")
+    elif best_of is not None and best_of != n and num_beams is None:
+        raise APIError(400, "best_of other than n needs use_beam_search (minfer does not rank "
+                       "sampled sequences)", param="best_of")
+    truncate = _integer(body, "truncate_prompt_tokens", 1)
+    if truncate is not None and truncate > max_input_tokens:
+        raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's limit of "
+                       f"{max_input_tokens} prompt tokens", param="truncate_prompt_tokens")
+    stream = bool(_boolean(body, "stream"))
+    usage = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
+    include_usage = usage.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError(400, "stream_options.include_usage must be true or false",
+                       param="stream_options")
+    stop = _strings(body, "stop")
+    if stop is not None and len(stop) > MAX_STOP:
+        raise APIError(400, f"stop: {len(stop)} strings, more than {MAX_STOP}", param="stop")
+    early = body.get("early_stopping")
+    if early is not None and not (isinstance(early, bool) or early == "never"):
+        raise APIError(400, "early_stopping must be true, false or \"never\"",
+                       param="early_stopping")
+    options = dict(
+        max_new_tokens=wanted, min_new_tokens=_integer(body, "min_tokens", 0),
+        do_sample=do_sample, temperature=temperature or None,
+        top_p=top_p, top_k=None if top_k is None else max(top_k, 0),
+        num_return_sequences=n, num_beams=num_beams,
+        length_penalty=_number(body, "length_penalty"), early_stopping=early,
+        stop=stop, seed=_integer(body, "seed"),
+        repetition_penalty=_number(body, "repetition_penalty"),
+        max_input_tokens=truncate or max_input_tokens, truncation=truncate is not None or None)
+    return GenerationRequest(prompts, options, n, stream, include_usage,
+                             bool(_boolean(body, "ignore_eos")))
+
+
+def settle(model: Any, request: GenerationRequest, max_tokens: int) -> GenerationRequest:
+    """The options checked against the model (its defaults apply to what the request leaves
+    unset; an unset max_tokens is the checkpoint's, at most the server's limit), before the
+    request is queued: a bad combination is a 400 naming the request's field."""
+    options = {k: v for k, v in request.options.items() if v is not None}
+    if "max_new_tokens" not in options:
+        default, _ = resolve_options(model)   # the checkpoint's own (or minfer's 256)
+        options["max_new_tokens"] = min(default.max_new_tokens, max_tokens)
+    if request.ignore_eos:
+        options["min_new_tokens"] = options["max_new_tokens"]
+    try:
+        settled, _ = resolve_options(model, **{k: v for k, v in options.items()
+                                               if k not in BATCH_OPTION_NAMES})
+    except InputError as e:
+        raise APIError(400, str(e), param=field_of(str(e))) from None
+    if request.stream and request.n > 1 and settled.num_beams > 1:
+        raise APIError(400, "stream with n > 1 and beam search is not supported (a beam search "
+                       "streams its result once, at the end)", param="n")
+    request.options = options
+    return request
+
+
+def field_of(message: str, prompt_field: str = "prompt") -> str | None:
+    """The request field a library message's leading name stands for ("inputs": the prompts,
+    which the request sent as `prompt_field`)."""
+    word = re.match(r"[a-z_]+", message)
+    name = word.group(0) if word else ""
+    if name == "inputs":
+        return prompt_field
+    return _FIELD_OF.get(name, name if name in _SAME_NAME else None)
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+@dataclass
+class EmbeddingRequest:
+    texts: list[str]
+    base64: bool            # encoding_format "base64": little-endian float32 bytes
+    dimensions: int | None
+
+
+def embedding_request(body: dict) -> EmbeddingRequest:
+    """POST /v1/embeddings: `input` a string or a non-empty list of non-empty strings."""
+    value = body.get("input")
+    if isinstance(value, list) and value and all(is_integer(t) or isinstance(t, list)
+                                                 for t in value):
+        raise APIError(400, "input: token ids are not supported here, send text", param="input")
+    texts = _strings(body, "input")
+    if texts is None:
+        raise APIError(400, "input is required: a string or a list of strings", param="input")
+    for i, text in enumerate(texts):
+        if not text:
+            raise APIError(400, f"input[{i}] is empty", param="input")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise APIError(400, f"encoding_format must be \"float\" or \"base64\", got {shown(fmt)}",
+                       param="encoding_format")
+    return EmbeddingRequest(texts, fmt == "base64", _integer(body, "dimensions", 1))

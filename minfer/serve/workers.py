@@ -1,0 +1,71 @@
+"""The bounded pool of worker threads that requests run in, and the admission rule (backpressure).
+
+At most `max_running` requests run at once, each in its own thread (a generator is iterated by
+one thread; the continuous batcher takes the decode steps of all of them together). At most
+`max_waiting` more wait for a thread; a request beyond that is refused at once with 429 and
+`Retry-After`, never queued without bound.
+
+Running and waiting, as /metrics reports them: a request in a thread that waits for arena memory
+(the batcher's `admitting`: requests in flight must give memory back first) counts as waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..generation.batcher import batcher_of
+from .errors import APIError
+
+RETRY_AFTER_SECONDS = 1
+
+
+class Workers:
+    def __init__(self, model: Any, max_running: int, max_waiting: int):
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="minfer-serve")
+        self._batcher = batcher_of(model)
+        self._lock = threading.Lock()
+        self._accepted = 0   # running or waiting for a thread
+        self._active = 0     # in a thread
+
+    def running(self) -> int:
+        return max(self._active - len(self._batcher.admitting), 0)
+
+    def waiting(self) -> int:
+        return self._accepted - self.running()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run fn(*args) in a worker thread, or raise 429 at once when the queue is full."""
+        with self._lock:
+            if self._accepted >= self.max_running + self.max_waiting:
+                raise APIError(429, f"the server is busy: {self.max_running} requests running "
+                               f"and {self.max_waiting} waiting (serve --max-running, "
+                               "--max-waiting); retry later",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self._accepted += 1
+        try:
+            future = self._pool.submit(self._run, fn, *args)
+        except BaseException:   # the pool is shut down
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)   # also when cancelled before it ran
+        return future
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            self._active += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _finished(self, _: Future | None) -> None:
+        with self._lock:
+            self._accepted -= 1
+
+    def shutdown(self) -> None:
+        """No new work; queued work is dropped, running work finishes (cancelled by its owner)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
