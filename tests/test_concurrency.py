@@ -435,3 +435,24 @@ def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):
         done.set()
         owner.join(30)
     assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle
+
+
+def test_cancelling_a_beam_search_from_another_thread_stops_it_and_frees_its_memory(model,
+                                                                                   monkeypatch):
+    import minfer.generation as generation
+    from minfer.models.t5.model import T5DecodeState
+    before = model.backend.arena.used
+    cancel, steps = threading.Event(), []
+    real = T5DecodeState.step
+
+    def counting(self, tokens):
+        steps.append(1)
+        if len(steps) == 3:
+            cancel.set()               # a server's event loop, while the search runs
+        return real(self, tokens)
+    monkeypatch.setattr(T5DecodeState, "step", counting)
+    with pytest.raises(minfer.Cancelled):
+        run_bounded(lambda: generation.run(model, [PROMPTS[4]], cancel=cancel, num_beams=3,
+                                           max_new_tokens=200, min_new_tokens=200), 30)
+    assert len(steps) <= 4
+    assert model.backend.arena.used == before

@@ -150,12 +150,13 @@ class Batcher:
             self.starting.remove(me)
 
     @contextlib.contextmanager
-    def admitted(self, open_state: Callable[[], Any]) -> Iterator[Any]:
+    def admitted(self, open_state: Callable[[], Any],
+                 cancel: threading.Event | None = None) -> Iterator[Any]:
         """The state of an unbatched request (beam search): `open_state()`'s context, entered
         through `admit`; while it is open, requests waiting for memory wait for it too."""
         me = threading.get_ident()
         with contextlib.ExitStack() as stack:
-            state = self.admit(lambda: stack.enter_context(open_state()))
+            state = self.admit(lambda: stack.enter_context(open_state()), cancel)
             with self.cv:
                 self.holders.append(me)
                 self._started()

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import Cancelled, InputError
 from .batcher import Request, batcher_of
 from .options import GenerationOptions
 from .processors import log_softmax, process, sample, top_k_indices, warp
@@ -201,7 +201,8 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
 
 
 def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.ndarray,
-                opts: GenerationOptions, rng: np.random.Generator | None = None) -> list[list[Hypothesis]]:
+                opts: GenerationOptions, rng: np.random.Generator | None = None,
+                cancel: Any = None) -> list[list[Hypothesis]]:
     """Beam search as HF transformers (4.x, vectorised form) runs it; returns per batch row the
     `num_return_sequences` best hypotheses, best first. With do_sample the 2*num_beams candidates
     are drawn without replacement (Gumbel top-k) instead of taken greedily."""
@@ -217,7 +218,7 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
         rng = np.random.default_rng(opts.seed)
 
     with batcher_of(model).admitted(lambda: model.start_decoding(input_ids, attention_mask, N,
-                                                                  repeat=K)) as state:
+                                                                  repeat=K), cancel) as state:
         fill = token_ids.eos[0] if len(eos) else token_ids.pad   # HF pads with eos
         running = np.full((B, K, L), fill, np.int64)
         running[:, :, 0] = np.asarray(state.first_tokens).reshape(B, K)
@@ -229,6 +230,8 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
         improvable = np.ones(B, bool)              # HF's "early stop heuristic unsatisfied"
         live = np.arange(B)                        # batch rows still computed
         for cur in range(1, L):                    # cur: decoder tokens so far
+            if cancel is not None and cancel.is_set():   # (another thread: see token_loop)
+                raise Cancelled("cancelled")
             b = len(live)
             logits = state.step(running[live, :, cur - 1].reshape(-1))          # (b*K, V)
             V = logits.shape[1]

@@ -507,7 +507,7 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
     enc_dec = model.is_encoder_decoder
     if opts.num_beams > 1:
         results = []
-        for i, hyps in enumerate(beam_search(model, ids, mask, opts, rng)):
+        for i, hyps in enumerate(beam_search(model, ids, mask, opts, rng, cancel)):
             row = []
             for h in hyps:
                 text, reason = None, h.finish_reason
@@ -674,7 +674,7 @@ def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **opti
         raise row
     if call.opts.num_beams > 1:
         return Stream(model, lambda info, cancel: _stream_beam(
-            model, [row], kind, call.opts, call.tok, call.rng, info), len(row))
+            model, [row], kind, call.opts, call.tok, call.rng, info, cancel), len(row))
     ids, mask = model.batch([row])
     return Stream(model, lambda info, cancel: stream_tokens(
         model, ids, mask, kind, call.opts, call.tok, info=info, cancel=cancel), len(row))
@@ -735,9 +735,9 @@ class Stream:
 
 
 def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOptions, tok: Any,
-                 rng: np.random.Generator | None, info: dict) -> Iterator[Any]:
+                 rng: np.random.Generator | None, info: dict, cancel: Any = None) -> Iterator[Any]:
     ids, mask = model.batch(rows)
-    r = _run_batch(model, ids, mask, opts, tok, rng)[0][0]
+    r = _run_batch(model, ids, mask, opts, tok, rng, cancel)[0][0]
     info.update(reason=r.finish_reason, tokens=r.token_ids[len(r.token_ids) - r.new_tokens:])
     if kind != "ids":
         yield r.text
