@@ -121,16 +121,17 @@ def test_repetition_penalty_at_its_bounds_keeps_scores_finite(text_model, penalt
 
 
 # -- wide searches: the host work is chunked, bounded whatever the rows ---------------------------------
+@pytest.mark.parametrize("V", [50, 6])   # 6: fewer tokens than candidates a beam keeps (2K)
 @pytest.mark.parametrize("sample", [False, True])
-def test_beam_candidates_equal_one_top_k_over_every_beams_scores(sample, monkeypatch):
+def test_beam_candidates_equal_one_top_k_over_every_beams_scores(sample, V, monkeypatch):
     from minfer.generation import search
     from minfer.generation.options import GenerationOptions
     from minfer.generation.processors import log_softmax, top_k_indices
-    monkeypatch.setattr(search, "SEARCH_CHUNK_BYTES", 3 * 4 * 50)    # 3 rows a chunk
+    monkeypatch.setattr(search, "SEARCH_CHUNK_BYTES", 3 * 4 * V)     # 3 rows a chunk
     rng = np.random.default_rng(4)
-    b, K, V, keep_n = 3, 4, 50, 8
+    b, K, keep_n = 3, 4, 8
     logits = rng.standard_normal((b * K, V)).astype(np.float32)
-    logits[0, 7] = logits[0, 9] = logits[0].max() + 1                   # a tie, inside one beam
+    logits[0, 1] = logits[0, 3] = logits[0].max() + 1                   # a tie, inside one beam
     run = rng.standard_normal((b, K)).astype(np.float32)
     seqs = np.zeros((b * K, 1), np.int64)
     opts = GenerationOptions(num_beams=K, do_sample=sample, temperature=0.7, top_k=0).validate()
@@ -176,3 +177,14 @@ def test_wide_searches_keep_their_host_arrays_bounded(tmp_path):
             assert grown < 40 << 20, (kw, grown >> 20)
     finally:
         tracemalloc.stop()
+
+
+def test_more_beams_than_half_the_vocabulary(kernel_mode):
+    # each beam keeps its best 2 x num_beams candidates: more than a row has when num_beams > V/2
+    # (a raw IndexError or ValueError, or garbage beams from uninitialised slots)
+    import minfer
+    from conftest import XL_FIXTURES
+    m = minfer.load(XL_FIXTURES / "plain_softmax")
+    V = m.config.vocab_size
+    got = m.generate([[3, 4, 5]], num_beams=V // 2 + 1, max_new_tokens=2, return_details=True)
+    assert got[0][0].error is None and len(got[0][0].token_ids) == 2

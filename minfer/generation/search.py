@@ -131,12 +131,14 @@ def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray
     The beams' rows are scored a chunk at a time, each row keeping its own keep_n best: the
     input's keep_n best are among those (a candidate beaten by keep_n of its own row's cannot be
     in the input's best keep_n), so the result equals one top-k over (b, K*V) scores that never
-    exist whole."""
+    exist whole. (With the compiled kernels ties fall in index order, as a stable sort's; the
+    NumPy fallback's top-k may break ties at its partition's edge either way, as it always did.)"""
     R, V = logits.shape
     b = R // K
-    vals = np.empty((R, keep_n), np.float32)     # each row's keep_n best: scores (sampled: noisy)
-    keys = np.empty((R, keep_n), np.float32)     # ... and the scores they carry
-    idx = np.empty((R, keep_n), np.int64)
+    k = min(keep_n, V)                           # a row has only V candidates
+    vals = np.empty((R, k), np.float32)          # each row's k best: scores (sampled: noisy)
+    keys = np.empty((R, k), np.float32)          # ... and the scores they carry
+    idx = np.empty((R, k), np.int64)
     flat_scores = run_scores.reshape(R)
     for a, e in row_chunks(R, V):
         logp = log_softmax(logits[a:e])
@@ -146,18 +148,18 @@ def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray
         acc = logp + flat_scores[a:e, None]                                  # (r, V)
         if opts.do_sample:   # Gumbel noise, drawn in (row, token) order as over the whole
             noisy = acc + rng.gumbel(size=acc.shape).astype(np.float32)
-            top = top_k_indices(noisy, keep_n)
+            top = top_k_indices(noisy, k)
             vals[a:e] = np.take_along_axis(noisy, top, axis=1)
         else:
-            top = top_k_indices(acc, keep_n)
+            top = top_k_indices(acc, k)
             vals[a:e] = np.take_along_axis(acc, top, axis=1)
         keys[a:e] = np.take_along_axis(acc, top, axis=1)
         idx[a:e] = top
-    # Laid out (b, K * keep_n), beam by beam, each beam's best first with ties in token order:
+    # Laid out (b, K * k), beam by beam, each beam's best first with ties in token order:
     # among equal values that is the order of their flat indices beam * V + token, so a top-k
     # that breaks ties by position breaks them by flat index, as one over K*V would.
-    pick = top_k_indices(vals.reshape(b, K * keep_n), keep_n)               # (b, keep_n)
-    beam, rank = pick // keep_n, pick % keep_n
+    pick = top_k_indices(vals.reshape(b, K * k), keep_n)                    # (b, keep_n)
+    beam, rank = pick // k, pick % k
     rows = np.arange(b)[:, None] * K + beam                                 # rows of idx / keys
     return keys[rows, rank], beam * V + idx[rows, rank]
 
