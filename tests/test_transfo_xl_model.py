@@ -333,3 +333,30 @@ def test_a_prompt_of_one_calls_length_runs_in_exact_segments_when_one_call_does_
         assert model.plan(1, 300)["peak"] > peak
         bad = small.generate(long_prompt, max_new_tokens=4, return_details=True)[0][0]
         assert bad.error is not None and "cannot hand out" in bad.error
+
+
+@needs_xl_fixtures
+@pytest.mark.parametrize("case", XL_CASES)
+def test_segments_called_exact_give_what_one_call_gives(case, monkeypatch):
+    # the rule was mem_len >= prompt - tgt_len; the last segment starts at tgt_len * ((P-1) //
+    # tgt_len), which differs when mem_len is not a multiple of tgt_len (plain_softmax: tgt_len
+    # 8, mem_len 5, P = 9: log-probs 30 apart)
+    from minfer.models.transfo_xl import model as xl_model
+    m = minfer.load(XL_FIXTURES / case)
+    cfg = m.config
+    rng = np.random.default_rng(0)
+    exact = 0
+    for P in range(2, 3 * cfg.tgt_len + 2):
+        if not xl_spec.segments_equal_one_call(cfg, P):
+            continue
+        exact += 1
+        ids = rng.integers(5, cfg.vocab_size, size=(1, P))
+        mask = np.ones_like(ids)
+        with m.start_decoding(ids, mask, 2) as state:
+            whole = np.array(state.step(state.first_tokens))
+        with monkeypatch.context() as patch:   # one call never fits: segments
+            patch.setattr(xl_model, "prompt_call_bytes", lambda *a: 1 << 60)
+            with m.start_decoding(ids, mask, 2) as state:
+                parts = np.array(state.step(state.first_tokens))
+        np.testing.assert_allclose(parts, whole, atol=1e-4, err_msg=f"P={P}")
+    assert exact > 0 or cfg.same_length

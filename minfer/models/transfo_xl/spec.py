@@ -342,9 +342,11 @@ PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer one
 def segments_equal_one_call(cfg: XLConfig, prompt_len: int, memory_len: int = 0) -> bool:
     """Whether running a prompt in tgt_len segments gives what one call gives (up to rounding):
     every position still sees all it would see in one call (the memory keeps the rest: mem_len
-    covers the `memory_len` positions already held plus the prompt before the last segment),
-    and the attention span does not depend on the call's length (no same_length)."""
-    return not cfg.same_length and cfg.mem_len >= memory_len + prompt_len - cfg.tgt_len
+    covers the `memory_len` positions already held plus every segment before the last, which
+    starts at tgt_len * ((prompt_len - 1) // tgt_len)), and the attention span does not depend
+    on the call's length (no same_length)."""
+    before_last = cfg.tgt_len * ((prompt_len - 1) // cfg.tgt_len)
+    return not cfg.same_length and cfg.mem_len >= memory_len + before_last
 
 
 def prompt_segment(cfg: XLConfig, prompt_len: int, whole_fits: bool = True,
