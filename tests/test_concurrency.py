@@ -456,3 +456,39 @@ def test_cancelling_a_beam_search_from_another_thread_stops_it_and_frees_its_mem
                                            max_new_tokens=200, min_new_tokens=200), 30)
     assert len(steps) <= 4
     assert model.backend.arena.used == before
+
+
+def test_a_requests_failure_to_get_ready_is_its_own_not_the_leaders():
+    # ready() (rows that stopped leave the state: a reorder) ran outside the per-request guard:
+    # its exception reached whichever thread led the step, and the failing request stayed active
+    from minfer.generation.batcher import Batcher, Request
+
+    class Model:
+        def step_together(self, states, feeds):
+            return [None] * len(states)
+
+    class Stub(Request):
+        def __init__(self, broken):
+            super().__init__(runs_ahead=True)
+            self.state, self.broken, self.steps = None, broken, 0
+
+        def ready(self):
+            if self.broken:
+                raise MemoryError("reorder scratch")
+            return True
+
+        def feed(self):
+            return None
+
+        def advance(self, scores):
+            self.steps += 1
+            return self.steps
+
+    batcher = Batcher(Model())
+    broken, fine = Stub(True), Stub(False)
+    batcher.join(broken)
+    batcher.join(fine)
+    assert batcher.next_event(fine) == 1            # the healthy one's consumer leads: no error
+    assert isinstance(broken.error, MemoryError) and not broken.active
+    with pytest.raises(MemoryError):
+        batcher.next_event(broken)                  # the broken one's consumer gets its own

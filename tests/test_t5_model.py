@@ -53,3 +53,29 @@ def test_generation_config_sets_the_default_length(tmp_path):
     model = minfer.load(folder)
     out = model.generate([[3, 4, 1]], min_new_tokens=4)
     assert len(out[0]) == 5
+
+
+def test_a_reorder_in_a_full_arena_moves_the_caches_through_the_states_own_scratch(folder,
+                                                                                   monkeypatch):
+    # the NumPy (and device) reorder took one layer's scratch from the arena: under concurrency
+    # the arena can be full by then, and the step that reordered failed another request
+    from minfer import kernels
+    from factories import IDS
+    monkeypatch.setattr(kernels, "_mode", "numpy")
+    m = minfer.load(folder)
+    ids, mask = m.batch(IDS)
+    results = []
+    for fill in (False, True):
+        with m.start_decoding(ids, mask, max_len=8, repeat=2) as state:
+            tokens = np.array([3, 4, 5, 6])
+            for _ in range(3):
+                tokens = state.step(tokens).argmax(-1)
+            hold = None
+            if fill:     # every byte the arena has left goes to someone else
+                room = m.backend.arena.available - m.backend.arena.alignment
+                hold = m.backend.arena.hold({"x": ((room,), np.uint8)})
+            state.reorder(np.array([3, 0, 0, 2]))
+            if hold is not None:
+                hold.release()
+            results.append(state.step(tokens[[3, 0, 0, 2]]).copy())
+    np.testing.assert_array_equal(results[0], results[1])

@@ -272,8 +272,8 @@ class Batcher:
             self.stepping = candidates   # from here on, leave() defers their release to us
         try:
             # (a request abandoned while this list was made has been released: not stepped)
-            batch = [r for r in candidates if not r.gone and r.ready()]   # rows stopped since
-            if batch:                                                       # their last step leave
+            batch = [r for r in candidates if not r.gone and self._ready(r)]
+            if batch:
                 self._step_batch(batch)
         finally:
             with self.cv:
@@ -284,6 +284,16 @@ class Batcher:
                 releases = self._take_releases(ended)
                 self.stepping = []
             self._run_releases(releases)   # ended decodings give their memory back at once
+
+    @staticmethod
+    def _ready(r: Request) -> bool:
+        """Whether the request takes this step (rows stopped since its last step leave first);
+        a failure there is that request's own, not the leading thread's."""
+        try:
+            return r.ready()
+        except Exception as e:
+            r.error = e
+            return False
 
     def _step_batch(self, batch: list[Request]) -> None:
         try:

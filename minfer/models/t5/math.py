@@ -439,19 +439,27 @@ def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cr
         be.upload(buf.ids[:n], rows)
         idx = buf.ids[:n]
         _, _, H, N, D = buf.self_k.shape
-        tmp = be.arena.alloc((reorder_elements(buf.self_k.shape, buf.cross_k.shape, n),),
-                             buf.self_k.dtype, "reorder scratch")
+        elements = reorder_elements(buf.self_k.shape, buf.cross_k.shape, n)
+        if elements * buf.self_k.itemsize + be.arena.alignment <= be.arena.available:
+            tmp = be.arena.alloc((elements,), buf.self_k.dtype, "reorder scratch")
+        else:   # other requests hold what the plan counted for this: move the caches a few
+            # positions at a time through the state's own step scratch (slower; an admitted
+            # request never fails for want of memory): qkv holds 3 positions of every row,
+            # scores a whole source's mask row of every row
+            tmp = max((buf.scores, buf.qkv.reshape(-1)), key=lambda a: a.size)
+        step = max(1, tmp.size // (n * H * D))                         # positions at a time
         moves = [(buf.self_k, length), (buf.self_v, length)]
         if cross:
             moves += [(buf.cross_k, buf.cross_k.shape[3]), (buf.cross_v, buf.cross_v.shape[3])]
         for cache, used in moves:
             for layer in range(cache.shape[0]):
-                filled = cache[layer, :, :, :used]                    # (b, H, used, D)
-                got = tmp[:n * H * used * D].reshape(n, H, used, D)
-                xp.take(filled, idx, axis=0, out=got)
-                filled[:n] = got
+                for p in range(0, used, step):                         # rows of all chunks
+                    filled = cache[layer, :, :, p:min(used, p + step)]  # (b, H, <=step, D)
+                    got = tmp[:n * H * filled.shape[2] * D].reshape(n, H, filled.shape[2], D)
+                    xp.take(filled, idx, axis=0, out=got)
+                    filled[:n] = got
         if cross:
             S = buf.cross_bias.shape[3]
-            got = tmp[:n * S].reshape(n, 1, 1, S)
+            got = (tmp if tmp.size >= n * S else buf.scores)[:n * S].reshape(n, 1, 1, S)
             xp.take(buf.cross_bias, idx, axis=0, out=got)
             buf.cross_bias[:n] = got
