@@ -484,7 +484,8 @@ def test_a_requests_failure_to_get_ready_is_its_own_not_the_leaders():
             self.steps += 1
             return self.steps
 
-    batcher = Batcher(Model())
+    model = Model()                                 # (the batcher holds it weakly)
+    batcher = Batcher(model)
     broken, fine = Stub(True), Stub(False)
     batcher.join(broken)
     batcher.join(fine)
