@@ -318,18 +318,39 @@ def test_one_thread_interleaving_streams_waits_for_its_own_running_stream(wide_v
     assert rest == free.generate([prompts[0]], max_new_tokens=6)[0][2:]
 
 
-def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_path):
+def one_room(tmp_path):
+    """A text model (with stop strings: a tokenizer) and the same model under a limit that holds
+    one request of 400 new tokens, not two (their decode states alone overflow it)."""
     from conftest import make_text_model_folder
-    from minfer.errors import ArenaExhausted
     folder = make_text_model_folder(tmp_path / "m")
     free = minfer.load(folder)
-    n = len(free.tokenizer.encode("a b c"))
-    plan = free.plan(1, n, 400)
-    # room for one request of 400 new tokens, not for two: their decode states alone overflow it
+    plan = free.plan(1, len(free.tokenizer.encode("a b c")), 400)
     room = plan["peak"] * 11 // 10
     assert 2 * plan["decode_state"] > room
     weights = free.weight_plan.fixed + sum(free.weight_plan.unit_bytes.values()) + 4096
-    m = minfer.load(folder, memory_limit=weights + room, workspace=room)
+    return free, minfer.load(folder, memory_limit=weights + room, workspace=room)
+
+
+def held_by_another_thread(m):
+    """A thread holding one 400-token request that advances only when that thread reads it
+    (stop strings): (its stream, an event that makes it close the stream, the thread)."""
+    box, taken, done = {}, threading.Event(), threading.Event()
+
+    def hold():
+        box["stream"] = m.generate("a b c", stream=True, max_new_tokens=400, stop=["never"])
+        next(box["stream"])
+        taken.set()
+        done.wait(30)
+        box["stream"].close()
+    owner = threading.Thread(target=hold)
+    owner.start()
+    assert taken.wait(30)
+    return box["stream"], done, owner
+
+
+def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_path):
+    from minfer.errors import ArenaExhausted
+    free, m = one_room(tmp_path)
 
     def interleave():
         first = m.generate("a b c", stream=True, max_new_tokens=400, stop=["never"])
@@ -407,26 +428,9 @@ def test_cancelling_a_batched_call_from_another_thread_stops_it_within_a_step(mo
 
 
 def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):
-    from conftest import make_text_model_folder
-    folder = make_text_model_folder(tmp_path / "m")
-    free = minfer.load(folder)
-    plan = free.plan(1, len(free.tokenizer.encode("a b c")), 400)
-    room = plan["peak"] * 11 // 10            # one request of 400 new tokens, not two
-    assert 2 * plan["decode_state"] > room
-    weights = free.weight_plan.fixed + sum(free.weight_plan.unit_bytes.values()) + 4096
-    m = minfer.load(folder, memory_limit=weights + room, workspace=room)
-    taken, done = threading.Event(), threading.Event()
-
-    def hold():   # holds the memory; with a stop string it advances only when this thread reads
-        first = m.generate("a b c", stream=True, max_new_tokens=400, stop=["never"])
-        next(first)
-        taken.set()
-        done.wait(30)
-        first.close()
-    owner = threading.Thread(target=hold)
-    owner.start()
+    _, m = one_room(tmp_path)
+    _, done, owner = held_by_another_thread(m)
     try:
-        assert taken.wait(30)
         waiting = m.generate("d e f", stream=True, max_new_tokens=400)
         threading.Timer(0.3, waiting.cancel).start()
         assert run_bounded(lambda: list(waiting), 30) == []
@@ -435,6 +439,47 @@ def test_cancelling_a_request_that_waits_for_memory_ends_its_wait(tmp_path):
         done.set()
         owner.join(30)
     assert m.backend.arena.used == m.backend.arena.capacity - m.free_when_idle
+
+
+def test_a_request_waiting_for_memory_gets_the_memory_of_one_cancelled_meanwhile(tmp_path):
+    # the cancelled request stopped counting as one that frees memory before it had: the waiter
+    # failed at once (ArenaExhausted) while the memory was on its way back
+    free, m = one_room(tmp_path)
+    holder, done, owner = held_by_another_thread(m)
+    try:
+        threading.Timer(0.5, holder.cancel).start()   # its client goes away; its consumer is slow
+        got = run_bounded(lambda: m.generate("d e f", max_new_tokens=400), 60)
+        assert got == free.generate("d e f", max_new_tokens=400)
+    finally:
+        done.set()
+        owner.join(30)
+
+
+def test_requests_waiting_for_memory_wait_quietly(tmp_path, monkeypatch):
+    # a failed start counted as memory given back: two waiters woke each other ~20,000 times a
+    # second, each retrying start_decoding (a core spent, the model's lock fought over)
+    import time
+    _, m = one_room(tmp_path)
+    starts = []
+    real = type(m).start_decoding
+    monkeypatch.setattr(type(m), "start_decoding",
+                        lambda self, *a, **k: (starts.append(1), real(self, *a, **k))[1])
+    _, done, owner = held_by_another_thread(m)
+    waiters = [threading.Thread(target=lambda: m.generate("d e f", max_new_tokens=400))
+               for _ in range(2)]
+    try:
+        before = len(starts)
+        for w in waiters:
+            w.start()
+        time.sleep(1.5)
+        assert len(starts) - before <= 4
+    finally:
+        done.set()
+        owner.join(30)
+        for w in waiters:
+            w.join(60)
+    assert not any(w.is_alive() for w in waiters)
+
 
 
 def test_cancelling_a_beam_search_from_another_thread_stops_it_and_frees_its_memory(model,

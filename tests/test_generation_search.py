@@ -188,3 +188,54 @@ def test_more_beams_than_half_the_vocabulary(kernel_mode):
     V = m.config.vocab_size
     got = m.generate([[3, 4, 5]], num_beams=V // 2 + 1, max_new_tokens=2, return_details=True)
     assert got[0][0].error is None and len(got[0][0].token_ids) == 2
+
+
+def test_the_first_tokens_are_read_before_another_thread_can_step_the_request(monkeypatch):
+    # info["first"] was copied after joining the batcher: another thread's leader could take
+    # two steps first, drop the rows that ended, and the results got the wrong start tokens
+    import contextlib
+
+    from minfer.generation import batcher as batcher_module
+    from minfer.generation.options import GenerationOptions
+    from minfer.generation.protocol import TokenIds
+
+    class State:
+        def __init__(self, B):
+            self.batch, self.first_tokens, self.t = B, np.array([7, 8, 9][:B]), 0
+
+        def step(self, tokens):
+            out = np.zeros((self.batch, 4), np.float32)
+            out[:, 2] = 1.0
+            if self.t == 0:
+                out[0, 1] = 5.0          # row 0 ends (eos) at once
+            self.t += 1
+            return out
+
+        def reorder(self, rows, cross=True):
+            self.batch = len(rows)
+
+    class Model:
+        token_ids = TokenIds(eos=(1,), pad=0)
+
+        @contextlib.contextmanager
+        def start_decoding(self, ids, mask, n, repeat=1):
+            yield State(ids.shape[0])
+
+        def step_together(self, states, tokens):
+            return [s.step(t) for s, t in zip(states, tokens)]
+
+    real_join = batcher_module.Batcher.join
+
+    def join_then_another_leader_steps(self, request, release=None):
+        real_join(self, request, release)
+        if request is not None:
+            for _ in range(2):
+                self.leading = True
+                self._lead()
+    monkeypatch.setattr(batcher_module.Batcher, "join", join_then_another_leader_steps)
+    info = {}
+    ids = np.zeros((3, 2), np.int64)
+    from minfer.generation import search as search_module
+    list(search_module.token_loop(Model(), ids, np.ones_like(ids),
+                                  GenerationOptions(max_new_tokens=5), info=info))
+    assert info["first"].tolist() == [7, 8, 9]

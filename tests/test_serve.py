@@ -30,6 +30,9 @@ PROMPTS = [json.loads(line)["prompt"] for line in open(DATES / "heldout.jsonl")]
 KEY = "test-key-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LONG = {"max_tokens": 2048, "ignore_eos": True}   # seconds of decoding on the tiny model
+# what must outlast a deadline or a grace period: 2048 tokens take under a second on a quiet
+# machine (servers started with --max-tokens 30000)
+LONGER = {"max_tokens": 12000, "ignore_eos": True}
 
 
 class Server(serve_process.Server):
@@ -306,10 +309,10 @@ def test_a_client_that_leaves_a_plain_request_stops_its_decoding(server):
 
 # -- backpressure, timeouts ---------------------------------------------------------------------------
 def test_beyond_the_queue_a_request_gets_429_at_once_and_a_slow_one_504():
-    with serving(DATES, "--max-running", "1", "--max-waiting", "0",
+    with serving(DATES, "--max-running", "1", "--max-waiting", "0", "--max-tokens", "30000",
                  "--request-timeout", "2") as server, server.client() as http:
         with http.stream("POST", "/v1/completions",
-                         json={"prompt": PROMPTS[0], "stream": True, **LONG}) as r:
+                         json={"prompt": PROMPTS[0], "stream": True, **LONGER}) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")   # it runs: the only slot is taken
             t0 = time.monotonic()
@@ -321,7 +324,7 @@ def test_beyond_the_queue_a_request_gets_429_at_once_and_a_slow_one_504():
             assert events[-1]["error"]["type"] == "timeout_error"
         server.settle()
         t0 = time.monotonic()
-        slow = http.post("/v1/completions", json={"prompt": PROMPTS[:8], **LONG})
+        slow = http.post("/v1/completions", json={"prompt": PROMPTS[:8], **LONGER})
         assert slow.status_code == 504 and 1.5 < time.monotonic() - t0 < 10
         assert "--request-timeout" in slow.json()["error"]["message"]
         m = server.settle()
@@ -331,7 +334,7 @@ def test_beyond_the_queue_a_request_gets_429_at_once_and_a_slow_one_504():
 
 # -- SIGTERM ----------------------------------------------------------------------------------------
 def test_sigterm_lets_streams_in_flight_finish_within_the_grace_period(offline):
-    server = Server(DATES, "--grace-period", "4")
+    server = Server(DATES, "--grace-period", "4", "--max-tokens", "30000")
     try:
         results = {}
 
@@ -350,7 +353,7 @@ def test_sigterm_lets_streams_in_flight_finish_within_the_grace_period(offline):
                  "stream_options": {"include_usage": True}}
         threads = [threading.Thread(target=read, args=("short", short)),
                    threading.Thread(target=read, args=("long", {"prompt": PROMPTS[:16],
-                                                                "stream": True, **LONG}))]
+                                                                "stream": True, **LONGER}))]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30

@@ -71,9 +71,12 @@ class Request:
         self.cancel: threading.Event | None = None       # set from any thread: stop at once
 
     @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    @property
     def active(self) -> bool:
-        return (self.error is None and not self.finished and not self.gone
-                and not (self.cancel is not None and self.cancel.is_set()))
+        return self.error is None and not self.finished and not self.gone and not self.cancelled
 
 
 class Batcher:
@@ -88,6 +91,10 @@ class Batcher:
         self.admitting: set[int] = set()    # threads waiting for memory (they consume nothing)
         self.releasing = 0                  # states being given back right now
         self.released = 0                   # how many times memory was given back
+        # one request takes memory at a time: a start that fails then failed for memory others
+        # hold, never for what another start held for a moment (two waiters would wake each
+        # other in a loop)
+        self.admission = threading.Lock()
         self.steps = 0                      # decode steps taken, and the requests they stepped
         self.stepped = 0                    # (summed): stepped / steps is the mean batch
 
@@ -172,10 +179,14 @@ class Batcher:
                         self.cv.notify_all()
 
     # -- admission --------------------------------------------------------------------------------
-    def wake(self) -> None:
-        """Wake every waiting thread (a request was cancelled: its consumer stops waiting)."""
+    def cancelled(self, event: threading.Event) -> None:
+        """Requests cancelled through `event` give their states back now (one a step is using:
+        when the step ends), and every waiting thread wakes (their consumers stop waiting)."""
         with self.cv:
+            releases = self._take_releases([r for r in self.requests
+                                            if r.cancel is event and r not in self.stepping])
             self.cv.notify_all()
+        self._run_releases(releases)
 
     def admit(self, start: Callable[[], T], cancel: threading.Event | None = None) -> T:
         """`start()` (which takes a request's arena memory, raising ArenaExhausted when it
@@ -189,13 +200,13 @@ class Batcher:
                 seen = self.released
                 self.starting.append(me)   # holds memory from here until it joins (or fails)
             try:
-                return start()
+                with self.admission:
+                    return start()
             except BaseException as e:
                 with self.cv:
                     self.starting.remove(me)
-                    self.released += 1   # what it held while it tried is back (for others)
                     self.cv.notify_all()
-                if not isinstance(e, ArenaExhausted) or not self._wait_for_memory(seen + 1, cancel):
+                if not isinstance(e, ArenaExhausted) or not self._wait_for_memory(seen, cancel):
                     raise
 
     def _wait_for_memory(self, seen: int, cancel: threading.Event | None = None) -> bool:
@@ -212,8 +223,10 @@ class Batcher:
                         return True   # (admit then says Cancelled)
                     # requests that advance without this thread: those that run ahead of their
                     # consumers, or whose consumers are other threads not themselves waiting
-                    movers = [r for r in self.requests if r.active and r.release is not None
-                              and (r.runs_ahead or (r.owner != me and r.owner not in self.admitting))]
+                    movers = [r for r in self.requests if r.release is not None and (
+                        r.cancelled   # its consumer gives its state back on its next call
+                        or (r.active and (r.runs_ahead or (r.owner != me
+                                                           and r.owner not in self.admitting))))]
                     others = [t for t in self.holders + self.starting if t != me]
                     # (a step in progress may end requests and give their memory back)
                     if not movers and not others and not self.releasing and not self.leading:
@@ -233,7 +246,7 @@ class Batcher:
         has none."""
         while True:
             with self.cv:
-                if request.cancel is not None and request.cancel.is_set():
+                if request.cancelled:
                     raise Cancelled("cancelled")
                 request.owner = threading.get_ident()
                 # coming back means every event popped before has been handled (its stop
@@ -277,7 +290,7 @@ class Batcher:
                 self._step_batch(batch)
         finally:
             with self.cv:
-                ended = [r for r in self.stepping if r.gone or r.finished or r.error is not None]
+                ended = [r for r in self.stepping if not r.active]   # (cancelled ones too)
                 for r in ended:
                     if r.gone and r in self.requests:
                         self.requests.remove(r)

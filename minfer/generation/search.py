@@ -192,9 +192,9 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
         batcher.join(None, release=stack.close)   # (gives the state back at once)
         raise
     decoding.cancel = cancel
-    batcher.join(decoding, release=stack.close)
-    if info is not None:
+    if info is not None:   # (before joining: another thread's step may drop rows right after)
         info["first"] = decoding.seqs[:, 0].copy()  # what each row started from
+    batcher.join(decoding, release=stack.close)
     try:
         while (event := batcher.next_event(decoding)) is not None:
             yield event

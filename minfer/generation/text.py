@@ -562,9 +562,9 @@ def run(model: DecodingModel, inputs: Any, *, task: str | None = None, attention
 
     `cancel`: a threading.Event that another thread may set (a server whose client went away):
     the call then ends within a step of greedy or sampled decoding, or in its wait for arena
-    memory, raising `Cancelled`, with every decode state given back (beam search runs to its
-    end). To end a wait for memory at once, also call `batcher.batcher_of(model).wake()`, as
-    `Stream.cancel` does."""
+    memory, raising `Cancelled`, with every decode state given back. Then also call
+    `batcher.batcher_of(model).cancelled(event)`, as `Stream.cancel` does: the states are given
+    back at once and the waits end now, not at their next check."""
     call = _Call(model, task, options, cancel)
     kind, prompts = _normalise_inputs(inputs)
     name = _row_names(kind)
@@ -731,7 +731,7 @@ class Stream:
         """Stop it from another thread (thread-safe): see the class doc."""
         from .batcher import batcher_of
         self._cancel.set()
-        batcher_of(self._model).wake()
+        batcher_of(self._model).cancelled(self._cancel)
 
 
 def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOptions, tok: Any,

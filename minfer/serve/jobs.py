@@ -49,7 +49,7 @@ class Job:
             streams = list(self._streams)
         for s in streams:
             s.cancel()
-        batcher_of(self.model).wake()   # a wait for memory sees the event at once
+        batcher_of(self.model).cancelled(self.cancelled)   # states back, waits end now
 
     def _track(self, stream: Any) -> Any:
         with self._lock:
