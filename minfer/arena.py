@@ -37,6 +37,13 @@ ALIGNMENT = 256  # bytes; matches CUDA's allocation granularity and any CPU cach
 # reductions allocate by themselves): see TempPool and cuda.CudaArena; the plans count it.
 SCOPE_TEMPORARIES = 64 << 10
 
+
+def scope_bytes(temporaries: int) -> int:
+    """Arena bytes a compute scope takes for library temporaries of `temporaries` bytes beyond
+    the device arena's own pool of SCOPE_TEMPORARIES (held for good: steps and most passes take
+    nothing at run time): a plan counts these."""
+    return align_up(int(temporaries)) if temporaries > SCOPE_TEMPORARIES else 0
+
 BufferSpec = Mapping[str, tuple[tuple[int, ...], Any]]
 
 _UNITS = {
@@ -191,6 +198,11 @@ class Arena:
             self._top = mark
             self._gaps = [(a, min(b, mark)) for a, b in self._gaps if a < mark]
             self._settle()
+
+    def scope_overhead(self, temporaries: int = 0) -> int:
+        """Bytes a scope opened now takes before its first allocation: none here (a device arena
+        may carve a pool for its temporaries: cuda.py)."""
+        return 0
 
     @contextlib.contextmanager
     def scope(self, temporaries: int = 0) -> Iterator["Arena"]:

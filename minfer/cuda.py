@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import cupy  # noqa: F401  (ImportError here means: no CUDA backend, said by devices.py)
 import numpy as np
 
-from .arena import SCOPE_TEMPORARIES, Arena, TempPool, align_up, format_bytes
+from .arena import SCOPE_TEMPORARIES, Arena, TempPool, align_up, format_bytes, scope_bytes
 from .backend import Backend
 from .errors import ConfigError
 
@@ -220,6 +220,14 @@ class CudaArena(Arena):
             super().__init__(capacity, cupy, name=f"cuda:{device}")
         self.pool: TempPool | None = None     # the open compute scope's temporaries
         self.pool_peak = 0                    # the most temporaries alive at once, any scope
+        # the pool of every scope that needs no more, held for good: a decode step then takes
+        # nothing from the arena, however full other requests left it
+        self._base_pool = self.hold({"pool": ((SCOPE_TEMPORARIES,), np.uint8)}).buffers["pool"]
+
+    def scope_overhead(self, temporaries: int = 0) -> int:
+        """What an outermost scope carves first: nothing when its temporaries fit the arena's
+        own pool (nested scopes share the open one)."""
+        return 0 if self.pool is not None else scope_bytes(temporaries)
 
     @contextlib.contextmanager
     def scope(self, temporaries: int = 0) -> Iterator["CudaArena"]:
@@ -231,7 +239,8 @@ class CudaArena(Arena):
                 yield self
                 return
             size = align_up(max(int(temporaries), SCOPE_TEMPORARIES))
-            region = self.alloc((size,), np.uint8, "CuPy temporaries")
+            region = (self._base_pool if size == SCOPE_TEMPORARIES
+                      else self.alloc((size,), np.uint8, "CuPy temporaries"))
             pool = TempPool(size, self.name)
             base = region.data.ptr
 
@@ -340,6 +349,8 @@ def make_cuda_backend(index: int, compute: np.dtype, weight_format: str, limit: 
         raise ConfigError(f"workspace {format_bytes(reserve)} exceeds the device budget "
                           f"{format_bytes(capacity)}")
     # On the GPU the arena is always the budget: weights, slots and workspace all live in it.
-    return CudaBackend(xp=DEVICE_ARRAYS, device=f"cuda:{index}", arena=CudaArena(capacity, index),
-                       dtype=compute, weight_format=weight_format, memory_limit=capacity,
+    arena = CudaArena(capacity, index)
+    # (the budget the weights are planned in: what the arena's own temporaries pool leaves)
+    return CudaBackend(xp=DEVICE_ARRAYS, device=f"cuda:{index}", arena=arena,
+                       dtype=compute, weight_format=weight_format, memory_limit=arena.available,
                        workspace=reserve)

@@ -211,7 +211,7 @@ class T5Model(Model):
     def _groups_that_fit(self, states: list[T5DecodeState]) -> list[list[int]]:
         """Consecutive runs of states whose stacked step scratch fits the arena's free bytes."""
         be, cfg = self.backend, self.config
-        free = be.arena.available
+        free = be.arena.available - be.arena.scope_overhead()   # (a device scope's pool first)
         groups: list[list[int]] = []
         rows = keys = 0
         for i, s in enumerate(states):

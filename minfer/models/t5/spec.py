@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ... import ops
-from ...arena import SCOPE_TEMPORARIES, BufferSet, BufferSpec, bytes_needed
+from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Linear, Tensor, View, WeightTable
@@ -522,20 +522,19 @@ def reorder_elements(self_shape: tuple[int, ...], cross_shape: tuple[int, ...], 
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
               max_new_tokens: int | None) -> dict[str, int]:
     """Arena bytes of one generation: its decode state plus the largest of the encoder pass, the
-    cross K/V projection and a beam reorder, each with the device's pool for library
-    temporaries (SCOPE_TEMPORARIES: a compute scope's reductions' workspace; the model code
-    itself allocates nothing on the device); of an encoder-only model, one encoder pass and its
-    output."""
+    cross K/V projection and a beam reorder (the device's library temporaries fit its arena's
+    own pool, arena.SCOPE_TEMPORARIES; the model code itself allocates nothing on the device);
+    of an encoder-only model, one encoder pass and its output."""
     S = input_len or DEFAULT_INPUT_LEN
     out = bytes_needed({"out": ((batch, S, cfg.d_model), dtype)})
-    encoder = SCOPE_TEMPORARIES + out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
+    encoder = out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
     if cfg.encoder_only:
         return {"encoder_scratch": encoder, "peak": encoder}
     N = max_new_tokens or DEFAULT_NEW_TOKENS
     state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
-    cross = SCOPE_TEMPORARIES + out + bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
+    cross = out + bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
     H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
-    reorder = SCOPE_TEMPORARIES + bytes_needed({"tmp": ((reorder_elements(
+    reorder = bytes_needed({"tmp": ((reorder_elements(
         (L, batch, H, N, D), (L, batch, H, S, D), batch),), dtype)})
     return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
             "reorder_scratch": reorder, "peak": state + max(encoder, cross, reorder)}

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...arena import SCOPE_TEMPORARIES, BufferSet, BufferSpec, bytes_needed
+from ...arena import BufferSet, BufferSpec, bytes_needed, scope_bytes
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
 from ...params.spec import Derived, Linear, Tensor, View, WeightTable
@@ -369,8 +369,8 @@ def segment_scratch_bytes(cfg: XLConfig, dtype: Any, batch: int, T: int) -> int:
 def prompt_call_bytes(cfg: XLConfig, dtype: Any, batch: int, T: int) -> int:
     """Arena bytes of one call of a generation's prompt over T positions: its scratch and the
     temporaries of its last position's log-probs."""
-    return (segment_scratch_bytes(cfg, dtype, batch, T) + SCOPE_TEMPORARIES
-            + head_temporaries(cfg, batch, dtype))
+    return (segment_scratch_bytes(cfg, dtype, batch, T)
+            + scope_bytes(head_temporaries(cfg, batch, dtype)))
 
 
 def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
@@ -378,16 +378,17 @@ def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
     """Arena bytes of a run: the segment memory plus the largest of one segment's scratch with
     its head's temporaries (the smallest segments a prompt of `input_len` tokens may run in,
     default tgt_len: it runs in one call when that fits, see `prompt_segment`; generation steps
-    need less) and a reorder of the memory. A plan without `max_new_tokens` (scoring, the
-    workspace at load) counts scoring's head for every position of the segment; a generation
-    plan the last position's log-probs."""
+    need less) and a reorder of the memory. A plan without `max_new_tokens` (forward and
+    scoring, the workspace at load) counts the head of every position of the segment (forward's,
+    which keeps their (rows, V) log-probs: scoring needs less); a generation plan the last
+    position's log-probs."""
     T = cfg.tgt_len if input_len is None else prompt_segment(cfg, input_len, whole_fits=False)
     memory = MemoryBuffers.nbytes(cfg, batch, dtype)
     scratch = segment_scratch_bytes(cfg, dtype, batch, T)
     head = (prompt_call_bytes(cfg, dtype, batch, T) - scratch if max_new_tokens is not None
-            else SCOPE_TEMPORARIES + head_temporaries(cfg, batch * T, dtype, scoring=True))
+            else scope_bytes(head_temporaries(cfg, batch * T, dtype)))   # forward's, >= score's
     width = max(cfg.d_model, 2 * cfg.n_head * cfg.d_head)
-    reorder = SCOPE_TEMPORARIES + bytes_needed({"rows": ((batch,), np.int64), "tmp": (
+    reorder = bytes_needed({"rows": ((batch,), np.int64), "tmp": (
         (batch * max(cfg.mem_len, 1) * width,), dtype)})
     return {"memory": memory, "segment_scratch": scratch, "head_temporaries": head,
             "reorder_scratch": reorder, "peak": memory + max(scratch + head, reorder)}
