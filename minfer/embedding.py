@@ -184,9 +184,7 @@ def tokens_of(model: Any, text: str, modules: SentenceModules | None) -> list[in
     text = text.strip()
     if modules is not None and modules.do_lower_case:
         text = text.lower()
-    ids = model.tokenizer.encode(text)
     limit = modules.max_seq_length if modules is not None else None
-    if limit is not None and len(ids) > limit:
-        eos = model.tokenizer.eos_id
-        ids = ids[:limit - 1] + [eos] if eos is not None and ids[-1] == eos else ids[:limit]
-    return ids
+    if limit is None:
+        return model.tokenizer.encode(text)
+    return model.tokenizer.encode_cut(text, limit)[0]   # (bounded work however long the text)

@@ -79,3 +79,22 @@ def test_a_reorder_in_a_full_arena_moves_the_caches_through_the_states_own_scrat
                 hold.release()
             results.append(state.step(tokens[[3, 0, 0, 2]]).copy())
     np.testing.assert_array_equal(results[0], results[1])
+
+
+def test_encode_of_a_huge_text_cut_to_max_length_reads_only_what_it_keeps(text_model, monkeypatch):
+    # encode(text, max_length, truncation) tokenized the whole text first (1.7 s for 2.3 MB)
+    tok = text_model.tokenizer
+    words = " ".join(["date:", "1999", "and", "more", "words", "spell:", "1234"] * 3000)
+    full = tok.encode(words)
+    got = text_model.encode(words, padding="max_length", max_length=24, truncation=True)
+    want = text_model.encode([full[:23] + full[-1:]])
+    np.testing.assert_array_equal(got, want)
+    longest = []
+    real = type(tok)._encode
+    monkeypatch.setattr(type(tok), "_encode", lambda self, text: (longest.append(len(text)),
+                                                                   real(self, text))[1])
+    huge = words * 200                                   # ~7 MB
+    text_model.encode(huge, max_length=24, truncation=True)
+    with pytest.raises(InputError, match="more than max_length 24"):
+        text_model.encode(huge, max_length=24)
+    assert max(longest) < 100_000

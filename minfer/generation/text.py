@@ -388,14 +388,10 @@ class _Call:
     def _encode_long(self, text: str, limit: int, where: str,
                      planner: BatchPlanner) -> list[int] | MinferError:
         """A long prompt's ids as `_fit` would leave them, the work bounded by `limit` (the
-        tokenizer's encode_window): the start (encoder-decoder) or the end (decoder-only) when it
+        tokenizer's encode_cut): the start (encoder-decoder) or the end (decoder-only) when it
         is cut; its error when it cannot run."""
-        add = self.model.add_eos_to_prompt
-        n = limit - (len(self.tok.around([])) if add else 0)
-        if n < 1:   # (no room for text beside the specials: the general path decides)
-            return self.tok.encode(text, add_eos=add)
         side = "start" if self.model.is_encoder_decoder else "end"
-        ids, cut = self.tok.encode_window(text, n, side, add_eos=add)
+        ids, cut = self.tok.encode_cut(text, limit, side, add_eos=self.model.add_eos_to_prompt)
         if not cut:
             return ids
         if self.batching.max_input_tokens is None:   # the arena's bound

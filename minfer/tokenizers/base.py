@@ -221,6 +221,17 @@ class Tokenizer:
         ids, cut = window.encode_window(self._encode, cuts, text, n, side)
         return (self.around(ids) if add_eos else ids), cut
 
+    def encode_cut(self, text: str, limit: int, side: str = "start",
+                   add_eos: bool = True) -> tuple[list[int], bool]:
+        """`encode(text, add_eos)` cut to at most `limit` ids, as transformers truncates (the
+        specials around a text kept: T5's closing `</s>`), and whether anything was cut; the
+        work bounded by `limit` (`encode_window`), not by the text."""
+        n = limit - (len(self.around([])) if add_eos else 0)
+        if n < 1:   # no room for text beside the specials: the whole encoding, cut
+            ids = self.encode(text, add_eos)
+            return (ids[:limit] if side == "start" else ids[len(ids) - limit:]), len(ids) > limit
+        return self.encode_window(text, n, side, add_eos)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (ints or NumPy integers); see each source for its rules."""
         checked = map(self._check_id, ids)

@@ -125,20 +125,27 @@ class T5Model(Model):
                 raise InputError("encode(): attention_mask applies to token ids, not to text")
             from ...generation.text import need_tokenizer
             tok = need_tokenizer(self, "encode() of text")
-            rows = tok.encode_batch(texts)
+            if max_length is None:
+                rows = tok.encode_batch(texts)
+            else:   # cut as transformers does (the closing </s> kept), the work bounded by it
+                rows = []
+                for i, text in enumerate(texts):
+                    row, cut = tok.encode_cut(text, max_length)
+                    if cut and not truncation:
+                        raise InputError(f"encode(): row {i} has more than max_length "
+                                         f"{max_length} tokens (truncation=True cuts it)")
+                    rows.append(row)
         elif max_length is None and padding == "longest":
             return self.batch(inputs, attention_mask)
         else:
             ids, mask = self.batch(inputs, attention_mask)
             rows = [list(r[m.astype(bool)]) for r, m in zip(ids, mask)]
-        eos = self.token_ids.eos[0] if self.token_ids.eos else None
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rows):   # token-id rows (text rows are cut above)
             if max_length is not None and len(row) > max_length:
                 if not truncation:
                     raise InputError(f"encode(): row {i} has {len(row)} tokens, more than "
                                      f"max_length {max_length} (truncation=True cuts it)")
-                closing = is_text and eos is not None and row[-1] == eos and max_length > 1
-                rows[i] = row[:max_length - 1] + [eos] if closing else row[:max_length]
+                rows[i] = row[:max_length]
         width = max_length if padding == "max_length" else max(len(r) for r in rows)
         ids = np.full((len(rows), width), self.token_ids.pad, np.int64)
         mask = np.zeros_like(ids)
