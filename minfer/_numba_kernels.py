@@ -32,6 +32,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from . import _dot_ir
+
 # A fast threading layer first: GNU OpenMP (libgomp) or TBB; "workqueue" is the slow fallback.
 numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
@@ -211,6 +213,299 @@ def matmul_bf16(x, w, out):
 @njit(cache=True)
 def matmul_i8(x, w, scale, out):
     _matmul(x, w, scale, out, I8, True)
+
+
+# -- 4-bit weights, computed in float32 ------------------------------------------------------------------
+# A row of an int4 matrix (params/formats.py) is K/2 bytes: each block of 64 columns is 32 bytes,
+# byte i holding column i in its low nibble and column 32 + i in its high one, as q + 8 (q in
+# -8..7); one float32 scale per group of G columns (G a multiple of 64 here). The products widen
+# 4 weight rows at a time into float rows in L1 (nibble - 8, times the group's scale) and dot them
+# with every input row: 4-bit decoding is bound by this widening rather than by memory, which is
+# why `compute="int8"` (below) is the fast way to run these weights.
+@njit(inline="always")
+def _widen_i4_row(row, srow, dst, K):
+    G = K // srow.shape[0]
+    for g in range(srow.shape[0]):
+        s = srow[g]
+        for blk in range(G // 64):
+            c = g * G + blk * 64
+            src, out = row[c // 2:c // 2 + 32], dst[c:c + 64]
+            for i in range(32):
+                b = np.int32(src[i])
+                out[i] = np.float32((b & 15) - 8) * s
+                out[32 + i] = np.float32((b >> 4) - 8) * s
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i4(x, w, scale, out):
+    M, K = x.shape
+    N = w.shape[0]
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        ob = out[:, n0:n1]
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                _widen_i4_row(w[n0 + i + j], scale[n0 + i + j], rf[j], K)
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            m = 0
+            while m + 4 <= M:
+                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+                for a in range(4):
+                    for j in range(nr):
+                        ob[m + a, i + j] = t[a * 4 + j]
+                m += 4
+            while m < M:
+                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+                for j in range(nr):
+                    ob[m, i + j] = t[j]
+                m += 1
+
+
+@njit(nogil=True, cache=True)
+def widen_i4(src, dst):
+    """Rows of an int4 matrix -> their values q (float, unscaled): the block-widened products
+    apply the group scales after, as they apply int8's row scales."""
+    R, K = dst.shape
+    for r in range(R):
+        srow, drow = src[r], dst[r]
+        for blk in range(K // 64):
+            s, d = srow[blk * 32:blk * 32 + 32], drow[blk * 64:blk * 64 + 64]
+            for i in range(32):
+                b = np.int32(s[i])
+                d[i] = np.float32((b & 15) - 8)
+                d[32 + i] = np.float32((b >> 4) - 8)
+        tail = K % 64                    # a last partial block pairs column c with c + tail / 2
+        if tail:
+            half, c0 = tail // 2, K - tail
+            for i in range(half):
+                b = np.int32(srow[c0 // 2 + i])
+                drow[c0 + i] = np.float32((b & 15) - 8)
+                drow[c0 + half + i] = np.float32((b >> 4) - 8)
+
+
+# -- int8 x int8 products (compute="int8") ----------------------------------------------------------------
+# Each input row is quantised on the fly, symmetric, one scale per row (absmax / 127, round to
+# nearest even), the integer products run on the dot-product instructions (`_dot_ir`: 4-row x
+# 4-column tiles of vpdpbusd, int32 sums) and each output is sum * row scale * weight scale. The
+# quantised rows, their sums and scales go to `work`, the runtime's widening scratch (the caller
+# passes as many rows at a time as fit: `kernels.quantised_bytes`). `best` False runs the tiles
+# built for `_dot_ir.FALLBACK` instead (what a CPU without VNNI runs; the tests compare both).
+_ISAS = {True: _dot_ir.ISA, False: _dot_ir.FALLBACK}
+_T8 = {(r, c, b): _dot_ir.int8_tile(r, c, _ISAS[b]) for r in (1, 4) for c in (1, 4) for b in _ISAS}
+_T4 = {(r, c, b): _dot_ir.int4_tile(r, c, _ISAS[b]) for r in (1, 4) for c in (1, 4) for b in _ISAS}
+_t8_44v, _t8_41v, _t8_14v, _t8_11v = (_T8[4, 4, True], _T8[4, 1, True], _T8[1, 4, True],
+                                      _T8[1, 1, True])
+_t8_44p, _t8_41p, _t8_14p, _t8_11p = (_T8[4, 4, False], _T8[4, 1, False], _T8[1, 4, False],
+                                      _T8[1, 1, False])
+_t4_44v, _t4_41v, _t4_14v, _t4_11v = (_T4[4, 4, True], _T4[4, 1, True], _T4[1, 4, True],
+                                      _T4[1, 1, True])
+_t4_44p, _t4_41p, _t4_14p, _t4_11p = (_T4[4, 4, False], _T4[4, 1, False], _T4[1, 4, False],
+                                      _T4[1, 1, False])
+OFFSET_BEST, OFFSET_FALLBACK = _dot_ir.offset(_ISAS[True]), _dot_ir.offset(_ISAS[False])
+WIDTH_BEST, WIDTH_FALLBACK = _dot_ir.width(_ISAS[True]), _dot_ir.width(_ISAS[False])
+QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows quantise in parallel
+
+
+@intrinsic
+def _abs_bits(typingctx, v):
+    """|v| as the int32 of its bits: they order as |v| does, inf above every finite value and NaN
+    above inf, so one integer max (which vectorises; a float max with NaN semantics does not)
+    gives the row's absmax and whether it is finite."""
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(args[0], ir.IntType(32))
+        return builder.and_(bits, ir.Constant(ir.IntType(32), 0x7FFFFFFF))
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, v):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(cache=True)
+def _quantise_row(xr, qr, sums, G):
+    """qr = round(xr * 127 / absmax) (int8), sums[g] = sum of group g (G columns each) of qr;
+    returns the row's scale absmax / 127 (NaN when the row holds inf or NaN: its outputs are NaN,
+    which generation names; 0 for a zero row)."""
+    K = xr.shape[0]
+    top = np.int32(0)
+    for k in range(K):
+        top = max(top, _abs_bits(xr[k]))
+    if top >= np.int32(0x7F800000) or top == 0:
+        qr[:] = 0
+        sums[:] = 0
+        return np.float32(np.nan) if top else np.float32(0.0)
+    amax = _bits_f32(top)
+    inv = np.float32(127.0) / amax
+    for k in range(K):
+        qr[k] = np.int8(np.rint(xr[k] * inv))
+    for g in range(sums.shape[0]):
+        part = qr[g * G:(g + 1) * G]
+        s = 0
+        for k in range(G):
+            s += np.int32(part[k])
+        sums[g] = s
+    return amax / np.float32(127.0)
+
+
+@njit(cache=True)
+def _carve(work, M, K, groups):
+    """The quantised rows (M, K) int8, their group sums (M, groups) int32 and scales (M,) float32
+    in the byte buffer `work` (64-byte aligned parts)."""
+    a = (M * K + 63) // 64 * 64
+    b = a + (M * groups * 4 + 63) // 64 * 64
+    xq = work[:M * K].view(np.int8).reshape((M, K))
+    sums = work[a:a + M * groups * 4].view(np.int32).reshape((M, groups))
+    sx = work[b:b + M * 4].view(np.float32)
+    return xq, sums, sx
+
+
+@njit(parallel=True, cache=True)
+def _quantise(x, work, groups, G):
+    M, K = x.shape
+    xq, sums, sx = _carve(work, M, K, groups)
+    if M * K >= QUANTISE_PARALLEL:
+        for m in prange(M):
+            sx[m] = _quantise_row(x[m], xq[m], sums[m], G)
+    else:
+        for m in range(M):
+            sx[m] = _quantise_row(x[m], xq[m], sums[m], G)
+    return xq, sums, sx
+
+
+@njit(inline="always")
+def _tail8(wr, xr, start, K):
+    """The exact products of the columns past the last whole vector."""
+    s = 0
+    for k in range(start, K):
+        s += np.int32(wr[k]) * np.int32(xr[k])
+    return s
+
+
+@njit(inline="always")
+def _put8(t, rows, cols, ob, i, m, wb, sb, xq, sx, sums, off, main, K):
+    for r in range(rows):
+        for c in range(cols):
+            s = t[r * cols + c] - off * sums[m + c, 0]
+            if main < K:
+                s += _tail8(wb[i + r], xq[m + c], main, K)
+            ob[m + c, i + r] = np.float32(s) * (sx[m + c] * sb[i + r])
+
+
+@njit(parallel=True, cache=True)
+def _qmatmul_i8(x, w, scale, out, work, best):
+    numba.literally(best)                # one build per value: the other tiles are not compiled
+    vnni = best                          # (the tiles' names)
+    M, K = x.shape
+    N = w.shape[0]
+    W = WIDTH_BEST if best else WIDTH_FALLBACK
+    off = OFFSET_BEST if best else OFFSET_FALLBACK
+    n = K // W                           # whole vectors per row; the tail is summed exactly
+    main = n * W
+    xq, sums, sx = _quantise(x, work, 1, main)
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        nb = min(N, n0 + BLOCK) - n0
+        wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
+        i = 0
+        while i + 4 <= nb:               # 4 weight rows x 4 input rows, then x 1
+            m = 0
+            while m + 4 <= M:
+                t44 = _t8_44v(wb, i, xq, m, n) if vnni else _t8_44p(wb, i, xq, m, n)
+                _put8(t44, 4, 4, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
+                m += 4
+            while m < M:
+                t41 = _t8_41v(wb, i, xq, m, n) if vnni else _t8_41p(wb, i, xq, m, n)
+                _put8(t41, 4, 1, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
+                m += 1
+            i += 4
+        while i < nb:                    # the last weight rows one at a time
+            m = 0
+            while m + 4 <= M:
+                t14 = _t8_14v(wb, i, xq, m, n) if vnni else _t8_14p(wb, i, xq, m, n)
+                _put8(t14, 1, 4, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
+                m += 4
+            while m < M:
+                t11 = _t8_11v(wb, i, xq, m, n) if vnni else _t8_11p(wb, i, xq, m, n)
+                _put8(t11, 1, 1, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
+                m += 1
+            i += 1
+
+
+@njit(inline="always")
+def _put4(t, rows, cols, ob, i, m, sx):
+    for r in range(rows):
+        for c in range(cols):
+            ob[m + c, i + r] = t[r * cols + c] * sx[m + c]
+
+
+@njit(parallel=True, cache=True)
+def _qmatmul_i4(x, w, scale, out, work, best):
+    numba.literally(best)
+    vnni = best
+    M, K = x.shape
+    N = w.shape[0]
+    groups = scale.shape[1]
+    G = K // groups
+    per = G // 64                        # 64-column blocks per group
+    xq, sums, sx = _quantise(x, work, groups, G)
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        nb = min(N, n0 + BLOCK) - n0
+        wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
+        i = 0
+        while i + 4 <= nb:
+            m = 0
+            while m + 4 <= M:
+                t44 = (_t4_44v(wb, sb, i, xq, sums, m, groups, per) if vnni
+                       else _t4_44p(wb, sb, i, xq, sums, m, groups, per))
+                _put4(t44, 4, 4, ob, i, m, sx)
+                m += 4
+            while m < M:
+                t41 = (_t4_41v(wb, sb, i, xq, sums, m, groups, per) if vnni
+                       else _t4_41p(wb, sb, i, xq, sums, m, groups, per))
+                _put4(t41, 4, 1, ob, i, m, sx)
+                m += 1
+            i += 4
+        while i < nb:
+            m = 0
+            while m + 4 <= M:
+                t14 = (_t4_14v(wb, sb, i, xq, sums, m, groups, per) if vnni
+                       else _t4_14p(wb, sb, i, xq, sums, m, groups, per))
+                _put4(t14, 1, 4, ob, i, m, sx)
+                m += 4
+            while m < M:
+                t11 = (_t4_11v(wb, sb, i, xq, sums, m, groups, per) if vnni
+                       else _t4_11p(wb, sb, i, xq, sums, m, groups, per))
+                _put4(t11, 1, 1, ob, i, m, sx)
+                m += 1
+            i += 1
+
+
+@njit(cache=True)
+def qmatmul_i8(x, w, scale, out, work):
+    _qmatmul_i8(x, w, scale, out, work, True)
+
+
+@njit(cache=True)
+def qmatmul_i8_fallback(x, w, scale, out, work):
+    _qmatmul_i8(x, w, scale, out, work, False)
+
+
+@njit(cache=True)
+def qmatmul_i4(x, w, scale, out, work):
+    _qmatmul_i4(x, w, scale, out, work, True)
+
+
+@njit(cache=True)
+def qmatmul_i4_fallback(x, w, scale, out, work):
+    _qmatmul_i4(x, w, scale, out, work, False)
 
 
 # -- fused step functions ---------------------------------------------------------------------------------

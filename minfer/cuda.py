@@ -341,5 +341,6 @@ def make_cuda_backend(index: int, compute: np.dtype, weight_format: str, limit: 
                           f"{format_bytes(capacity)}")
     # On the GPU the arena is always the budget: weights, slots and workspace all live in it.
     return CudaBackend(xp=DEVICE_ARRAYS, device=f"cuda:{index}", arena=CudaArena(capacity, index),
-                       dtype=compute, weight_format=weight_format, memory_limit=capacity,
+                       dtype=compute, weight_format=weight_format, compute=np.dtype(compute).name,
+                       memory_limit=capacity,
                        workspace=reserve)

@@ -151,7 +151,8 @@ class WeightRuntime:
         dtype = self.float_dtype if dtype is None else np.dtype(dtype)
         scratch = None if self.scratch is None else self.scratch.view(dtype)
         return fmt.wrap(name, arrays, dtype, scratch,
-                        kernels.compiled() if self._kernel_eligible else None)
+                        kernels.compiled() if self._kernel_eligible else None,
+                        int8_inputs=self.be.compute == "int8")
 
     # -- running a stack --------------------------------------------------------------------------
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:
