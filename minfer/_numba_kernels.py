@@ -218,10 +218,10 @@ def matmul_i8(x, w, scale, out):
 # -- 4-bit weights, computed in float32 ------------------------------------------------------------------
 # A row of an int4 matrix (params/formats.py) is K/2 bytes: each block of 64 columns is 32 bytes,
 # byte i holding column i in its low nibble and column 32 + i in its high one, as q + 8 (q in
-# -8..7); one float32 scale per group of G columns (G a multiple of 64 here). The products widen
-# 4 weight rows at a time into float rows in L1 (nibble - 8, times the group's scale) and dot them
-# with every input row: 4-bit decoding is bound by this widening rather than by memory, which is
-# why `compute="int8"` (below) is the fast way to run these weights.
+# -8..7); one float32 scale per group of G columns (G a multiple of 64 here). Up to
+# STREAM_MAX_ROWS input rows, each weight row is widened in registers and dotted with every input
+# row, the nibbles taken as they are (q + 8) and 8 x the group's input sum taken off once per
+# group; more rows widen 4 weight rows into float rows in L1 (scaled) for the 4x4 tiles.
 @njit(inline="always")
 def _widen_i4_row(row, srow, dst, K):
     G = K // srow.shape[0]
@@ -236,10 +236,76 @@ def _widen_i4_row(row, srow, dst, K):
                 out[32 + i] = np.float32((b >> 4) - 8) * s
 
 
+@intrinsic
+def _nib_lo(typingctx, b):
+    """The low nibble of a byte as a float (a zero extension LLVM vectorises; numba's own
+    integer arithmetic widens to int64 first)."""
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.and_(args[0], ir.Constant(ir.IntType(8), 15)), ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _nib_hi(typingctx, b):
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_i4(x, w, scale, out):
     M, K = x.shape
     N = w.shape[0]
+    groups = scale.shape[1]
+    G = K // groups
+    if M <= STREAM_MAX_ROWS:
+        # (unsigned offsets: a signed index makes numba test for negative ones, which stops
+        # LLVM vectorising; slicing per block instead costs a reference count each)
+        xsum = np.empty((M, groups), np.float32)     # 8 x each is what the nibbles' + 8 adds
+        for m in range(M):
+            for g in range(groups):
+                t = np.float32(0.0)
+                for k in range(g * G, (g + 1) * G):
+                    t += x[m, k]
+                xsum[m, g] = np.float32(8.0) * t
+        for b in prange((N + BLOCK - 1) // BLOCK):
+            for n in range(b * BLOCK, min(N, (b + 1) * BLOCK)):
+                row, srow = w[n], scale[n]
+                m = 0
+                while m < M:
+                    rows = min(4, M - m)
+                    x0, x1, x2, x3 = x[m], x[m + 1 if rows > 1 else m], x[m + 2 if rows > 2 else m], \
+                        x[m + 3 if rows > 3 else m]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for g in range(groups):
+                        p0 = p1 = p2 = p3 = np.float32(0.0)
+                        for blk in range(G // 64):
+                            o = np.uint64(g * G + blk * 64)
+                            h = o // np.uint64(2)
+                            for i in range(32):
+                                bb = row[h + np.uint64(i)]
+                                lo, hi = _nib_lo(bb), _nib_hi(bb)
+                                k0, k1 = o + np.uint64(i), o + np.uint64(32 + i)
+                                p0 += x0[k0] * lo + x0[k1] * hi
+                                if rows > 1:
+                                    p1 += x1[k0] * lo + x1[k1] * hi
+                                    p2 += x2[k0] * lo + x2[k1] * hi
+                                    p3 += x3[k0] * lo + x3[k1] * hi
+                        s = srow[g]
+                        a0 += (p0 - xsum[m, g]) * s
+                        if rows > 1:
+                            a1 += (p1 - xsum[m + 1 if rows > 1 else m, g]) * s
+                            a2 += (p2 - xsum[m + 2 if rows > 2 else m, g]) * s
+                            a3 += (p3 - xsum[m + 3 if rows > 3 else m, g]) * s
+                    out[m, n] = a0
+                    if rows > 1:
+                        out[m + 1, n] = a1
+                    if rows > 2:
+                        out[m + 2, n] = a2
+                    if rows > 3:
+                        out[m + 3, n] = a3
+                    m += rows
+        return
     for b in prange((N + BLOCK - 1) // BLOCK):
         n0 = b * BLOCK
         n1 = min(N, n0 + BLOCK)

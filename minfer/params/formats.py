@@ -41,11 +41,14 @@ from ..arena import ALIGNMENT, align_up
 from ..errors import ConfigError
 
 SCALE_SUFFIX = "_scale"         # a quantised matrix `w` travels with its float32 scales `w_scale`
-# int4: input channels per scale. 64 measured against 32 and 128 (weights/tiny-t5-dates' held-out
-# prompts with compute="int8" and t5-small-shaped decoding, `benchmarks/bench_int4_group.py`): see
-# the README's int4 section. Inner sizes that are not a multiple of it take the largest multiple
-# of 64 that divides them (one group per row when none does).
-INT4_GROUP = 64
+# int4: input channels per scale. 128, as GPTQ and AWQ default to: on weights/tiny-t5-dates 64,
+# 128 and 256 keep every held-out output and give the same logit error (8.4e-2 / 8.6e-2 /
+# 8.3e-2 of the largest logit, benchmarks/accuracy_modes.py: its weights are near-Gaussian; real
+# checkpoints with outlier channels favour smaller groups), while the compute="int8" products
+# ran 1.2x (one row) and 1.6x (16 rows) faster at 128 than at 64: a group's int32 sums are
+# converted and scaled once per group. Inner sizes that are not a multiple of it take the largest
+# multiple of 64 that divides them (one group per row when none does).
+INT4_GROUP = 128
 # Blocks of packed rows are widened here for products of more rows than the kernels take: BLAS
 # repacks the whole input for every block, so blocks must be large for large inputs (a 1 MiB
 # scratch made a 2048-row encoder pass 2.4x slower than float32); at most one matrix's worth.
