@@ -26,8 +26,26 @@ import os
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "1000"
 
-import numba
-import numpy as np
+
+def _prefer_512_bit_vectors() -> None:
+    """LLVM tunes Intel's AVX-512 server cores (skylake-avx512, icelake-server, sapphirerapids)
+    to prefer 256-bit vectors, so the loops here would be vectorised at half the width the CPU
+    has (AMD's znver4 already gets 512 bits). numba takes the target's features from
+    NUMBA_CPU_FEATURES when set: the host's own plus "-prefer-256-bit" lifts the preference.
+    Only when the user set neither NUMBA_CPU_NAME nor NUMBA_CPU_FEATURES, and before numba's first
+    compilation in the process (numba builds its target machine once)."""
+    if "NUMBA_CPU_FEATURES" in os.environ or "NUMBA_CPU_NAME" in os.environ:
+        return
+    import llvmlite.binding as ll
+    features = ll.get_host_cpu_features()
+    if features.get("avx512f"):
+        os.environ["NUMBA_CPU_FEATURES"] = features.flatten() + ",-prefer-256-bit"
+
+
+_prefer_512_bit_vectors()
+
+import numba  # noqa: E402  (after the CPU features are chosen)
+import numpy as np  # noqa: E402
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
