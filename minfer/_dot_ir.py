@@ -128,14 +128,6 @@ def _slice(builder, v, start, n):
     return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(start, start + n))))
 
 
-def _hsum(builder, v, n, add):
-    """Sum of a vector's n lanes: halves added until one lane is left."""
-    while n > 1:
-        n //= 2
-        v = add(_slice(builder, v, 0, n), _slice(builder, v, n, n))
-    return builder.extract_element(v, ir.Constant(I32, 0))
-
-
 def _declare(builder, name, ret, *args):
     module = builder.module
     fn = module.globals.get(name)
@@ -209,51 +201,125 @@ def _loop(builder, count, init, body):
 
 
 # -- the tiles -------------------------------------------------------------------------------------
+def _elem(context, builder, aryty, value, index):
+    """Pointer to element `index` of a 1-D array (any stride)."""
+    ary = context.make_array(aryty)(context, builder, value)
+    at = builder.mul(index, builder.extract_value(ary.strides, 0))
+    return builder.bitcast(builder.gep(builder.bitcast(ary.data, I8.as_pointer()), [at]),
+                           ary.data.type)
+
+
+def _gather(builder, context, aryty, value, first, count, ty):
+    """Elements first .. first + count - 1 of a 1-D array as a <count x ty> vector."""
+    v = ir.Constant(_vec(ty, count), None)
+    for j in range(count):
+        x = builder.load(_elem(context, builder, aryty, value, builder.add(first, ir.Constant(I64, j))))
+        v = builder.insert_element(v, x, ir.Constant(I32, j))
+    return v
+
+
+def _spread(builder, v, R, C, by_row):
+    """A <R or C x t> vector spread over the tile's R*C lanes (lane c * R + r): its element r
+    (by_row) or c in each lane."""
+    mask = [r if by_row else c for c in range(C) for r in range(R)]
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, R * C), mask))
+
+
+def _tile_vector(builder, sums_vectors, n):
+    """The first n lanes of the folded accumulators (`_fold`'s vectors) as one vector."""
+    a = sums_vectors[0]
+    b = sums_vectors[1] if len(sums_vectors) > 1 else a
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(I32, n), list(range(n))))
+
+
+def _store_rows(context, builder, aryty, value, first, col, values, R, C):
+    """values (<R*C x float>, lane c * R + r) into out[first + c, col + r]."""
+    for c, p in enumerate(_rows(context, builder, aryty, value, first, C)):
+        part = builder.shuffle_vector(values, values, ir.Constant(_vec(I32, R),
+                                                                  list(range(c * R, c * R + R))))
+        builder.store(part, builder.bitcast(builder.gep(p, [col]), _vec(F32, R).as_pointer()),
+                      align=4)
+
+
+def _fold(builder, vectors, L, add):
+    """The lane sums of several L-lane vectors, lane j of the result (of its vector j // L)
+    holding vector j's sum. Vectors are folded in pairs: each level adds the two halves of every
+    block of lanes, a's halved blocks then b's in one vector, so after log2(L) levels each lane
+    is one vector's sum (a vector is paired with itself when one is left). 16 accumulators take
+    45 shuffles and adds, not 16 x 12."""
+    vs, size = list(vectors), L
+    while size > 1:
+        half = size // 2
+        lo = [j * size + i for j in range(L // size) for i in range(half)]
+        hi = [j * size + half + i for j in range(L // size) for i in range(half)]
+        lo_ab = ir.Constant(_vec(I32, L), lo + [L + i for i in lo])
+        hi_ab = ir.Constant(_vec(I32, L), hi + [L + i for i in hi])
+        pairs = [(vs[i], vs[i + 1] if i + 1 < len(vs) else vs[i]) for i in range(0, len(vs), 2)]
+        vs = [add(builder.shuffle_vector(a, b, lo_ab), builder.shuffle_vector(a, b, hi_ab))
+              for a, b in pairs]
+        size = half
+    return vs
+
+
 def int8_tile(R: int, C: int, isa: str):
-    """tile(w, i, x, m, n) -> R*C int32 sums (index r * C + c) of (w[i + r, k] + offset(isa))
-    * x[m + c, k] over k < n * width(isa): rows of C-contiguous 2-D int8 arrays, n whole
-    vectors."""
+    """tile(w, i, x, m, n, w_scale, x_scale, x_sum, off, out): out[m + c, i + r] = (sum over
+    k < n * width(isa) of (w[i + r, k] + offset(isa)) * x[m + c, k] - off * x_sum[m + c]) *
+    x_scale[m + c] * w_scale[i + r], for r < R, c < C. w, x: C-contiguous 2-D int8 arrays (n
+    whole vectors of columns); out: 2-D float32 with contiguous rows; the rest 1-D."""
     W = _WIDTH[isa]
     L = W // 4
 
     @intrinsic
-    def tile(typingctx, w, i, x, m, n):
-        sig = types.UniTuple(types.int32, R * C)(w, types.int64, x, types.int64, types.int64)
+    def tile(typingctx, w, i, x, m, n, w_scale, x_scale, x_sum, off, out):
+        sig = types.none(w, types.int64, x, types.int64, types.int64, w_scale, x_scale, x_sum,
+                         types.int64, out)
 
         def codegen(context, builder, signature, args):
-            wp = _rows(context, builder, signature.args[0], args[0], args[1], R)
-            xp = _rows(context, builder, signature.args[2], args[2], args[3], C)
+            a = signature.args
+            wp = _rows(context, builder, a[0], args[0], args[1], R)
+            xp = _rows(context, builder, a[2], args[2], args[3], C)
             flip = ir.Constant(_vec(I8, W), [-128] * W)
 
-            def body(b, i, accs):
-                at = b.mul(i, ir.Constant(I64, W))
+            def body(b, k, accs):
+                at = b.mul(k, ir.Constant(I64, W))
                 wv = [_load_vec(b, p, at, _vec(I8, W)) for p in wp]
                 if isa in _VNNI:
                     wv = [b.xor(v, flip) for v in wv]       # w + 128: the unsigned operand
                 xv = [_load_vec(b, p, at, _vec(I8, W)) for p in xp]
-                return [_dot4(b, accs[r * C + c], wv[r], xv[c], isa, u_signed=isa not in _VNNI)
-                        for r in range(R) for c in range(C)]
+                return [_dot4(b, accs[c * R + r], wv[r], xv[c], isa, u_signed=isa not in _VNNI)
+                        for c in range(C) for r in range(R)]
             zero = ir.Constant(_vec(I32, L), None)
             accs = _loop(builder, args[4], [zero] * (R * C), body)
-            sums = [_hsum(builder, a, L, builder.add) for a in accs]
-            return context.make_tuple(builder, signature.return_type, sums)
+            total = _tile_vector(builder, _fold(builder, accs, L, builder.add), R * C)
+            fix = _gather(builder, context, a[7], args[7], args[3], C, I32)
+            fix = builder.mul(fix, _splat(builder, builder.trunc(args[8], I32), C))
+            total = builder.sub(total, _spread(builder, fix, R, C, by_row=False))
+            scale = builder.fmul(
+                _spread(builder, _gather(builder, context, a[6], args[6], args[3], C, F32), R, C,
+                        by_row=False),
+                _spread(builder, _gather(builder, context, a[5], args[5], args[1], R, F32), R, C,
+                        by_row=True))
+            values = builder.fmul(builder.sitofp(total, _vec(F32, R * C)), scale)
+            _store_rows(context, builder, a[9], args[9], args[3], args[1], values, R, C)
+            return context.get_dummy_value()
         return sig, codegen
     return tile
 
 
 def int4_tile(R: int, C: int, isa: str):
-    """tile(w, scale, i, x, sums, m, groups, chunks) -> R*C float32 sums (index r * C + c) over
-    g < groups of scale[i + r, g] * the sum over group g of (q - 8) * x[m + c], a group being
-    `chunks` blocks of 64 columns: a block is 32 bytes of row w[i + r], byte j holding column j
-    in its low nibble and column 32 + j in its high one (q + 8, unsigned); sums[m + c, g] is the
-    group's sum of x[m + c] (int32). C-contiguous 2-D arrays."""
+    """tile(w, scale, i, x, sums, m, groups, chunks, x_scale, out): out[m + c, i + r] =
+    x_scale[m + c] * the sum over g < groups of scale[i + r, g] * the sum over group g of
+    (q - 8) * x[m + c], for r < R, c < C; a group is `chunks` blocks of 64 columns, a block 32
+    bytes of row w[i + r], byte j holding column j in its low nibble and column 32 + j in its
+    high one (q + 8, unsigned); sums[m + c, g] is the group's sum of x[m + c] (int32).
+    C-contiguous 2-D arrays, x_scale 1-D, out 2-D float32 with contiguous rows."""
     W = _WIDTH[isa]
     L = W // 4
 
     @intrinsic
-    def tile(typingctx, w, scale, i, x, xsums, m, groups, chunks):
-        sig = types.UniTuple(types.float32, R * C)(w, scale, types.int64, x, xsums, types.int64,
-                                                   types.int64, types.int64)
+    def tile(typingctx, w, scale, i, x, xsums, m, groups, chunks, x_scale, out):
+        sig = types.none(w, scale, types.int64, x, xsums, types.int64, types.int64, types.int64,
+                         x_scale, out)
 
         def codegen(context, builder, signature, args):
             a = signature.args
@@ -290,9 +356,9 @@ def int4_tile(R: int, C: int, isa: str):
                     xv = [[_load_vec(b, p, b.add(base, ir.Constant(I64, h * W)), _vec(I8, W))
                            for h in range(64 // W)] for p in xp]
                     out = []
-                    for r in range(R):
-                        for c in range(C):
-                            acc = iaccs[r * C + c]
+                    for c in range(C):
+                        for r in range(R):
+                            acc = iaccs[c * R + r]
                             for u, s in zip(pieces[r], xv[c]):
                                 acc = _dot4(b, acc, u, s, isa)
                             out.append(acc)
@@ -302,11 +368,15 @@ def int4_tile(R: int, C: int, isa: str):
                 fix = [b.insert_element(izero, b.mul(_load_at(b, p, g), ir.Constant(I32, 8)),
                                         ir.Constant(I32, 0)) for p in tp]
                 scales = [_splat(b, _load_at(b, p, g), L) for p in sp]
-                return [b.call(fma, [b.sitofp(b.sub(iaccs[r * C + c], fix[c]), _vec(F32, L)),
-                                     scales[r], faccs[r * C + c]])
-                        for r in range(R) for c in range(C)]
+                return [b.call(fma, [b.sitofp(b.sub(iaccs[c * R + r], fix[c]), _vec(F32, L)),
+                                     scales[r], faccs[c * R + r]])
+                        for c in range(C) for r in range(R)]
             faccs = _loop(builder, args[6], [fzero] * (R * C), group)
-            sums = [_hsum(builder, a, L, builder.fadd) for a in faccs]
-            return context.make_tuple(builder, signature.return_type, sums)
+            total = _tile_vector(builder, _fold(builder, faccs, L, builder.fadd), R * C)
+            sx = _spread(builder, _gather(builder, context, a[8], args[8], args[5], C, F32), R, C,
+                         by_row=False)
+            _store_rows(context, builder, a[9], args[9], args[5], args[2], builder.fmul(total, sx),
+                        R, C)
+            return context.get_dummy_value()
         return sig, codegen
     return tile

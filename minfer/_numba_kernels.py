@@ -464,22 +464,14 @@ def _quantise(x, work, groups, G):
 
 
 @njit(inline="always")
-def _tail8(wr, xr, start, K):
-    """The exact products of the columns past the last whole vector."""
-    s = 0
-    for k in range(start, K):
-        s += np.int32(wr[k]) * np.int32(xr[k])
-    return s
-
-
-@njit(inline="always")
-def _put8(t, rows, cols, ob, i, m, wb, sb, xq, sx, sums, off, main, K):
+def _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K):
+    """The exact products of the columns past the last whole vector (K not a multiple of it)."""
     for r in range(rows):
         for c in range(cols):
-            s = t[r * cols + c] - off * sums[m + c, 0]
-            if main < K:
-                s += _tail8(wb[i + r], xq[m + c], main, K)
-            ob[m + c, i + r] = np.float32(s) * (sx[m + c] * sb[i + r])
+            s = 0
+            for k in range(main, K):
+                s += np.int32(wb[i + r, k]) * np.int32(xq[m + c, k])
+            ob[m + c, i + r] += np.float32(s) * (sx[m + c] * sb[i + r])
 
 
 @njit(parallel=True, cache=True)
@@ -493,40 +485,40 @@ def _qmatmul_i8(x, w, scale, out, work, best):
     n = K // W                           # whole vectors per row; the tail is summed exactly
     main = n * W
     xq, sums, sx = _quantise(x, work, 1, main)
+    xs = sums[:, 0]
     for b in prange((N + BLOCK - 1) // BLOCK):
         n0 = b * BLOCK
         nb = min(N, n0 + BLOCK) - n0
         wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
         i = 0
-        while i + 4 <= nb:               # 4 weight rows x 4 input rows, then x 1
+        while i < nb:                    # 4 weight rows x 4 input rows, then x 1; 1 row at the end
+            rows = 4 if i + 4 <= nb else 1
             m = 0
-            while m + 4 <= M:
-                t44 = _t8_44v(wb, i, xq, m, n) if vnni else _t8_44p(wb, i, xq, m, n)
-                _put8(t44, 4, 4, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
-                m += 4
             while m < M:
-                t41 = _t8_41v(wb, i, xq, m, n) if vnni else _t8_41p(wb, i, xq, m, n)
-                _put8(t41, 4, 1, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
-                m += 1
-            i += 4
-        while i < nb:                    # the last weight rows one at a time
-            m = 0
-            while m + 4 <= M:
-                t14 = _t8_14v(wb, i, xq, m, n) if vnni else _t8_14p(wb, i, xq, m, n)
-                _put8(t14, 1, 4, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
-                m += 4
-            while m < M:
-                t11 = _t8_11v(wb, i, xq, m, n) if vnni else _t8_11p(wb, i, xq, m, n)
-                _put8(t11, 1, 1, ob, i, m, wb, sb, xq, sx, sums, off, main, K)
-                m += 1
-            i += 1
-
-
-@njit(inline="always")
-def _put4(t, rows, cols, ob, i, m, sx):
-    for r in range(rows):
-        for c in range(cols):
-            ob[m + c, i + r] = t[r * cols + c] * sx[m + c]
+                cols = 4 if m + 4 <= M else 1
+                if rows == 4 and cols == 4:
+                    if vnni:
+                        _t8_44v(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    else:
+                        _t8_44p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                elif rows == 4:
+                    if vnni:
+                        _t8_41v(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    else:
+                        _t8_41p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                elif cols == 4:
+                    if vnni:
+                        _t8_14v(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    else:
+                        _t8_14p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                elif vnni:
+                    _t8_11v(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                else:
+                    _t8_11p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                if main < K:
+                    _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K)
+                m += cols
+            i += rows
 
 
 @njit(parallel=True, cache=True)
@@ -544,32 +536,32 @@ def _qmatmul_i4(x, w, scale, out, work, best):
         nb = min(N, n0 + BLOCK) - n0
         wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
         i = 0
-        while i + 4 <= nb:
-            m = 0
-            while m + 4 <= M:
-                t44 = (_t4_44v(wb, sb, i, xq, sums, m, groups, per) if vnni
-                       else _t4_44p(wb, sb, i, xq, sums, m, groups, per))
-                _put4(t44, 4, 4, ob, i, m, sx)
-                m += 4
-            while m < M:
-                t41 = (_t4_41v(wb, sb, i, xq, sums, m, groups, per) if vnni
-                       else _t4_41p(wb, sb, i, xq, sums, m, groups, per))
-                _put4(t41, 4, 1, ob, i, m, sx)
-                m += 1
-            i += 4
         while i < nb:
+            rows = 4 if i + 4 <= nb else 1
             m = 0
-            while m + 4 <= M:
-                t14 = (_t4_14v(wb, sb, i, xq, sums, m, groups, per) if vnni
-                       else _t4_14p(wb, sb, i, xq, sums, m, groups, per))
-                _put4(t14, 1, 4, ob, i, m, sx)
-                m += 4
             while m < M:
-                t11 = (_t4_11v(wb, sb, i, xq, sums, m, groups, per) if vnni
-                       else _t4_11p(wb, sb, i, xq, sums, m, groups, per))
-                _put4(t11, 1, 1, ob, i, m, sx)
-                m += 1
-            i += 1
+                cols = 4 if m + 4 <= M else 1
+                if rows == 4 and cols == 4:
+                    if vnni:
+                        _t4_44v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                    else:
+                        _t4_44p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                elif rows == 4:
+                    if vnni:
+                        _t4_41v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                    else:
+                        _t4_41p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                elif cols == 4:
+                    if vnni:
+                        _t4_14v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                    else:
+                        _t4_14p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                elif vnni:
+                    _t4_11v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                else:
+                    _t4_11p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
+                m += cols
+            i += rows
 
 
 @njit(cache=True)

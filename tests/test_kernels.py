@@ -364,8 +364,9 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     t8, t4 = _dot_ir.int8_tile(R, C, isa), _dot_ir.int4_tile(R, C, isa)
 
     @njit
-    def run(w, x, n, q, s, sums, groups, per):
-        return t8(w, 1, x, 2, n), t4(q, s, 1, x, sums, 2, groups, per)
+    def run(w, x, n, ws, xs, xsum, off, out8, q, s, sums, groups, per, out4):
+        t8(w, 1, x, 2, n, ws, xs, xsum, off, out8)
+        t4(q, s, 1, x, sums, 2, groups, per, xs, out4)
 
     W = _dot_ir.width(isa)
     K = 256
@@ -381,14 +382,17 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     G = 128
     s = rng.random((R + 1, K // G)).astype(np.float32)
     sums = x.astype(np.int32).reshape(C + 2, K // G, G).sum(-1).astype(np.int32)
-    got8, got4 = run(w, x, K // W, q, s, sums, K // G, G // 64)
-    exact = w[1:].astype(np.int64) @ x[2:].T.astype(np.int64)            # (R, C)
-    exact += _dot_ir.offset(isa) * x[2:].astype(np.int64).sum(1)[None]
-    np.testing.assert_array_equal(np.array(got8).reshape(R, C), exact)
+    off = _dot_ir.offset(isa)
+    out8, out4 = np.full((C + 2, R + 1), np.nan, np.float32), np.full((C + 2, R + 1), np.nan, np.float32)
+    ones = np.ones(C + 2, np.float32)
+    run(w, x, K // W, np.ones(R + 1, np.float32), ones, x.astype(np.int32).sum(1).astype(np.int32),
+        off, out8, q, s, sums, K // G, G // 64, out4)
+    exact = x[2:].astype(np.int64) @ w[1:].T.astype(np.int64)              # (C, R): exact in float32
+    np.testing.assert_array_equal(out8[2:, 1:], exact)
+    assert np.isnan(out8[:2]).all() and np.isnan(out8[:, 0]).all()          # nothing else written
     wanted = ((nib[1:] - 8).reshape(R, K // G, G)[:, None] * x[2:, None].reshape(1, C, K // G, G)
               ).sum(-1) * s[1:, None]                                      # (R, C, groups)
-    want4 = wanted.sum(-1)
-    np.testing.assert_allclose(np.array(got4).reshape(R, C), want4, rtol=1e-5,
+    np.testing.assert_allclose(out4[2:, 1:], wanted.sum(-1).T, rtol=1e-5,
                                atol=1e-6 * np.abs(wanted).sum())
 
 
