@@ -211,6 +211,8 @@ class PackedWeight:
         self.shape = tuple(stored.shape) if shape is None else tuple(shape)
         self.plain = scratch is None      # stored in the compute dtype: no widening, no scale
         self.qkernel, self.quantise_inputs = qkernel, quantise_inputs
+        self._work = None                 # the scratch as bytes (the int8 products' inputs)
+        self._groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
@@ -248,15 +250,18 @@ class PackedWeight:
         """The compiled int8 x int8 product, over as many input rows at a time as the scratch
         holds quantised (all of a decoding step's; an encoder pass's in parts)."""
         x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        work = self.scratch.view(np.uint8)
+        if self._work is None:
+            self._work = self.scratch.view(np.uint8)
         M, K = x.shape
-        groups = self.scale.shape[1] if self.scale.ndim == 2 else 1
+        if kernels.quantised_bytes(M, K, self._groups) <= self._work.size:   # (decoding)
+            self.qkernel(x, self.bits, self.scale, out, self._work)
+            return out
         step = M
-        while step > 1 and kernels.quantised_bytes(step, K, groups) > work.size:
+        while step > 1 and kernels.quantised_bytes(step, K, self._groups) > self._work.size:
             step = (step + 1) // 2
         for a in range(0, M, step):
             b = min(M, a + step)
-            self.qkernel(x[a:b], self.bits, self.scale, out[a:b], work)
+            self.qkernel(x[a:b], self.bits, self.scale, out[a:b], self._work)
         return out
 
     def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
