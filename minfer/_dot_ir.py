@@ -98,7 +98,7 @@ def _vec(t: ir.Type, n: int) -> ir.VectorType:
 def _rows(context, builder, aryty, value, first, count):
     """Pointers to rows first .. first + count - 1 of a 2-D array (typed as its elements). Rows
     are addressed inside the tile rather than passed as row views: numba reference-counts every
-    view it makes, and those atomic counts cost as much as a row's products at K = 512."""
+    view it makes with atomic operations, which cost about as much as a short row's products."""
     ary = context.make_array(aryty)(context, builder, value)
     stride = builder.extract_value(ary.strides, 0)
     base = builder.bitcast(ary.data, I8.as_pointer())

@@ -44,10 +44,11 @@ SCALE_SUFFIX = "_scale"         # a quantised matrix `w` travels with its float3
 # int4: input channels per scale. 128, as GPTQ and AWQ default to: on weights/tiny-t5-dates 64,
 # 128 and 256 keep every held-out output and give the same logit error (8.4e-2 / 8.6e-2 /
 # 8.3e-2 of the largest logit, benchmarks/accuracy_modes.py: its weights are near-Gaussian; real
-# checkpoints with outlier channels favour smaller groups), while the compute="int8" products
-# ran 1.2x (one row) and 1.6x (16 rows) faster at 128 than at 64: a group's int32 sums are
-# converted and scaled once per group. Inner sizes that are not a multiple of it take the largest
-# multiple of 64 that divides them (one group per row when none does).
+# checkpoints with outlier channels favour smaller groups), while the compute="int8" products do
+# per group 3 vector instructions for each input row and weight row (the offset, a conversion,
+# a scaled add) beside one vpdpbusd per 64 columns: 3 per vpdpbusd at 64, 1.5 at 128 (benchmark
+# them with benchmarks/bench_step_overhead.py). Inner sizes that are not a multiple of it take
+# the largest multiple of 64 that divides them (one group per row when none does).
 INT4_GROUP = 128
 # Blocks of packed rows are widened here for products of more rows than the kernels take: BLAS
 # repacks the whole input for every block, so blocks must be large for large inputs (a 1 MiB
