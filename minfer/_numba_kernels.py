@@ -48,7 +48,7 @@ import numba  # noqa: E402  (after the CPU features are chosen)
 import numpy as np  # noqa: E402
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import _dot_ir
 
@@ -378,19 +378,11 @@ def widen_i4(src, dst):
 # quantised rows, their sums and scales go to `work`, the runtime's widening scratch (the caller
 # passes as many rows at a time as fit: `kernels.quantised_bytes`). `best` False runs the tiles
 # built for `_dot_ir.FALLBACK` instead (what a CPU without VNNI runs; the tests compare both).
-_ISAS = {True: _dot_ir.ISA, False: _dot_ir.FALLBACK}
-_T8 = {(r, c, b): _dot_ir.int8_tile(r, c, _ISAS[b]) for r in (1, 4) for c in (1, 4) for b in _ISAS}
-_T4 = {(r, c, b): _dot_ir.int4_tile(r, c, _ISAS[b]) for r in (1, 4) for c in (1, 4) for b in _ISAS}
-_t8_44v, _t8_41v, _t8_14v, _t8_11v = (_T8[4, 4, True], _T8[4, 1, True], _T8[1, 4, True],
-                                      _T8[1, 1, True])
-_t8_44p, _t8_41p, _t8_14p, _t8_11p = (_T8[4, 4, False], _T8[4, 1, False], _T8[1, 4, False],
-                                      _T8[1, 1, False])
-_t4_44v, _t4_41v, _t4_14v, _t4_11v = (_T4[4, 4, True], _T4[4, 1, True], _T4[1, 4, True],
-                                      _T4[1, 1, True])
-_t4_44p, _t4_41p, _t4_14p, _t4_11p = (_T4[4, 4, False], _T4[4, 1, False], _T4[1, 4, False],
-                                      _T4[1, 1, False])
-OFFSET_BEST, OFFSET_FALLBACK = _dot_ir.offset(_ISAS[True]), _dot_ir.offset(_ISAS[False])
-WIDTH_BEST, WIDTH_FALLBACK = _dot_ir.width(_ISAS[True]), _dot_ir.width(_ISAS[False])
+_tile = _dot_ir.make_tile({True: _dot_ir.ISA, False: _dot_ir.FALLBACK})
+OFFSET_BEST, OFFSET_FALLBACK = _dot_ir.offset(_dot_ir.ISA), _dot_ir.offset(_dot_ir.FALLBACK)
+WIDTH_BEST, WIDTH_FALLBACK = _dot_ir.width(_dot_ir.ISA), _dot_ir.width(_dot_ir.FALLBACK)
+I4 = _dot_ir.INT4               # the tiles' kinds: I8 (the int8 storage format) and I4
+assert _dot_ir.INT8 == I8
 QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows quantise in parallel
 
 
@@ -463,6 +455,18 @@ def _quantise(x, work, groups, G):
     return xq, sums, sx
 
 
+def _row_scale(scale, j):
+    """Weight row j's scale (int8: scale[j]); typed for int4's 2-D scales too, which the int8
+    tail below never reads (both kinds share one kernel body, typed whole)."""
+
+
+@overload(_row_scale)
+def _row_scale_typed(scale, j):
+    if scale.ndim == 1:
+        return lambda scale, j: scale[j]
+    return lambda scale, j: scale[j, 0]
+
+
 @njit(inline="always")
 def _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K):
     """The exact products of the columns past the last whole vector (K not a multiple of it)."""
@@ -471,21 +475,28 @@ def _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K):
             s = 0
             for k in range(main, K):
                 s += np.int32(wb[i + r, k]) * np.int32(xq[m + c, k])
-            ob[m + c, i + r] += np.float32(s) * (sx[m + c] * sb[i + r])
+            ob[m + c, i + r] += np.float32(s) * (sx[m + c] * _row_scale(sb, i + r))
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul_i8(x, w, scale, out, work, best):
-    numba.literally(best)                # one build per value: the other tiles are not compiled
-    vnni = best                          # (the tiles' names)
+def _qmatmul(x, w, scale, out, work, kind, best):
+    """out = quantised(x) @ w.T with int8 (kind I8: scale per row) or int4 (I4: scale per group)
+    weights, on the `best` tiles or the fallback's."""
+    numba.literally(kind)                # one build per kind and instruction set: the others'
+    numba.literally(best)                # tiles are not compiled
     M, K = x.shape
     N = w.shape[0]
-    W = WIDTH_BEST if best else WIDTH_FALLBACK
-    off = OFFSET_BEST if best else OFFSET_FALLBACK
-    n = K // W                           # whole vectors per row; the tail is summed exactly
-    main = n * W
-    xq, sums, sx = _quantise(x, work, 1, main)
-    xs = sums[:, 0]
+    # (both kinds' code is typed whatever the kind, so it reads only what both arrays have)
+    if kind == I8:
+        W = WIDTH_BEST if best else WIDTH_FALLBACK
+        off = OFFSET_BEST if best else OFFSET_FALLBACK
+        n = K // W                       # whole vectors per row; the tail is summed exactly
+        main, groups, G, per = n * W, 1, n * W, 0
+    else:
+        groups = scale.shape[-1]
+        n, G, off, main = groups, K // groups, 0, K
+        per = G // 64                    # 64-column blocks per group
+    xq, sums, sx = _quantise(x, work, groups, G)
     for b in prange((N + BLOCK - 1) // BLOCK):
         n0 = b * BLOCK
         nb = min(N, n0 + BLOCK) - n0
@@ -497,91 +508,37 @@ def _qmatmul_i8(x, w, scale, out, work, best):
             while m < M:
                 cols = 4 if m + 4 <= M else 1
                 if rows == 4 and cols == 4:
-                    if vnni:
-                        _t8_44v(wb, i, xq, m, n, sb, sx, xs, off, ob)
-                    else:
-                        _t8_44p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    _tile(kind, 4, 4, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 elif rows == 4:
-                    if vnni:
-                        _t8_41v(wb, i, xq, m, n, sb, sx, xs, off, ob)
-                    else:
-                        _t8_41p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    _tile(kind, 4, 1, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 elif cols == 4:
-                    if vnni:
-                        _t8_14v(wb, i, xq, m, n, sb, sx, xs, off, ob)
-                    else:
-                        _t8_14p(wb, i, xq, m, n, sb, sx, xs, off, ob)
-                elif vnni:
-                    _t8_11v(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    _tile(kind, 1, 4, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 else:
-                    _t8_11p(wb, i, xq, m, n, sb, sx, xs, off, ob)
+                    _tile(kind, 1, 1, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 if main < K:
                     _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K)
                 m += cols
             i += rows
 
 
-@njit(parallel=True, cache=True)
-def _qmatmul_i4(x, w, scale, out, work, best):
-    numba.literally(best)
-    vnni = best
-    M, K = x.shape
-    N = w.shape[0]
-    groups = scale.shape[1]
-    G = K // groups
-    per = G // 64                        # 64-column blocks per group
-    xq, sums, sx = _quantise(x, work, groups, G)
-    for b in prange((N + BLOCK - 1) // BLOCK):
-        n0 = b * BLOCK
-        nb = min(N, n0 + BLOCK) - n0
-        wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
-        i = 0
-        while i < nb:
-            rows = 4 if i + 4 <= nb else 1
-            m = 0
-            while m < M:
-                cols = 4 if m + 4 <= M else 1
-                if rows == 4 and cols == 4:
-                    if vnni:
-                        _t4_44v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                    else:
-                        _t4_44p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                elif rows == 4:
-                    if vnni:
-                        _t4_41v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                    else:
-                        _t4_41p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                elif cols == 4:
-                    if vnni:
-                        _t4_14v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                    else:
-                        _t4_14p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                elif vnni:
-                    _t4_11v(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                else:
-                    _t4_11p(wb, sb, i, xq, sums, m, groups, per, sx, ob)
-                m += cols
-            i += rows
-
-
 @njit(cache=True)
 def qmatmul_i8(x, w, scale, out, work):
-    _qmatmul_i8(x, w, scale, out, work, True)
+    _qmatmul(x, w, scale, out, work, I8, True)
 
 
 @njit(cache=True)
 def qmatmul_i8_fallback(x, w, scale, out, work):
-    _qmatmul_i8(x, w, scale, out, work, False)
+    _qmatmul(x, w, scale, out, work, I8, False)
 
 
 @njit(cache=True)
 def qmatmul_i4(x, w, scale, out, work):
-    _qmatmul_i4(x, w, scale, out, work, True)
+    _qmatmul(x, w, scale, out, work, I4, True)
 
 
 @njit(cache=True)
 def qmatmul_i4_fallback(x, w, scale, out, work):
-    _qmatmul_i4(x, w, scale, out, work, False)
+    _qmatmul(x, w, scale, out, work, I4, False)
 
 
 # -- fused step functions ---------------------------------------------------------------------------------

@@ -361,12 +361,13 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     have = {_dot_ir.ISA, _dot_ir.FALLBACK, "generic"}
     if isa not in have:
         pytest.skip(f"{isa} is not available on this CPU")
-    t8, t4 = _dot_ir.int8_tile(R, C, isa), _dot_ir.int4_tile(R, C, isa)
+    tile = _dot_ir.make_tile({True: isa, False: isa})
+    I8, I4 = _dot_ir.INT8, _dot_ir.INT4
 
     @njit
     def run(w, x, n, ws, xs, xsum, off, out8, q, s, sums, groups, per, out4):
-        t8(w, 1, x, 2, n, ws, xs, xsum, off, out8)
-        t4(q, s, 1, x, sums, 2, groups, per, xs, out4)
+        tile(I8, R, C, True, w, ws, 1, x, xsum, 2, n, 0, xs, out8, off)
+        tile(I4, R, C, True, q, s, 1, x, sums, 2, groups, per, xs, out4, 0)
 
     W = _dot_ir.width(isa)
     K = 256
@@ -385,7 +386,7 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     off = _dot_ir.offset(isa)
     out8, out4 = np.full((C + 2, R + 1), np.nan, np.float32), np.full((C + 2, R + 1), np.nan, np.float32)
     ones = np.ones(C + 2, np.float32)
-    run(w, x, K // W, np.ones(R + 1, np.float32), ones, x.astype(np.int32).sum(1).astype(np.int32),
+    run(w, x, K // W, np.ones(R + 1, np.float32), ones, x.astype(np.int32).sum(1, keepdims=True).astype(np.int32),
         off, out8, q, s, sums, K // G, G // 64, out4)
     exact = x[2:].astype(np.int64) @ w[1:].T.astype(np.int64)              # (C, R): exact in float32
     np.testing.assert_array_equal(out8[2:, 1:], exact)
