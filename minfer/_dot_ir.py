@@ -1,31 +1,35 @@
 """Integer dot-product tiles written in LLVM IR: the inner loops of `compute="int8"` (imported by
 _numba_kernels.py, which says what the products are for).
 
-A tile takes R weight rows and C quantised activation rows and returns the R x C dot products,
-each row pair's sum kept in a vector register of 32-bit lanes for the whole inner loop and summed
-across lanes once at the end. numba has no vector types and LLVM does not find the instruction
+A tile takes R weight rows and C quantised activation rows and writes their R x C scaled dot
+products, each row pair's sum kept in a vector register of 32-bit lanes for the whole inner loop
+and the lanes summed once at the end, all R x C together. numba has no vector types and LLVM does not find the instruction
 these loops want on its own: a plain `acc += int32(u8[k]) * int32(s8[k])` loop compiles (LLVM 22,
 znver4) to vpmovzxbd + vpmovsxbd + vpdpwssd, 16 products per instruction. So the loops are built
 here, through numba's `intrinsic` (as the float16 widening is), around
-`llvm.x86.avx512.vpdpbusd.{512,256}`: `vpdpbusd` multiplies 64 (zmm) or 32 (ymm) unsigned bytes by
-as many signed bytes and adds each group of 4 products into one of 16 (8) int32 lanes. Checked in
-the assembly (`inspect_asm`): the int8 4x4 tile compiles to 16 vpdpbusd zmm per 64 input
-columns (with 4 vpxord for the weights' sign flip), the int4 tile to vpandd/vpsrlw + vinserti64x4
-+ vpdpbusd per 64 columns and a vcvtdq2ps + vfmadd per group.
+`llvm.x86.avx512.vpdpbusd.{512,256}`: `vpdpbusd` multiplies 64 (zmm) or 32 (ymm) unsigned bytes
+by as many signed bytes and adds each group of 4 products into one of 16 (8) int32 lanes. Checked
+in the assembly (`inspect_asm`, LLVM 22, znver4): per 64 input columns the int8 4x4 tile's loop
+is 16 vpdpbusd zmm, 4 vpxorq (the weights' sign flip) and 8 loads (LLVM unrolls it twice); the
+int4 tile's, per weight row, vbroadcasti64x4 + vpsrlvw + vpandq (the nibbles of 64 columns) and
+one vpdpbusd per input row, then a vcvtdq2ps and a vfmadd per group; the AVX-512 BW fallback's,
+per weight row and input row, vpabsb / vpblendmb (the sign moved to the inputs), vpmaddubsw and
+vpmaddwd (LLVM fuses the latter with its add into vpdpwssd where the CPU has VNNI).
 
 Which instructions: the CPU numba compiles for (the host, unless NUMBA_CPU_NAME /
 NUMBA_CPU_FEATURES name another) decides once, in `ISA`: "avx512vnni" (64-byte vectors),
-"avxvnni" (the same intrinsic at 256 bits, which LLVM encodes as AVX-VNNI's VEX form on CPUs
-without AVX-512), else `FALLBACK`: "avx512bw" / "avx2" (vpmaddubsw, u8 x s8 pairs summed into
+"avxvnni" (the same intrinsic at 256 bits, which LLVM encodes as AVX-VNNI's `{vex} vpdpbusd` on
+CPUs without AVX-512: checked for alderlake), else `FALLBACK`: "avx512bw" / "avx2" (vpmaddubsw, u8 x s8 pairs summed into
 int16, then vpmaddwd by ones into int32: 2 instructions where VNNI takes one) or "generic" (16-bit
 products in plain IR, for CPUs that are not x86). Every build is exact: integer sums, no
 saturation. The kernels build `ISA` and `FALLBACK` (the same on a CPU without VNNI), so a machine
-with VNNI also tests the fallback; no tile is built for instructions the CPU lacks.
+with VNNI also tests the fallback; no tile is built for instructions the CPU lacks (LLVM would
+abort the process: "Cannot select X86ISD::VPDPBUSD" on haswell).
 
 The operands: vpdpbusd and vpmaddubsw want one unsigned operand. int8 weights are signed: the
 VNNI tile flips their sign bit (w + 128, unsigned) and the caller subtracts 128 x the
 activations' sum (`offset()`); the vpmaddubsw tile gives the activations each weight's sign and
-multiplies by its magnitude (|w| <= 127 keeps the int16 pair sums exact). int4 weights are stored
+multiplies by its magnitude (|w| <= 128 and |x| <= 127 keep the int16 pair sums exact). int4 weights are stored
 as unsigned nibbles q + 8, so they are the unsigned operand as they are and the tile subtracts
 8 x each group's activation sum before applying the group's scale.
 """
