@@ -501,12 +501,14 @@ def _qmatmul(x, w, scale, out, work, kind, best):
         n0 = b * BLOCK
         nb = min(N, n0 + BLOCK) - n0
         wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
-        i = 0
-        while i < nb:                    # 4 weight rows x 4 input rows, then x 1; 1 row at the end
-            rows = 4 if i + 4 <= nb else 1
-            m = 0
-            while m < M:
-                cols = 4 if m + 4 <= M else 1
+        # 4 input rows x 4 weight rows at a time (then x 1; 1 row at the ends): the block's
+        # weight rows and the 4 input rows stay in L1 while the input rows are used
+        m = 0
+        while m < M:
+            cols = 4 if m + 4 <= M else 1
+            i = 0
+            while i < nb:
+                rows = 4 if i + 4 <= nb else 1
                 if rows == 4 and cols == 4:
                     _tile(kind, 4, 4, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 elif rows == 4:
@@ -517,8 +519,8 @@ def _qmatmul(x, w, scale, out, work, kind, best):
                     _tile(kind, 1, 1, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
                 if main < K:
                     _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K)
-                m += cols
-            i += rows
+                i += rows
+            m += cols
 
 
 @njit(cache=True)
