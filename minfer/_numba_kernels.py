@@ -721,6 +721,13 @@ def warm_up() -> None:
     for widen in (widen_f16, widen_bf16):
         widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
     widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
+    x64, out64 = np.zeros((1, 64), np.float32), np.zeros((1, 2), np.float32)  # (a 64-column block)
+    nibbles, scales = np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32)
+    matmul_i4(x64, nibbles, scales, out64)
+    widen_i4(nibbles, np.empty((2, 64), np.float32))
+    work = np.empty(4096, np.uint8)
+    qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
+    qmatmul_i4(x64, nibbles, scales, out64, work)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
     cache = np.zeros((1, 1, 1, 2, 4), np.float32)        # (L, B, H, N, D)
     q, ctx = np.zeros((1, 1, 4), np.float32), np.empty((1, 1, 4), np.float32)
