@@ -138,6 +138,15 @@ def test_int4_under_a_memory_limit_streams_with_the_unlimited_ids(folder, comput
     assert sum(m.weight_plan.unit_bytes.values()) < 0.62 * sum(int8.values())
 
 
+def test_int4_refuses_odd_input_widths_in_one_line():
+    # two values a byte: a Transformer-XL tail cluster 1 wide (this fixture's) cannot be int4
+    folder = Path(__file__).resolve().parents[1] / "weights" / "transfo_xl" / "adaptive_div4"
+    with pytest.raises(minfer.ConfigError, match="int4 needs an even number of input channels: "
+                                                 "'cluster.3.w' has 1"):
+        minfer.load(folder, dtype="int4")
+    assert minfer.load(folder, dtype="int8", compute="int8").backend.compute == "int8"
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "minfer", *args], capture_output=True, text=True,
                           timeout=300)
