@@ -57,6 +57,18 @@ FLAN_T5_XL = {"model_type": "t5", "d_model": 2048, "d_kv": 64, "num_heads": 32, 
 FLAN_T5_XXL = {**FLAN_T5_XL, "d_model": 4096, "num_heads": 64, "d_ff": 10240}
 
 
+def new_checkpoint(name: str, config: dict):
+    """(folder, its T5 weight table) of a benchmark checkpoint to write, its config.json written;
+    (folder, None) when its weights are there already."""
+    from minfer.models.t5.spec import T5Config, weight_table
+    folder = b5.CHECKPOINTS / name
+    if (folder / "model.safetensors").is_file():
+        return folder, None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, weight_table(T5Config.from_hf(config))
+
+
 def write_xxl_int4_checkpoint(layers: int | None) -> Path:
     """flan-t5-xxl-shaped random int4 weights (each output about a unit-variance input's gain),
     written once as `minfer convert --dtype int4` stores them, a tensor at a time."""
@@ -64,17 +76,13 @@ def write_xxl_int4_checkpoint(layers: int | None) -> Path:
 
     from minfer.convert import _header
     from minfer.io.tensors import STORAGE
-    from minfer.models.t5.spec import T5Config, weight_table
     from minfer.params.formats import FORMATS, SCALE_SUFFIX
     config = dict(FLAN_T5_XXL)
     if layers:
         config.update(num_layers=layers, num_decoder_layers=layers)
-    folder = b5.CHECKPOINTS / ("flan-t5-xxl-int4" + (f"-{layers}l" if layers else ""))
-    if (folder / "model.safetensors").is_file():
+    folder, table = new_checkpoint("flan-t5-xxl-int4" + (f"-{layers}l" if layers else ""), config)
+    if table is None:
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    table = weight_table(T5Config.from_hf(config))
     matrices = table.linear_sources()
     fmt = FORMATS["int4"]
     code_of = {dt: code for code, dt in STORAGE.items()}
@@ -113,14 +121,10 @@ def write_large_checkpoint() -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from minfer.models.t5.spec import T5Config, weight_table
     from minfer.params.formats import SCALE_SUFFIX
-    folder = b5.CHECKPOINTS / "flan-t5-xl-int8"
-    if (folder / "model.safetensors").is_file():
+    folder, table = new_checkpoint("flan-t5-xl-int8", FLAN_T5_XL)
+    if table is None:
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(FLAN_T5_XL))
-    table = weight_table(T5Config.from_hf(FLAN_T5_XL))
     matrices = table.linear_sources()
     rng = np.random.default_rng(0)
     tensors = {}
