@@ -1,8 +1,11 @@
-"""Peak memory and speed of minfer under a memory limit: t5-base-shaped, float32 and int8; and a
-flan-t5-xl-shaped model (2.85B parameters) in int8 under 2 GiB.
+"""Peak memory and speed of minfer under a memory limit: t5-base-shaped, float32 and int8; a
+flan-t5-xl-shaped model (2.85B parameters) in int8 under 2 GiB; a flan-t5-xxl-shaped one (11.3B)
+in int4 under 4 GiB (issue 21: BMInf's headline, 4.4 tokens/s for an 11B model on a GTX 1060).
 
     python benchmarks/bench_memory.py [--shape t5-base] [--runs 3] [--threads 2] [--json OUT]
     python benchmarks/bench_memory.py --large [--limit 2GiB] [--runs 3]
+    python benchmarks/bench_memory.py --large xxl-int4 --limit 4GiB [--compute int8] [--runs 3]
+    python benchmarks/bench_memory.py --large xxl-int4 --layers 2 --limit 700MiB --runs 1   # smoke
 
 For each dtype (float32, int8) and each limit (none, 50% and 25% of the float32 weight bytes) a
 fresh subprocess loads the model (random weights, written by bench_t5.py's helper on first use)
@@ -12,10 +15,16 @@ peak across exec), RSS after imports, load time, tokens/s, resident/streamed lay
 the ids equal the unlimited run of the same dtype (int8: also how many of 64 match float32).
 A limit the planner refuses is reported with its message.
 
-`--large` writes (once, into benchmarks/checkpoints/flan-t5-xl-int8/, gitignored) a checkpoint
-with flan-t5-xl's exact config whose weights are random int8 with per-row scales, as
-`minfer convert --dtype int8` stores them (2.85B parameters in 2.9 GB; float32 would be 11.4 GB),
-and runs it int8 without a limit and under `--limit`: peak RSS, tokens/s, ids equal.
+`--large` (`--large xl-int8`) writes (once, into benchmarks/checkpoints/flan-t5-xl-int8/,
+gitignored) a checkpoint with flan-t5-xl's exact config whose weights are random int8 with
+per-row scales, as `minfer convert --dtype int8` stores them (2.85B parameters in 2.9 GB; float32
+would be 11.4 GB), and runs it int8 without a limit and under `--limit`: peak RSS, tokens/s, ids
+equal. `--large xxl-int4` does the same with flan-t5-xxl's config in int4 as `minfer convert
+--dtype int4` stores it (11.3B parameters in 5.7 GB; written a tensor at a time, so writing
+needs no more memory than its largest tensor), run with `--compute` (default int8: the int8 x
+int8 products); its targets: peak RSS <= limit + 150 MiB, ids equal to the unlimited int4 run,
+>= 5 new tokens/s. `--layers N` keeps N encoder and N decoder layers (a quick check of the
+path on a small file).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402
 
 MARK = "MEMORY_RESULT "
+XXL_TARGETS = {"over_limit_mib": 150, "tok_s": 5.0}
 # google/flan-t5-xl's config.json, minus what minfer does not read
 FLAN_T5_XL = {"model_type": "t5", "d_model": 2048, "d_kv": 64, "num_heads": 32, "d_ff": 5120,
               "num_layers": 24, "num_decoder_layers": 24, "vocab_size": 32128,
@@ -43,20 +53,78 @@ FLAN_T5_XL = {"model_type": "t5", "d_model": 2048, "d_kv": 64, "num_heads": 32, 
               "decoder_start_token_id": 0}
 
 
+# google/flan-t5-xxl's: 11.3B parameters
+FLAN_T5_XXL = {**FLAN_T5_XL, "d_model": 4096, "num_heads": 64, "d_ff": 10240}
+
+
+def new_checkpoint(name: str, config: dict):
+    """(folder, its T5 weight table) of a benchmark checkpoint to write, its config.json written;
+    (folder, None) when its weights are there already."""
+    from minfer.models.t5.spec import T5Config, weight_table
+    folder = b5.CHECKPOINTS / name
+    if (folder / "model.safetensors").is_file():
+        return folder, None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, weight_table(T5Config.from_hf(config))
+
+
+def write_xxl_int4_checkpoint(layers: int | None) -> Path:
+    """flan-t5-xxl-shaped random int4 weights (each output about a unit-variance input's gain),
+    written once as `minfer convert --dtype int4` stores them, a tensor at a time."""
+    import numpy as np
+
+    from minfer.convert import _header
+    from minfer.io.tensors import STORAGE
+    from minfer.params.formats import FORMATS, SCALE_SUFFIX
+    config = dict(FLAN_T5_XXL)
+    if layers:
+        config.update(num_layers=layers, num_decoder_layers=layers)
+    folder, table = new_checkpoint("flan-t5-xxl-int4" + (f"-{layers}l" if layers else ""), config)
+    if table is None:
+        return folder
+    matrices = table.linear_sources()
+    fmt = FORMATS["int4"]
+    code_of = {dt: code for code, dt in STORAGE.items()}
+    plan = []                                   # (name, code, shape, what to write)
+    for name, shape in table.tensors.items():
+        if name in matrices:
+            for key, (stored, dtype) in fmt.stored(name, shape).items():
+                plan.append((key, code_of[np.dtype(dtype)], stored, name))
+        else:
+            plan.append((name, "F32", shape, None))
+    rng = np.random.default_rng(0)
+    print(f"writing {folder} ...", flush=True)
+    path = folder / "model.safetensors"
+    with open(path.with_suffix(".partial"), "wb") as f:
+        f.write(_header([(n, c, s) for n, c, s, _ in plan], {"format": "pt",
+                                                           "minfer.quantization": fmt.quantization}))
+        for key, code, shape, matrix in plan:
+            if matrix is not None and key.endswith(SCALE_SUFFIX):
+                gain = 0.05 if matrix in ("shared.weight", "lm_head.weight") else 1.0
+                K = table.tensors[matrix][1]   # nibbles uniform in 0..15: q has std 4.6
+                data = np.full(shape, gain / (4.6 * K ** 0.5), np.float32)
+            elif matrix is not None:
+                data = rng.integers(0, 256, shape, dtype=np.uint8)
+            elif key.endswith("layer_norm.weight"):
+                data = np.ones(shape, np.float32)
+            else:
+                data = rng.standard_normal(shape).astype(np.float32)
+            f.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    path.with_suffix(".partial").rename(path)
+    return folder
+
+
 def write_large_checkpoint() -> Path:
     """flan-t5-xl-shaped random int8 weights (per-row scales giving each output a unit-variance
     input's gain of about 1), written once; other tensors float32."""
     import numpy as np
     from safetensors.numpy import save_file
 
-    from minfer.models.t5.spec import T5Config, weight_table
     from minfer.params.formats import SCALE_SUFFIX
-    folder = b5.CHECKPOINTS / "flan-t5-xl-int8"
-    if (folder / "model.safetensors").is_file():
+    folder, table = new_checkpoint("flan-t5-xl-int8", FLAN_T5_XL)
+    if table is None:
         return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(FLAN_T5_XL))
-    table = weight_table(T5Config.from_hf(FLAN_T5_XL))
     matrices = table.linear_sources()
     rng = np.random.default_rng(0)
     tensors = {}
@@ -88,7 +156,7 @@ def worker(args) -> int:
     ids = b5.source_ids()
     t0 = time.perf_counter()
     try:
-        model = minfer.load(args.model, dtype=args.dtype,
+        model = minfer.load(args.model, dtype=args.dtype, compute=args.compute,
                             memory_limit=args.limit if args.limit != "none" else None)
     except minfer.MinferError as e:
         print(MARK + json.dumps({"refused": str(e)}), flush=True)
@@ -114,9 +182,12 @@ def worker(args) -> int:
     return 0
 
 
-def run(model_dir: Path, dtype: str, limit, runs: int, threads: int) -> dict:
+def run(model_dir: Path, dtype: str, limit, runs: int, threads: int,
+        compute: str | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(model_dir),
            "--dtype", dtype, "--limit", str(limit), "--runs", str(runs)]
+    if compute:
+        cmd += ["--compute", compute]
     proc = subprocess.run(cmd, env={**os.environ, **b5.thread_env(threads)}, capture_output=True,
                           text=True)
     lines = [l for l in proc.stdout.splitlines() if l.startswith(MARK)]
@@ -127,15 +198,19 @@ def run(model_dir: Path, dtype: str, limit, runs: int, threads: int) -> dict:
 
 def large(args) -> int:
     from minfer.arena import parse_bytes
-    folder = write_large_checkpoint()
+    xxl = args.large == "xxl-int4"
+    folder = write_xxl_int4_checkpoint(args.layers) if xxl else write_large_checkpoint()
+    dtype, compute = ("int4", args.compute) if xxl else ("int8", None)
     mib = 2 ** 20
     limit = parse_bytes(args.limit)
     rows = {}
     for label, lim in (("none", "none"), (args.limit, str(limit))):
-        print(f"int8 limit {label} ...", flush=True)
-        rows[label] = run(folder, "int8", lim, args.runs, args.threads)
-    print(f"\nflan-t5-xl-shaped int8 ({(folder / 'model.safetensors').stat().st_size / mib:.0f} "
-          f"MiB file), batch 1, 32 -> 64 tokens greedy, {args.threads} threads\n")
+        print(f"{dtype} limit {label} ...", flush=True)
+        rows[label] = run(folder, dtype, lim, args.runs, args.threads, compute)
+    shape = folder.name.replace("-int4", "").replace("-int8", "")
+    print(f"\n{shape}-shaped {dtype}{' x int8' if compute == 'int8' else ''} "
+          f"({(folder / 'model.safetensors').stat().st_size / mib:.0f} MiB file), batch 1, "
+          f"32 -> 64 tokens greedy, {args.threads} threads\n")
     print("| limit | peak RSS | over the limit | RSS after imports | load s | tok/s (median) | "
           "resident / streamed layers | ids |")
     print("|---|---:|---:|---:|---:|---:|---|---|")
@@ -149,6 +224,15 @@ def large(args) -> int:
         print(f"| {label} | {peak} | {over} | {imports} | {load} | "
               f"{statistics.median(r['tok_s']):.2f} | {layers} | "
               f"{'equal to unlimited' if same else 'DIFFER'} |")
+    if xxl and "peak_rss" in rows.get(args.limit, {}):
+        r = rows[args.limit]
+        over = (r["peak_rss"] - limit) / mib
+        speed = statistics.median(r["tok_s"])
+        print(f"\ntargets: peak RSS - limit = {over:+.0f} MiB (<= {XXL_TARGETS['over_limit_mib']}: "
+              f"{'met' if over <= XXL_TARGETS['over_limit_mib'] else 'MISSED'}); ids "
+              f"{'equal to' if r['ids'] == rows['none'].get('ids') else 'DIFFER from'} the "
+              f"unlimited run; {speed:.2f} tok/s (>= {XXL_TARGETS['tok_s']}: "
+              f"{'met' if speed >= XXL_TARGETS['tok_s'] else 'MISSED'})")
     save_json(args.json, "large", rows)
     return 0
 
@@ -171,8 +255,13 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json")
-    p.add_argument("--large", action="store_true",
-                   help="flan-t5-xl-shaped int8 (2.85B parameters) without and with --limit")
+    p.add_argument("--large", nargs="?", const="xl-int8", choices=("xl-int8", "xxl-int4"),
+                   help="flan-t5-xl-shaped int8 (2.85B parameters) or flan-t5-xxl-shaped int4 "
+                        "(11.3B) without and with --limit")
+    p.add_argument("--layers", type=int, help="with --large xxl-int4: N encoder and N decoder "
+                                               "layers instead of 24 (a quick check)")
+    p.add_argument("--compute", default=None,
+                   help="compute= of the runs (--large xxl-int4: default int8)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -182,6 +271,8 @@ def main() -> int:
     if args.worker:
         return worker(args)
     if args.large:
+        if args.large == "xxl-int4" and args.compute is None:
+            args.compute = "int8"
         return large(args)
     model_dir = b5.ensure_checkpoint(args.shape)
     f32_bytes = (model_dir / "model.safetensors").stat().st_size

@@ -1,6 +1,7 @@
 """Time of a decoding step outside the weight products (issue 13: <= 0.3 ms for t5-small).
 
-    python benchmarks/bench_step_overhead.py [--shape t5-small] [--dtypes float32,int8] [--rounds 5]
+    python benchmarks/bench_step_overhead.py [--shape t5-small] [--dtypes float32,int8,int4/int8]
+                                             [--rounds 5]
 
 Greedy decoding of bench_t5.py's task (batch 1, 32-token source, 64 forced new tokens), timed
 twice in the same process, interleaved over --rounds: as is, and with every product replaced by
@@ -8,6 +9,7 @@ one that leaves its output as it is (`ops.linear` returns the existing buffer). 
 divided by the steps, is what a step costs besides its products: embedding, norms, attention,
 activations, the head's softmax and the search, and Python's dispatch. The encoder runs in both;
 a 1-token call of the same kind (the encoder and the first step) is subtracted from both.
+A mode is a dtype, or dtype/compute (int8/int8: int8 weights with compute="int8").
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ def main() -> int:
     folder = b5.ensure_checkpoint(args.shape)
     print(f"{args.shape}, batch 1, {b5.NEW_TOKENS} new tokens, {args.threads} threads; "
           f"median of {args.rounds} rounds, ms")
-    print(f"{'dtype':>8} {'step':>8} {'step, no products':>18} {'products':>9}")
+    print(f"{'mode':>9} {'step':>8} {'step, no products':>18} {'products':>9}")
     for dtype in args.dtypes.split(","):
-        model = minfer.load(folder, dtype=dtype, num_threads=args.threads)
+        weights, _, compute = dtype.partition("/")
+        model = minfer.load(folder, dtype=weights, compute=compute or None,
+                            num_threads=args.threads)
 
         def run(new: int, model=model) -> float:
             t = time.perf_counter()
@@ -65,7 +69,7 @@ def main() -> int:
         # minus a 1-token call (the encoder and the first step) of the same kind
         per_step = (statistics.median(bare) - statistics.median(bare1)) / steps * 1e3
         step = (statistics.median(full) - statistics.median(full1)) / steps * 1e3
-        print(f"{dtype:>8} {step:8.3f} {per_step:18.3f} {step - per_step:9.3f}")
+        print(f"{dtype:>9} {step:8.3f} {per_step:18.3f} {step - per_step:9.3f}")
         model.close()
     return 0
 

@@ -1,4 +1,5 @@
-"""The whole CPU comparison in one command: minfer vs HF transformers vs CTranslate2.
+"""The whole CPU comparison in one command: minfer vs HF transformers, CTranslate2, ONNX Runtime
+and llama.cpp.
 
     python benchmarks/bench_suite.py [--shapes t5-small,t5-base] [--runs 5] [--rounds 1]
                                      [--threads 2] [--tasks decode,batch16,encoder,beam4]
@@ -15,8 +16,15 @@ config, see bench_t5.py):
   beam4    batch 1, beam search with 4 beams, 64 forced new tokens     (new tokens / s)
   xl       Transformer-XL scoring, run by bench_transfo_xl.py --json    (tokens / s)
 
-Engines: minfer, minfer-int8 (`minfer.load(folder, dtype="int8")`; its rows say "n/a yet" while
-that raises), transformers (torch CPU, inference mode), ctranslate2-fp32, ctranslate2-int8.
+Engines: minfer (float32), minfer-float16 / -bfloat16 / -int8 / -int4 (`minfer.load(folder,
+dtype=...)`, computed in float32), minfer-int8-int8 / minfer-int4-int8 (the same weights with
+`compute="int8"`: int8 x int8 products), transformers (torch CPU, inference mode),
+ctranslate2-fp32 / -int8, onnxruntime-fp32 / -int8 (Optimum's export with past key values and
+its dynamic VNNI quantisation, run by ORTModelForSeq2SeqLM) and llama.cpp-f32 / -f16 / -q8_0 /
+-q4_0 (llama_t5_driver.cpp over llama.h: llama_encode, then llama_decode per token; decode and
+encoder only: llama.cpp runs one T5 sequence at a time and has no beam search). The ONNX and
+llama.cpp files come from setup_peers.py (benchmarks/peers/); a peer it has not prepared is
+skipped with a note.
 "Forced" means eos is suppressed until the 64th token (min = max new tokens), so no engine stops
 early. CTranslate2 4.x has no encoder-only call for T5 (`Translator` has none, and
 `ctranslate2.Encoder` refuses a converted T5: "This model cannot be used as a sequence encoder"),
@@ -57,14 +65,19 @@ sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402
 
 TASKS = ("decode", "batch16", "encoder", "beam4")
-ENGINES = ("minfer", "minfer-float16", "minfer-bfloat16", "minfer-int8", "transformers",
-           "ctranslate2-fp32", "ctranslate2-int8")
-MINFER_DTYPES = {"minfer": None, "minfer-float16": "float16", "minfer-bfloat16": "bfloat16",
-                 "minfer-int8": "int8"}
+# minfer engine -> (dtype, compute)
+MINFER_MODES = {"minfer": (None, None), "minfer-float16": ("float16", None),
+                "minfer-bfloat16": ("bfloat16", None), "minfer-int8": ("int8", None),
+                "minfer-int8-int8": ("int8", "int8"), "minfer-int4": ("int4", None),
+                "minfer-int4-int8": ("int4", "int8")}
+ONNX_ENGINES = {"onnxruntime-fp32": "fp32", "onnxruntime-int8": "int8"}
+LLAMA_ENGINES = {f"llama.cpp-{t}": t for t in ("f32", "f16", "q8_0", "q4_0")}
+ENGINES = (*MINFER_MODES, "transformers", "ctranslate2-fp32", "ctranslate2-int8", *ONNX_ENGINES,
+           *LLAMA_ENGINES)
+LLAMA_TASKS = ("decode", "encoder")      # llama.cpp: one T5 sequence at a time, no beam search
 NEW = 64
 RESULT_MARK = "SUITE_RESULT "
 BUSY_LIMIT = 0.1  # others' share of the CPUs above which a row is marked unreliable
-# Issue 6 targets: (shape, task, peer, minimum minfer / peer)
 # Issue 13's targets, for every shape: (task, minfer engine, peer engine, minimum ratio).
 TARGETS = (("decode", "minfer-int8", "ctranslate2-fp32", 2.0),
            ("decode", "minfer-int8", "ctranslate2-int8", 2.0),
@@ -75,6 +88,19 @@ TARGETS = (("decode", "minfer-int8", "ctranslate2-fp32", 2.0),
            ("batch16", "minfer", "ctranslate2-fp32", 1.5),
            ("batch16", "minfer-int8", "ctranslate2-int8", 1.5),
            ("encoder", "minfer", "ctranslate2-fp32", 1.0))
+# Issue 21's, for every shape: (task, label, minfer engines, peer engines, minimum ratio of the
+# fastest of the first to the fastest of the second)
+EIGHT_BIT = ("minfer-int8", "minfer-int8-int8")
+PEER_TARGETS = (
+    ("decode", "8-bit", EIGHT_BIT, ("onnxruntime-int8", "llama.cpp-q8_0", "ctranslate2-int8"), 1.25),
+    ("decode", "4-bit", ("minfer-int4", "minfer-int4-int8"), ("llama.cpp-q4_0",), 1.25),
+    ("decode", "float32", ("minfer",), ("onnxruntime-fp32", "llama.cpp-f32", "ctranslate2-fp32",
+                                         "transformers"), 1.1),
+    ("batch16", "int8", EIGHT_BIT, ("onnxruntime-int8",), 1.25),
+    ("batch16", "int8", EIGHT_BIT, ("ctranslate2-int8",), 1.5),
+    ("encoder", "int8", EIGHT_BIT, ("onnxruntime-int8",), 1.25),
+    ("encoder", "int8", EIGHT_BIT, ("ctranslate2-int8",), 1.5),
+    ("beam4", "float32", ("minfer",), ("ctranslate2-fp32",), 1.5))
 XL_TARGET = 4.0   # Transformer-XL scoring: minfer / transformers
 
 
@@ -108,12 +134,13 @@ def timed(call, runs: int, compare: bool = True):
     return out, seconds
 
 
-def work_minfer(model_dir: Path, task: str, runs: int, threads: int, dtype: str | None,
+def work_minfer(model_dir: Path, task: str, runs: int, threads: int, mode: tuple,
                 dump: str | None) -> dict:
     import numpy as np
 
     import minfer
-    model = minfer.load(model_dir, dtype=dtype, num_threads=threads)
+    dtype, compute = mode
+    model = minfer.load(model_dir, dtype=dtype, compute=compute, num_threads=threads)
     srcs = sources(task)
     if task == "encoder":
         out, seconds = timed(lambda: model.encode(srcs), runs, compare=False)
@@ -195,15 +222,87 @@ def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: 
     return result
 
 
-WORKERS = {**{engine: work_minfer for engine in MINFER_DTYPES}, "transformers": work_transformers,
-           "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2}
+def onnx_file_names(folder: Path) -> dict[str, str]:
+    """The encoder / decoder / decoder-with-past graphs Optimum wrote (quantised ones carry a
+    suffix), as ORTModelForSeq2SeqLM.from_pretrained's file-name arguments."""
+    names = {}
+    for key, stem in (("encoder_file_name", "encoder_model"), ("decoder_file_name", "decoder_model"),
+                      ("decoder_with_past_file_name", "decoder_with_past_model")):
+        found = sorted(f.name for f in folder.glob(f"{stem}*.onnx")
+                       if stem != "decoder_model" or not f.name.startswith(("decoder_model_merged",)))
+        if found:
+            names[key] = found[0]
+    return names
+
+
+def work_onnxruntime(model_dir: Path, task: str, runs: int, threads: int, option: str,
+                     dump: str | None) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    torch.set_num_threads(threads)   # (the search's own tensors)
+    model = ORTModelForSeq2SeqLM.from_pretrained(model_dir, session_options=options,
+                                                 provider="CPUExecutionProvider", use_cache=True,
+                                                 **onnx_file_names(model_dir))
+    ids = torch.tensor(sources(task), dtype=torch.long)
+    if task == "encoder":
+        mask = torch.ones_like(ids)
+
+        def enc():
+            return model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        out, seconds = timed(enc, runs, compare=False)
+        if dump:
+            np.save(dump, np.asarray(out, np.float32))
+        return {"seconds": seconds, "onnxruntime": ort.__version__}
+    beams = 4 if task == "beam4" else 1
+
+    def call():
+        rows = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              num_beams=beams, early_stopping=True)
+        return [[int(t) for t in r[1:]] for r in rows]  # drop the decoder start token
+    out, seconds = timed(call, runs)
+    return {"seconds": seconds, "ids": out, "onnxruntime": ort.__version__}
+
+
+def work_llama(model_path: Path, task: str, runs: int, threads: int, option: str,
+               dump: str | None) -> dict:
+    """llama_t5_driver (setup_peers.py builds it) on the task's sources: it times its own calls
+    after a warm-up, so the model's load is not counted."""
+    import setup_peers
+    rows = sources(task)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("".join(" ".join(map(str, r)) + "\n" for r in rows))
+    try:
+        proc = subprocess.run([str(setup_peers.PEERS / "llama_t5_driver"), str(model_path),
+                               "decode" if task == "decode" else "encoder", str(threads),
+                               str(runs), str(NEW), f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["llama_t5_driver failed"])[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if task != "decode":
+        result.pop("ids", None)
+    return result
+
+
+WORKERS = {**{engine: work_minfer for engine in MINFER_MODES}, "transformers": work_transformers,
+           "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2,
+           **{engine: work_onnxruntime for engine in ONNX_ENGINES},
+           **{engine: work_llama for engine in LLAMA_ENGINES}}
 
 
 def worker(args) -> int:
     if args.profile:
         return profile_minfer(Path(args.model), args.profile, args.runs)
-    option = (MINFER_DTYPES[args.engine] if args.engine in MINFER_DTYPES
-              else args.engine.endswith("int8"))
+    option = (MINFER_MODES[args.engine] if args.engine in MINFER_MODES
+              else ONNX_ENGINES.get(args.engine) or LLAMA_ENGINES.get(args.engine)
+              or args.engine.endswith("int8"))
     result = WORKERS[args.engine](Path(args.model), args.task, args.runs, args.threads, option,
                                   args.dump)
     result["env_threads"] = {k: os.environ.get(k) for k in b5.thread_env(args.threads)}
@@ -330,10 +429,24 @@ def encoder_check(dumps: dict[str, str], engine: str) -> str:
 
 
 def engine_folders(shape: str, engines: list[str], tokenizer: Path) -> dict[str, Path]:
+    import importlib.util
+
+    import setup_peers
     model_dir = b5.ensure_checkpoint(shape)
     folders = {}
     for e in engines:
-        if not e.startswith("ctranslate2"):
+        if e in ONNX_ENGINES:
+            if importlib.util.find_spec("optimum.onnxruntime") is None:
+                print(f"skipping {e}: pip install 'optimum-onnx[onnxruntime]' (see setup_peers.py)")
+            else:
+                folders[e] = setup_peers.ensure_onnx(shape)[ONNX_ENGINES[e]]
+        elif e in LLAMA_ENGINES:
+            path = setup_peers.gguf_files(shape)[LLAMA_ENGINES[e]]
+            if not path.is_file() or not (setup_peers.PEERS / "llama_t5_driver").is_file():
+                print(f"skipping {e}: run benchmarks/setup_peers.py --peers llama.cpp first")
+            else:
+                folders[e] = path
+        elif not e.startswith("ctranslate2"):
             folders[e] = model_dir
         elif not b5.have_ctranslate2():
             print(f"skipping {e}: ctranslate2 is not importable")
@@ -398,7 +511,7 @@ def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
             for engine, r in engines.items():
                 name = engine + (" (enc+1 step)" if r.get("note") else "")
                 if "unavailable" in r:
-                    lines.append(f"| {shape} | {task} | {name} | n/a yet | | | | | "
+                    lines.append(f"| {shape} | {task} | {name} | n/a | | | | | "
                                  f"{r['unavailable'].replace('|', '/')} |")
                     continue
                 if "error" in r:
@@ -407,9 +520,10 @@ def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
                 if r["others_busy"] > BUSY_LIMIT:
                     name += " *"
                 ratio = "" if engine == "minfer" or not base else f"{base / r['median']:.2f}"
-                if engine == "minfer-int8":
-                    peer = engines.get("ctranslate2-int8", {}).get("median")
-                    ratio = f"{r['median'] / peer:.2f} vs ct2-int8" if peer else ""
+                if engine in COMPARED:             # a quantised minfer mode: to its peer
+                    peer = engines.get(COMPARED[engine], {}).get("median")
+                    short = COMPARED[engine].replace("ctranslate2", "ct2")
+                    ratio = f"{r['median'] / peer:.2f} vs {short}" if peer else ""
                 if engine == "transformers":
                     check = "reference"
                 elif task == "encoder":
@@ -423,6 +537,11 @@ def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
     if xl is not None:
         lines += xl_rows(xl)
     return lines
+
+
+# a quantised minfer row gives its speed over this peer's (others: minfer float32's over theirs)
+COMPARED = {"minfer-int8": "ctranslate2-int8", "minfer-int8-int8": "onnxruntime-int8",
+            "minfer-int4": "llama.cpp-q4_0", "minfer-int4-int8": "llama.cpp-q4_0"}
 
 
 def notes(results: dict) -> list[str]:
@@ -450,11 +569,33 @@ def target_lines(results: dict, xl: dict | None) -> list[str]:
             verdict = "met" if ratio >= want else f"MISSED by {(want - ratio) / want:.0%}"
             out.append(f"- {shape} {task}: {mine_engine} / {peer} = {ratio:.2f} "
                        f"(target >= {want:g}): {verdict}")
-        for task, rows in tasks.items():   # the int8 encoder has no target: reported
-            a, b = rows.get("minfer-int8", {}), rows.get("ctranslate2-int8", {})
-            if task == "encoder" and "median" in a and "median" in b:
-                out.append(f"- {shape} encoder int8: minfer-int8 / ctranslate2-int8 = "
-                           f"{a['median'] / b['median']:.2f} (reported)")
+    return out
+
+
+def fastest(rows: dict, engines: tuple[str, ...]) -> tuple[str, float] | None:
+    """The engine of `engines` with the highest median in `rows`, and that median."""
+    got = [(e, rows[e]["median"]) for e in engines if "median" in rows.get(e, {})]
+    return max(got, key=lambda g: g[1]) if got else None
+
+
+def peer_target_lines(results: dict, xl: dict | None) -> list[str]:
+    """Issue 21's targets: the fastest minfer mode of a kind over the fastest peer of the kind."""
+    out = []
+    for shape, tasks in results.items():
+        for task, label, mine, peers, want in PEER_TARGETS:
+            rows = tasks.get(task, {})
+            a, b = fastest(rows, mine), fastest(rows, peers)
+            if a is None or b is None:
+                continue
+            ratio = a[1] / b[1]
+            verdict = "met" if ratio >= want else f"MISSED by {(want - ratio) / want:.0%}"
+            out.append(f"- {shape} {task} {label}: {a[0]} / {b[0]} = {ratio:.2f} "
+                       f"(target >= {want:g}): {verdict}")
+    return out + xl_target_lines(xl)
+
+
+def xl_target_lines(xl: dict | None) -> list[str]:
+    out = []
     try:
         res = xl["results"]
         ratio = (res["minfer"]["score"]["tokens_per_s"]["median"]
@@ -467,11 +608,17 @@ def target_lines(results: dict, xl: dict | None) -> list[str]:
     return out
 
 
-CHART_ENGINES = ("minfer", "minfer-float16", "minfer-bfloat16", "minfer-int8",
-                 "ctranslate2-fp32", "ctranslate2-int8", "transformers")
+CHART_ENGINES = ("minfer", "minfer-float16", "minfer-bfloat16", "minfer-int8", "minfer-int8-int8",
+                 "minfer-int4", "minfer-int4-int8", "ctranslate2-fp32", "ctranslate2-int8",
+                 "onnxruntime-fp32", "onnxruntime-int8", "llama.cpp-f32", "llama.cpp-f16",
+                 "llama.cpp-q8_0", "llama.cpp-q4_0", "transformers")
 CHART_COLOURS = {"minfer": "#1f5fa8", "minfer-float16": "#4f8fd6", "minfer-bfloat16": "#86b6ea",
-                 "minfer-int8": "#0b3366", "ctranslate2-fp32": "#d9822b",
-                 "ctranslate2-int8": "#a65a12", "transformers": "#8c8c8c"}
+                 "minfer-int8": "#0b3366", "minfer-int8-int8": "#16478a", "minfer-int4": "#2c7bd1",
+                 "minfer-int4-int8": "#07224a", "ctranslate2-fp32": "#d9822b",
+                 "ctranslate2-int8": "#a65a12", "onnxruntime-fp32": "#5aa05a",
+                 "onnxruntime-int8": "#2e6b2e", "llama.cpp-f32": "#b06ab3",
+                 "llama.cpp-f16": "#9a4e9d", "llama.cpp-q8_0": "#7d3580",
+                 "llama.cpp-q4_0": "#5c1f5e", "transformers": "#8c8c8c"}
 
 
 def write_chart(report: dict, path: Path) -> None:
@@ -634,8 +781,14 @@ def main() -> int:
                     done = results[shape][task].get(engine)
                     if done is not None and ("error" in done or "unavailable" in done):
                         continue
+                    if engine in LLAMA_ENGINES and task not in LLAMA_TASKS:
+                        results[shape][task][engine] = {
+                            "unavailable": "llama.cpp runs one T5 sequence at a time and has no "
+                                           "beam search"}
+                        continue
                     dump = None
-                    if task == "encoder" and engine in ("minfer", "minfer-int8", "transformers"):
+                    if task == "encoder" and engine in ("minfer", "minfer-int8", "minfer-int8-int8",
+                                                        "onnxruntime-fp32", "transformers"):
                         dump = str(Path(scratch.name) / f"{shape}-{engine}.npy")
                         dumps.setdefault((shape, task), {})[engine] = dump
                     r = run_engine(engine, folder, task, args.runs, args.threads, dump)
@@ -663,6 +816,10 @@ def main() -> int:
     goals = target_lines(results, xl)
     if goals:
         lines += ["", "Targets (issue 13):", "", *goals]
+    goals = peer_target_lines(results, xl)
+    if goals:
+        lines += ["", "Targets (issue 21; the fastest mode of each kind against the fastest peer "
+                      "of the kind):", "", *goals]
     print("\n" + "\n".join(lines))
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines) + "\n")

@@ -89,6 +89,7 @@ class ModelOptions:
     device: str
     dtype: str | None
     workspace: str | None
+    compute: str | None
     memory_limit: str | None
     offline: bool
     threads: int | None
@@ -104,8 +105,12 @@ _MODEL_OPTIONS = [
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
     click.option("--dtype", default=None, metavar="DTYPE",
                  help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
-                      "bfloat16, int8 (weight-only, one scale per output channel) or auto (as the checkpoint "
-                      "stores them)."),
+                      "bfloat16, int8 (one scale per output channel), int4 (CPU; one scale per "
+                      "64 input channels) or auto (as the checkpoint stores them)."),
+    click.option("--compute", default=None, metavar="MODE",
+                 help="What products compute in: CPU float32 (default) or int8 (int8/int4 "
+                      "weights x inputs rounded to int8, on VNNI where the CPU has it); CUDA "
+                      "float16 (default) or float32."),
     click.option("--workspace", default=None, metavar="SIZE",
                  help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
                       "--memory-limit, the part of the limit kept for them."),
@@ -140,7 +145,8 @@ def with_model_options(command):
 def load_model(opts: ModelOptions) -> Any:
     import minfer
     return minfer.load(opts.model, device=opts.device, dtype=opts.dtype, revision=opts.revision,
-                       workspace=opts.workspace, memory_limit=opts.memory_limit,
+                       workspace=opts.workspace, compute=opts.compute,
+                       memory_limit=opts.memory_limit,
                        offline=True if opts.offline else None, num_threads=opts.threads,
                        subfolder=opts.subfolder, tokenizer_subfolder=opts.tokenizer_subfolder,
                        parts=opts.parts)

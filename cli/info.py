@@ -10,6 +10,14 @@ import click
 from .common import emit, load_model, quiet_on_closed_pipe, with_model_options
 
 
+def compute_line(be) -> str:
+    """What the products compute in, and on which instructions when that is int8."""
+    if be.compute != "int8":
+        return be.compute
+    from minfer.kernels import int8_products
+    return f"int8 x int8 products: {int8_products()}"
+
+
 @click.command()
 @with_model_options
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -38,6 +46,7 @@ def info(load, batch, src_len, max_new_tokens) -> None:
              *([("sentence embedding", head.describe())] if head is not None else []),
              ("parameters", f"{params:,}"),
              ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
+             ("compute", compute_line(m.backend)),
              ("cpu threads", str(m.backend.num_threads)),
              *m.weight_plan.summary(),
              need,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
+from .backend import QUANTISED_FORMATS, option_name
 from .devices import make_backend
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
                      MinferError, ModelNotFoundError, StreamingError, TokenizerError)
@@ -29,7 +30,8 @@ __version__ = "0.1.0"
 
 
 def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
-         *, memory_limit: int | str | None = None, num_threads: int | None = None,
+         *, compute: str | None = None, memory_limit: int | str | None = None,
+         num_threads: int | None = None,
          revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, parts: str | None = None, subfolder: str | None = None,
          tokenizer_subfolder: str | None = None, **options: Any) -> T5Model | XLModel:
@@ -42,9 +44,16 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     dtype: how the linear layers (and heads, embeddings) are stored: "float32" (CPU default;
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
         computed in float32), "bfloat16" (CPU: stored 2 bytes, computed in float32), "int8"
-        (weight-only, one scale per output channel; the default for a checkpoint that
-        `minfer convert --dtype int8` wrote) or "auto" (the checkpoint's own: int8, bfloat16,
-        float16 or float32).
+        (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 64 input
+        channels) or "auto" (the checkpoint's own: int8, int4, bfloat16, float16 or float32). A
+        checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
+        another is asked for.
+    compute: what the products compute in, apart from how weights are stored. CPU: "float32"
+        (default: weights widened, outputs as float32's up to rounding) or "int8" (int8 or int4
+        weights: each product's input rows are rounded to int8 on the fly and multiplied as
+        integers, on the CPU's dot-product instructions (VNNI) where it has them: faster, a
+        little less exact; with dtype unset it stores int8). CUDA: "float16" (default; float32
+        for float32 weights) or "float32".
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory). With memory_limit: the part of the
         limit reserved for runs.
@@ -72,7 +81,7 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     recorder = options.pop("_recorder", None)  # scheduling events, for tests
     if options:
         raise ConfigError(f"load(): unknown option {sorted(options)[0]!r}")
-    recipe = _recipe(model, device=device, dtype=dtype, workspace=workspace,
+    recipe = _recipe(model, device=device, dtype=dtype, workspace=workspace, compute=compute,
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
                      offline=offline, cache_dir=cache_dir, parts=parts, subfolder=subfolder,
                      tokenizer_subfolder=tokenizer_subfolder)
@@ -86,11 +95,13 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     modules = read_sentence_modules(folder)
     ckpt = Checkpoint(modules.transformer if modules is not None else folder)
     family = family_of(ckpt.config, str(ckpt.folder / "config.json"))
-    if dtype == "auto":
-        dtype = _stored_format(ckpt)
-    elif dtype is None and ckpt.quantized_names():
-        dtype = "int8"  # a checkpoint stored int8 stays int8 unless asked otherwise
-    be = make_backend(device, dtype, workspace, memory_limit)
+    if dtype == "auto" or dtype is None:
+        # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
+        # needs a quantised one (int8 when the file's is not)
+        dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantized_format()
+        if compute is not None and option_name(compute) == "int8" and dtype not in QUANTISED_FORMATS:
+            dtype = "int8"
+    be = make_backend(device, dtype, workspace, memory_limit, compute)
     be.num_threads = set_threads(num_threads)
     tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
     loaded = family.load(ckpt, be, read_json(ckpt.folder / "generation_config.json"), tokenizer,
@@ -148,8 +159,9 @@ def _is_folder(text: str) -> bool:
 def _stored_format(ckpt: Checkpoint) -> str | None:
     """dtype="auto": the weight format the checkpoint's matrices are stored in (None: the
     device's default)."""
-    if ckpt.quantized_names():
-        return "int8"
+    quantized = ckpt.quantized_format()
+    if quantized:
+        return quantized
     codes = {ckpt.info(n).dtype for n in ckpt.names() if len(ckpt.info(n).shape) == 2}
     halves = {f.file_code: name for name, f in FORMATS.items() if name in ("float16", "bfloat16")}
     return halves.get(codes.pop()) if len(codes) == 1 else None

@@ -5,8 +5,9 @@ module holds the base class (the CPU backend is this class over NumPy) and the d
 `devices.make_backend` builds one, and `cuda.CudaBackend` subclasses it over CuPy (CuPy is imported
 only there, lazily, so a CPU install never needs it).
 
-A backend also carries the weight dtype policy (`dtype` is the compute dtype of activations;
-`weight_format` names how linear layers are stored, see `params/formats.py`) and the memory budget:
+A backend also carries the weight dtype policy (`dtype` is the dtype of activations;
+`weight_format` names how linear layers are stored, see `params/formats.py`; `compute` what the
+products compute in, float32 / float16 or, on the CPU, int8 x int8) and the memory budget:
 without a limit the arena is a workspace for activations and caches and weights are ordinary
 arrays; with `memory_limit` the arena *is* the budget, and weights, streaming slots and workspace
 are all carved from it (see `params/runtime.py`).
@@ -24,15 +25,18 @@ from .arena import Arena
 from .errors import ConfigError
 from .params.transfers import Transfers
 
-# dtype option -> (compute dtype, weight format of the linear layers) per device kind
-_DTYPES = {
-    # on the CPU every format computes in float32: only the stored weights shrink
-    "cpu": {"float32": ("float32", "float32"), "float16": ("float32", "float16"),
-            "bfloat16": ("float32", "bfloat16"), "int8": ("float32", "int8")},
-    "cuda": {"float16": ("float16", "float16"), "float32": ("float32", "float32"),
-             "int8": ("float16", "int8")},
-}
+# dtype option -> how the linear layers are stored, per device kind
+_FORMATS = {"cpu": ("float32", "float16", "bfloat16", "int8", "int4"),
+            "cuda": ("float16", "float32", "int8")}
 _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
+# compute option -> the dtype activations are in. On the CPU "int8" keeps float32 activations
+# between the products and rounds each product's input rows to int8 (quantised formats only);
+# on CUDA the products run in the compute dtype.
+_COMPUTE = {"cpu": {"float32": "float32", "int8": "float32"},
+            "cuda": {"float16": "float16", "float32": "float32"}}
+QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32",
+            "bf16": "bfloat16"}
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Backend:
     arena: Arena                  # every large activation / cache buffer comes from here
     dtype: Any                    # compute dtype of activations (and of non-linear weights)
     weight_format: str = "float32"    # how linear layers are stored (params/formats.py)
+    compute: str = "float32"          # what the products compute in ("int8": int8 x int8, CPU)
     memory_limit: int | None = None   # the whole budget (weights + workspace), or None
     workspace: int | None = None      # bytes reserved for runs under a limit (None: planned)
     num_threads: int | None = None    # threads of the CPU kernels and BLAS (None: every core)
@@ -74,22 +79,35 @@ class Backend:
         return self.workspace if self.workspace is not None else planned
 
 
-def resolve_dtype(device_kind: str, dtype: Any) -> tuple[np.dtype, str]:
-    """The `dtype` option -> (compute dtype, weight format) for a device kind, or a clear error."""
-    if dtype is None:
-        name = _DEFAULT_DTYPE[device_kind]
-    elif isinstance(dtype, str):
-        name = dtype.strip().lower()
+def option_name(value: Any) -> str:
+    """A dtype or compute option as its canonical name ("fp16" -> "float16")."""
+    if isinstance(value, str):
+        name = value.strip().lower()
     else:
         try:
-            name = np.dtype(dtype).name
+            name = np.dtype(value).name
         except TypeError:
-            name = str(dtype)
-    name = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32",
-            "bf16": "bfloat16"}.get(name, name)
-    table = _DTYPES[device_kind]
-    if name not in table:
+            name = str(value)
+    return _ALIASES.get(name, name)
+
+
+def resolve_dtype(device_kind: str, dtype: Any, compute: Any = None) -> tuple[np.dtype, str, str]:
+    """The `dtype` and `compute` options -> (the activations' dtype, weight format, compute
+    name) for a device kind, or a clear error. compute=None: the device's default for that
+    format (CPU float32; CUDA float16, or float32 for float32 weights)."""
+    name = _DEFAULT_DTYPE[device_kind] if dtype is None else option_name(dtype)
+    if name not in _FORMATS[device_kind]:
         raise ConfigError(f"dtype {dtype!r} is not supported on device '{device_kind}' "
-                          f"(supported: {', '.join(table)})")
-    compute, weight_format = table[name]
-    return np.dtype(compute), weight_format
+                          f"(supported: {', '.join(_FORMATS[device_kind])})")
+    table = _COMPUTE[device_kind]
+    if compute is None:
+        mode = "float32" if device_kind == "cpu" or name == "float32" else "float16"
+    else:
+        mode = option_name(compute)
+        if mode not in table:
+            raise ConfigError(f"compute {compute!r} is not supported on device '{device_kind}' "
+                              f"(supported: {', '.join(table)})")
+    if mode == "int8" and name not in QUANTISED_FORMATS:
+        raise ConfigError(f"compute='int8' multiplies int8 or int4 weights, not dtype "
+                          f"{name!r}: use dtype='int8' or 'int4' (or leave dtype unset)")
+    return np.dtype(table[mode]), name, mode

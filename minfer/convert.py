@@ -1,10 +1,12 @@
 """`minfer convert`: rewrite a model folder as safetensors (from pytorch_model.bin, or in another
-weight format: float32, float16, bfloat16, or int8 matrices), copying config, generation config
-and tokenizer files alongside. An int8 file stores each matrix that feeds a linear slot (the
-family's weight table says which: layers, heads, embeddings) as I8 (out, in) beside `W_scale`
-(F32, one scale per output channel, i.e. per row), the other tensors as float32;
-`Checkpoint.read` dequantises it, so every loader reads it, and a model loaded in the file's own
-format (what `dtype=None` or "auto" picks) takes the stored bytes as they are.
+weight format: float32, float16, bfloat16, or int8 / int4 matrices), copying config, generation
+config and tokenizer files alongside. A quantised file stores each matrix that feeds a linear
+slot (the family's weight table says which: layers, heads, embeddings) in its format's arrays
+(params/formats.py: int8 as I8 (out, in) beside `W_scale`, F32 one scale per output channel;
+int4 as U8 (out, in / 2), two values a byte, beside `W_scale`, F32 (out, in / group)), the other
+tensors as float32; `Checkpoint.read` dequantises it, so every loader reads it, and a model
+loaded in the file's own format (what `dtype=None` or "auto" picks) takes the stored bytes as
+they are.
 
 Reading goes through `io.checkpoint.Checkpoint` (so a legacy .bin is unpickled without running
 code, and every tensor's values are checked as read). The safetensors file is written as it goes:
@@ -31,12 +33,13 @@ from .errors import ConfigError
 from .io.checkpoint import Checkpoint
 from .io.tensors import STORAGE
 from .models.registry import family_of
-from .params.formats import FORMATS, SCALE_SUFFIX, quantize_int8, to_bfloat16_bits
+from .params.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
 from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
 COPY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
-# dtype -> the safetensors dtype of every tensor that is not an int8 matrix
+# dtype -> the safetensors dtype of every tensor that is not a quantised matrix
 _CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items()}
+_CODE_OF = {dt: code for code, dt in STORAGE.items()}   # a stored array's dtype -> its code
 
 
 def _float_data(ckpt: Checkpoint, name: str, code: str) -> np.ndarray:
@@ -50,17 +53,19 @@ def _float_data(ckpt: Checkpoint, name: str, code: str) -> np.ndarray:
 def _plan(ckpt: Checkpoint, dtype: str, linear: set[str]
           ) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor the output holds, in file order: the
-    float tensors first (one dtype: all aligned), then each int8 matrix's F32 scales followed by
-    the matrix (the scales stay 4-byte aligned when the matrices' sizes are multiples of 4, as in
-    every real model; safetensors allows unaligned data, it only costs a copy on read)."""
-    code = _CODES[dtype]
+    float tensors first (one dtype: all aligned), then each quantised matrix's F32 scales
+    followed by the matrix (the scales stay 4-byte aligned when the matrices' sizes are multiples
+    of 4, as in every real model; safetensors allows unaligned data, it only costs a copy on
+    read)."""
+    fmt = FORMATS[dtype]
     floats, matrices = [], []
     for name in ckpt.names():
         shape = ckpt.info(name).shape
         if name in linear:
-            matrices += [(name + SCALE_SUFFIX, "F32", shape[:1]), (name, "I8", shape)]
+            arrays = fmt.stored(name, shape)
+            matrices += [(n, _CODE_OF[dt], s) for n, (s, dt) in reversed(arrays.items())]
         else:
-            floats.append((name, code, shape))
+            floats.append((name, _CODES[dtype], shape))
     return floats + matrices
 
 
@@ -122,24 +127,27 @@ def _resolved(path: Path, what: str) -> Path:
 
 def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tuple[int, list[str]]:
     """Write model.safetensors and the side files; returns the tensor count and the copied."""
-    linear: set[str] = set()  # tensors that feed a linear slot: the ones int8 quantises
-    if dtype == "int8":
+    fmt = FORMATS[dtype]
+    linear: set[str] = set()  # tensors that feed a linear slot: the ones int8 / int4 quantise
+    if fmt.scaled:
         spec = family_of(ckpt.config, str(ckpt.folder / "config.json")).spec
         config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
         linear = spec.weight_table(config).linear_sources()
     plan = _plan(ckpt, dtype, linear)
-    metadata = {"format": "pt", **({"minfer.quantization": "int8 per output channel"}
-                                   if dtype == "int8" else {})}
+    metadata = {"format": "pt", **({"minfer.quantization": fmt.quantization}
+                                   if fmt.scaled else {})}
     path = out / "model.safetensors"
     written.append(path)
     with open(path, "wb") as f:
         f.write(_header(plan, metadata))
-        pending = None                         # an int8 matrix whose scales were just written
+        pending: dict = {}                     # a quantised matrix whose scales were just written
         for name, code, shape in plan:
-            if code == "I8":
-                data, pending = pending, None
+            if name in pending:
+                data = pending.pop(name)
             elif name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in linear:
-                pending, data = quantize_int8(ckpt.read(name[:-len(SCALE_SUFFIX)], np.float32))
+                base = name[:-len(SCALE_SUFFIX)]
+                pending = fmt.encode(base, ckpt.read(base, np.float32))
+                data = pending.pop(name)
             else:
                 data = _float_data(ckpt, name, code)
             data = np.ascontiguousarray(data, dtype=STORAGE[code])  # little-endian, as declared

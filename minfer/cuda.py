@@ -352,5 +352,6 @@ def make_cuda_backend(index: int, compute: np.dtype, weight_format: str, limit: 
     arena = CudaArena(capacity, index)
     # (the budget the weights are planned in: what the arena's own temporaries pool leaves)
     return CudaBackend(xp=DEVICE_ARRAYS, device=f"cuda:{index}", arena=arena,
-                       dtype=compute, weight_format=weight_format, memory_limit=arena.available,
+                       dtype=compute, weight_format=weight_format, compute=np.dtype(compute).name,
+                       memory_limit=arena.available,
                        workspace=reserve)

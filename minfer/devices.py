@@ -78,9 +78,11 @@ def cuda_available() -> bool:
 
 
 def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
-                 memory_limit: int | str | None = None) -> Backend:
-    """Build the backend for `device` ('cpu', 'cuda', 'cuda:N', 'auto'), `dtype` ('float32',
-    'float16' on CUDA, 'int8') and a memory budget.
+                 memory_limit: int | str | None = None, compute: Any = None) -> Backend:
+    """Build the backend for `device` ('cpu', 'cuda', 'cuda:N', 'auto'), `dtype` (how weights
+    are stored: 'float32', 'float16', 'bfloat16', 'int8', 'int4' on the CPU), `compute` (what
+    products compute in: CPU 'float32' or 'int8'; CUDA 'float16' or 'float32') and a memory
+    budget.
 
     Without `memory_limit` the arena holds `workspace` bytes (default 1GiB, touched lazily) of
     activations and caches. With it, the arena holds the whole limit and `workspace` is the part
@@ -97,16 +99,16 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
         index = name.partition(":")[2] or "0"
         if not index.isdigit():
             raise ConfigError(f"device {device!r}: expected 'cuda:N' with N a device number")
-        compute, weight_format = resolve_dtype("cuda", dtype)
+        activations, weight_format, _ = resolve_dtype("cuda", dtype, compute)
         try:
             from . import cuda
         except ImportError:
             raise ConfigError(f"device {device!r}: CuPy is not installed "
                               "(pip install 'minfer[cuda12]')") from None
-        return cuda.make_cuda_backend(int(index), compute, weight_format, limit, reserve)
+        return cuda.make_cuda_backend(int(index), activations, weight_format, limit, reserve)
     if name != "cpu":
         raise ConfigError(f"device {device!r}: expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
-    compute, weight_format = resolve_dtype("cpu", dtype)
+    activations, weight_format, mode = resolve_dtype("cpu", dtype, compute)
     if limit is not None and reserve is not None and reserve > limit:
         raise ConfigError(f"workspace {reserve} bytes exceeds memory_limit {limit} bytes")
     if limit is not None:
@@ -116,6 +118,6 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
     # (the default workspace is not checked: it is only address space until a run touches it)
     capacity = limit if limit is not None else (reserve if reserve is not None
                                                 else parse_bytes(DEFAULT_WORKSPACE))
-    return Backend(xp=np, device=name, arena=Arena(capacity, np, name="cpu"), dtype=compute,
-                   weight_format=weight_format, memory_limit=limit,
+    return Backend(xp=np, device=name, arena=Arena(capacity, np, name="cpu"), dtype=activations,
+                   weight_format=weight_format, compute=mode, memory_limit=limit,
                    workspace=reserve if limit is not None else None)

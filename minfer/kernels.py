@@ -216,6 +216,24 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def quantised_bytes(M: int, K: int, groups: int) -> int:
+    """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
+    (`_numba_kernels._carve`'s layout: the int8 rows, their int32 sums per group of columns, the
+    float32 row scales, each part 64-byte aligned)."""
+    def up(n: int) -> int:
+        return (n + 63) // 64 * 64
+    return up(M * K) + up(M * groups * 4) + up(M * 4)
+
+
+def int8_products() -> str:
+    """Which instructions compute="int8" runs its products on here (`minfer info`)."""
+    k = compiled()
+    if k is None:
+        return "no compiled kernels: inputs rounded to int8, products in float32 (NumPy)"
+    from . import _dot_ir
+    return _dot_ir.describe()
+
+
 def warm_up() -> bool:
     """Compile (first run) or load from numba's cache every kernel now, instead of inside the
     first product. Returns whether the compiled kernels are active."""

@@ -127,6 +127,22 @@ def test_t5_int8_products_do_not_overflow_float16(strict_cuda, tmp_path):
     assert syncs == 1 and outside == 0
 
 
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_t5_compute_float32_widens_the_stored_weights_on_the_device(strict_cuda, folder, dtype):
+    # compute="float32" with half or int8 weights: the CPU's computation (weights widened to
+    # float32, float32 activations), on the device
+    want = minfer.load(folder, dtype=dtype).forward(IDS, DEC)
+    m = minfer.load(folder, device="cuda", dtype=dtype, compute="float32")
+    assert (m.backend.dtype, m.backend.compute, m.backend.weight_format) == (np.float32, "float32",
+                                                                            dtype)
+    got, syncs, outside, _ = run_counted(strict_cuda, m, lambda: m.forward(IDS, DEC))
+    assert rel(got, want) < 1e-5 and syncs == 1 and outside == 0
+    assert minfer.load(folder, device="cuda", dtype=dtype).backend.compute == "float16"
+    assert minfer.load(folder, device="cuda", dtype="float32").backend.compute == "float32"
+    with pytest.raises(ConfigError, match="compute 'int8' is not supported on device 'cuda'"):
+        minfer.load(folder, device="cuda", dtype="int8", compute="int8")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_t5_under_a_memory_limit_streams_with_the_unlimited_ids(strict_cuda, folder, dtype):
     full = minfer.load(folder, device="cuda", dtype=dtype)

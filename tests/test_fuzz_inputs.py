@@ -28,7 +28,8 @@ GENERATE_OPTIONS = {
     "--stop": ["", "\\", "\\n", "\\x", "a\\\\b", "\t", "e", "\\t\\n", "\\u0041"],
     "--task": ["", "nope", "summarization", "translation_en_to_de"],
     "--device": ["", "cpu", "cuda:x", "gpu", "cpu:0", "cuda:-1"],
-    "--dtype": ["", "float8", "int8", "float16", "bfloat16", "float32"],
+    "--dtype": ["", "float8", "int8", "int4", "float16", "bfloat16", "float32"],
+    "--compute": ["", "int8", "float16", "int4", "float32"],
     # (a workspace of 10**30 bytes is left out: arena.py raises a raw ValueError, reported)
     "--workspace": ["", "0", "-1", "1KiB", "abc", "1e3", "1TiB", "64KiB"],
     "--memory-limit": ["", "0", "1KiB", "abc", "1TiB"],
@@ -92,7 +93,8 @@ def test_generate_option_fuzz(text_model_folder):
 @pytest.mark.parametrize("args", [
     ["--batch", "0"], ["--batch", "x"], ["--src-len", "-1"], ["--max-new-tokens", "1e9"],
     ["--batch", "9" * 30], ["--src-len", str(2**40)], ["--max-new-tokens", str(2**62)],
-    ["--device", "tpu"], ["--dtype", "int4"], ["--workspace", "-5MiB"],
+    ["--device", "tpu"], ["--dtype", "int3"], ["--workspace", "-5MiB"], ["--compute", "int4"],
+    ["--dtype", "float16", "--compute", "int8"],
 ])
 def test_info_option_fuzz(text_model_folder, args):
     assert_worked_or_one_line(*run_cli(["info", "-m", str(text_model_folder), *args]))

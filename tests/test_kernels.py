@@ -331,3 +331,121 @@ with mp.get_context('fork').Pool(2) as pool:
     out = _run_python(code, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+# -- integer products: compute="int8" and int4 weights ---------------------------------------------------
+def quantised(x):
+    """What the int8 kernels multiply: each row rounded to int8 steps of its own."""
+    from minfer.params.formats import quantise_rows
+    return quantise_rows(np, x)
+
+
+def test_quantise_rows_rounds_each_row_to_int8_steps():
+    from minfer.params.formats import quantise_rows
+    x = np.array([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, np.inf, 1.0, 0.0]],
+                 np.float32)
+    with np.errstate(all="raise"):                   # no warnings on inf rows either
+        got = quantise_rows(np, x)
+    np.testing.assert_allclose(got[0], np.rint(x[0] * 127) / 127, rtol=1e-6)
+    np.testing.assert_array_equal(got[1], 0)
+    assert np.isnan(got[2]).all()
+
+
+@pytest.mark.parametrize("isa", sorted({"generic", "avx2", "avx512bw", "avx512vnni", "avxvnni"}))
+@pytest.mark.parametrize("R,C", [(4, 4), (4, 1), (1, 4), (1, 1)])
+def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
+    """Every build of the dot-product tiles gives the exact integer sums, extreme values
+    included (an int8 file may hold -128; the quantiser never writes -128 activations)."""
+    from numba import njit
+    from minfer import _dot_ir
+    have = {_dot_ir.ISA, _dot_ir.FALLBACK, "generic"}
+    if isa not in have:
+        pytest.skip(f"{isa} is not available on this CPU")
+    tile = _dot_ir.make_tile({True: isa, False: isa})
+    I8, I4 = _dot_ir.INT8, _dot_ir.INT4
+
+    @njit
+    def run(w, x, n, ws, xs, xsum, off, out8, q, s, sums, groups, per, out4):
+        tile(I8, R, C, True, w, ws, 1, x, xsum, 2, n, 0, xs, out8, off)
+        tile(I4, R, C, True, q, s, 1, x, sums, 2, groups, per, xs, out4, 0)
+
+    W = _dot_ir.width(isa)
+    K = 256
+    w = rng.integers(-128, 128, (R + 1, K)).astype(np.int8)
+    w[1, :8] = -128
+    w[1, 8:16] = 127
+    x = rng.integers(-127, 128, (C + 2, K)).astype(np.int8)
+    x[2, :16] = -127
+    nib = rng.integers(0, 16, (R + 1, K))
+    nib[1, :64] = 15
+    blocks = nib.reshape(R + 1, -1, 2, 32)
+    q = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).astype(np.uint8).reshape(R + 1, K // 2)
+    G = 128
+    s = rng.random((R + 1, K // G)).astype(np.float32)
+    sums = x.astype(np.int32).reshape(C + 2, K // G, G).sum(-1).astype(np.int32)
+    off = _dot_ir.offset(isa)
+    out8, out4 = np.full((C + 2, R + 1), np.nan, np.float32), np.full((C + 2, R + 1), np.nan, np.float32)
+    ones = np.ones(C + 2, np.float32)
+    run(w, x, K // W, np.ones(R + 1, np.float32), ones, x.astype(np.int32).sum(1, keepdims=True).astype(np.int32),
+        off, out8, q, s, sums, K // G, G // 64, out4)
+    exact = x[2:].astype(np.int64) @ w[1:].T.astype(np.int64)              # (C, R): exact in float32
+    np.testing.assert_array_equal(out8[2:, 1:], exact)
+    assert np.isnan(out8[:2]).all() and np.isnan(out8[:, 0]).all()          # nothing else written
+    wanted = ((nib[1:] - 8).reshape(R, K // G, G)[:, None] * x[2:, None].reshape(1, C, K // G, G)
+              ).sum(-1) * s[1:, None]                                      # (R, C, groups)
+    np.testing.assert_allclose(out4[2:, 1:], wanted.sum(-1).T, rtol=1e-5,
+                               atol=1e-6 * np.abs(wanted).sum())
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 70])
+@pytest.mark.parametrize("N,K", [(37, 128), (70, 130), (9, 64), (5, 40), (64, 512)])
+def test_int8_products_equal_the_rounded_float_product(M, N, K):
+    from minfer.params.formats import quantize_int8
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.random((M, 1)).astype(np.float32)
+    q, scale = quantize_int8(rng.standard_normal((N, K)).astype(np.float32))
+    want = quantised(x) @ (q.astype(np.float32) * scale[:, None]).T
+    for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
+        out = np.full((M, N), np.nan, np.float32)
+        kernel(x, q, scale, out, np.empty(kernels.quantised_bytes(M, K, 1), np.uint8))
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 17, 70])
+@pytest.mark.parametrize("N,K", [(37, 128), (9, 64), (70, 192), (66, 512)])
+def test_int4_products_equal_the_float_product_with_the_stored_values(M, N, K):
+    from minfer.params.formats import FORMATS, quantize_int4
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    q, scale = quantize_int4(rng.standard_normal((N, K)).astype(np.float32))
+    dense = FORMATS["int4"].decode(q, scale, (N, K))
+    out = np.full((M, N), np.nan, np.float32)
+    k.matmul_i4(x, q, scale, out)                                          # float32 compute
+    np.testing.assert_allclose(out, x @ dense.T, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    want = quantised(x) @ dense.T                                          # compute="int8"
+    for kernel in (k.qmatmul_i4, k.qmatmul_i4_fallback):
+        out = np.full((M, N), np.nan, np.float32)
+        kernel(x, q, scale, out, np.empty(kernels.quantised_bytes(M, K, scale.shape[1]), np.uint8))
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_int8_products_of_non_finite_and_zero_rows():
+    from minfer.params.formats import quantize_int4, quantize_int8
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    x[1, 7], x[2], x[3, 0] = np.inf, 0.0, np.nan
+    w = rng.standard_normal((8, 128)).astype(np.float32)
+    for kernel, (q, s) in ((k.qmatmul_i8, quantize_int8(w)), (k.qmatmul_i4, quantize_int4(w))):
+        out = np.full((4, 8), 7.0, np.float32)
+        kernel(x, q, s, out, np.empty(kernels.quantised_bytes(4, 128, 2), np.uint8))
+        assert np.isfinite(out[0]).all() and (out[2] == 0).all()
+        assert np.isnan(out[1]).all() and np.isnan(out[3]).all()
+
+
+@pytest.mark.parametrize("K", [64, 200, 72, 48, 2])
+def test_int4_widening_kernel_equals_numpy_for_whole_and_partial_blocks(K):
+    from minfer.params.formats import FORMATS, quantize_int4
+    w = rng.standard_normal((5, K)).astype(np.float32)
+    q, scale = quantize_int4(w)
+    want, got = np.empty((5, K), np.float32), np.empty((5, K), np.float32)
+    FORMATS["int4"].widen(q, want)
+    k.widen_i4(q, got)
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want).max() <= 8 and (want == np.rint(want)).all()

@@ -45,7 +45,7 @@ def test_recipe_holds_the_load_arguments_and_never_the_token(tmp_path, monkeypat
                         num_threads=1, offline=True, token="hf_not_a_real_secret")
     recipe = model.load_recipe
     assert recipe == {"model": str(T5), "device": "cpu", "dtype": "float16", "workspace": "8MiB",
-                      "memory_limit": None, "num_threads": 1, "revision": None, "offline": True,
+                      "compute": None, "memory_limit": None, "num_threads": 1, "revision": None, "offline": True,
                       "cache_dir": None, "parts": None, "subfolder": None,
                       "tokenizer_subfolder": None}
     data = pickle.dumps(model)

@@ -3,7 +3,8 @@
 `Checkpoint` is the union of the folder's tensor files: one model.safetensors, a sharded set with
 its index, or (only when there are no safetensors) a torch.save'd pytorch_model.bin read by
 `torch_pickle.py` without running pickle code. Names are unique across files, the index must
-match the shards, and int8 weights written by `minfer convert` are read back through their scales.
+match the shards, and int8 / int4 weights written by `minfer convert` are read back through their
+scales.
 
 This module does no math beyond dtype widening; the model families say which names and shapes
 they need (their weight tables) and `params/loader.py` checks them.
@@ -11,6 +12,7 @@ they need (their weight tables) and `params/loader.py` checks them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..params.formats import SCALE_SUFFIX, dequantize_int8
+from ..params.formats import QUANTIZED, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
@@ -54,35 +56,47 @@ class Checkpoint:
         # Every read checks its values (`check_weight_values`): NaN, inf or absurd magnitudes would
         # otherwise load silently and generate garbage. False skips it (a file known good).
         self.check_values = True
-        self._scales = self._find_int8_scales()
+        self._scales = self._find_scales()
 
-    def _find_int8_scales(self) -> dict[str, str]:
-        """int8 weights written by `minfer convert --dtype int8`: `W` (I8, (out, in)) with
-        `W_scale` (F32, (out,)). The scales are hidden from `names()`; `read(W)` dequantises."""
+    def _find_scales(self) -> dict[str, tuple[str, WeightFormat]]:
+        """Quantised weights written by `minfer convert --dtype int8 | int4`: `W` in the format's
+        file dtype and stored shape (int8: I8 (out, in); int4: U8 (out, in / 2)) with `W_scale`
+        (F32, the format's scale shape). The scales are hidden from `names()`, `info(W)` gives
+        the logical (out, in), and `read(W)` dequantises."""
         scales = {}
         for name, f in self._where.items():
             info = f.tensors[name]
-            if info.dtype != "I8":
+            fmt = QUANTIZED.get(info.dtype)
+            if fmt is None:
                 continue
             scale = name + SCALE_SUFFIX
             sf = self._where.get(scale)
             if sf is None:
                 continue  # an integer tensor with no scale: read() refuses it by name
             sinfo = sf.tensors[scale]
-            if len(info.shape) != 2 or sinfo.dtype != "F32" or sinfo.shape != info.shape[:1]:
+            want = fmt.scale_shape(fmt.logical_shape(info.shape)) if len(info.shape) == 2 else None
+            if want is None or sinfo.dtype != "F32" or sinfo.shape != want:
                 raise CheckpointError(f"{sinfo.file}: tensor '{quoted(scale)}' must be F32 of shape "
-                                      f"[{info.shape[0] if info.shape else '?'}] to scale the "
-                                      f"int8 weight '{quoted(name)}', got {sinfo.dtype} {list(sinfo.shape)}")
-            scales[name] = scale
-        for scale in scales.values():
+                                      f"{list(want) if want else '[?]'} to scale the {fmt.name} "
+                                      f"weight '{quoted(name)}', got {sinfo.dtype} {list(sinfo.shape)}")
+            scales[name] = (scale, fmt)
+        for scale, _ in scales.values():
             del self._where[scale]
-        self._scale_where = {scale: f for f in self.files for scale in scales.values()
+        self._scale_where = {scale: f for f in self.files for scale, _ in scales.values()
                              if scale in f.tensors}
         return scales
 
     def quantized_names(self) -> list[str]:
-        """Tensors stored as int8 with per-row scales."""
+        """Tensors stored quantised (int8 or int4) with their scales."""
         return list(self._scales)
+
+    def quantized_format(self) -> str | None:
+        """The weight format of the quantised tensors ("int8", "int4"), None if there are none."""
+        found = {fmt.name for _, fmt in self._scales.values()}
+        if len(found) > 1:
+            raise CheckpointError(f"{self.folder}: holds weights quantised as both "
+                                  f"{' and '.join(sorted(found))}; convert it again")
+        return found.pop() if found else None
 
     def _weight_files(self) -> list[Path]:
         single, index = self.folder / WEIGHTS_NAME, self.folder / INDEX_NAME
@@ -141,7 +155,11 @@ class Checkpoint:
         return name in self._where
 
     def info(self, name: str) -> TensorInfo:
-        return self._where[name].tensors[name]
+        """The tensor's file, dtype and shape (a quantised weight's logical (out, in))."""
+        info = self._where[name].tensors[name]
+        if name in self._scales:
+            info = dataclasses.replace(info, shape=self._scales[name][1].logical_shape(info.shape))
+        return info
 
     def read(self, name: str, dtype: Any = np.float32,
              rows: tuple[int, int] | None = None, check: bool | None = None) -> np.ndarray:
@@ -152,13 +170,11 @@ class Checkpoint:
         f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
         if name in self._scales:
-            scale_name = self._scales[name]
+            scale_name, fmt = self._scales[name]
             scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
             if rows is not None:
                 scale = scale[rows[0]:rows[1]]
-            # widen, then scale in place: several times faster than a mixed int8 * float32 multiply
-            out = dequantize_int8(np, raw, scale, np.empty(raw.shape, np.float32)
-                                  ).astype(dtype, copy=False)
+            out = fmt.decode(raw, scale, fmt.logical_shape(raw.shape)).astype(dtype, copy=False)
         else:
             if info.dtype == "BF16":
                 raw = bf16_to_float32(raw)
@@ -199,7 +215,7 @@ class Checkpoint:
     def read_stored(self, name: str, rows: tuple[int, int] | None = None
                     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The tensor (or rows [a, b)) exactly as stored, no conversion: its storage dtype (BF16
-        as uint16 bits), plus the float32 per-row scales of an int8 weight (else None). What a
+        as uint16 bits), plus the float32 scales of a quantised weight (else None). What a
         model whose weight format matches the file reads, with no float32 copy."""
         f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
@@ -214,7 +230,7 @@ class Checkpoint:
                         chunk = bf16_to_float32(chunk)
                     check_weight_values(chunk, f"{info.file}: tensor '{quoted(name)}'")
             return raw, None
-        scale_name = self._scales[name]
+        scale_name, _ = self._scales[name]
         scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
         return raw, np.array(scale if rows is None else scale[rows[0]:rows[1]], np.float32)
 

@@ -26,7 +26,7 @@ class WeightPlan:
     resident: list[str]            # layers kept in device memory
     streamed: list[str]            # layers copied in as they are needed
     slot_bytes: int                # size of each of the two streaming slots
-    scratch_bytes: int             # int8 dequantisation scratch
+    scratch_bytes: int             # the widening scratch (2-byte, int8, int4 weights; int8 inputs)
 
     @property
     def device_bytes(self) -> int:
@@ -44,7 +44,7 @@ class WeightPlan:
                  + (f" through 2 slots of {format_bytes(self.slot_bytes)}" if self.streamed else "")),
                 ("workspace", format_bytes(self.workspace))]
         if self.scratch_bytes:
-            rows.append(("int8 dequant scratch", format_bytes(self.scratch_bytes)))
+            rows.append(("widening scratch", format_bytes(self.scratch_bytes)))
         rows.append(("planned device bytes", format_bytes(self.device_bytes)))
         return rows
 
@@ -54,7 +54,7 @@ def plan_weights(unit_bytes: Mapping[str, int], fixed: int, workspace: int, limi
     """Decide which layers stay resident under `limit` bytes (None: all of them).
 
     unit_bytes: each layer's packed size in execution order. fixed: weights every run needs.
-    workspace: bytes reserved for activations and caches. scratch: int8 dequantisation scratch.
+    workspace: bytes reserved for activations and caches. scratch: the widening scratch.
     priority: higher keeps a layer resident first (e.g. decoder layers, used at every step, over
     encoder layers, used once per input); ties keep the earlier layer.
     Raises ConfigError with the smallest limit that would work when even streaming cannot fit.
@@ -72,7 +72,7 @@ def plan_weights(unit_bytes: Mapping[str, int], fixed: int, workspace: int, limi
             f"{format_bytes(need)} ("
             + (f"{format_bytes(fixed)} fixed weights + 2 x {format_bytes(slot)} streaming slots"
                if need == floor else f"{format_bytes(fixed + sum(units.values()))} of weights")
-            + f" + {format_bytes(scratch)} int8 scratch + {format_bytes(workspace)} workspace); "
+            + f" + {format_bytes(scratch)} widening scratch + {format_bytes(workspace)} workspace); "
             f"raise the limit to at least {need} bytes or reserve less workspace")
     room = limit - floor
     names = list(units)

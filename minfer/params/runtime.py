@@ -121,20 +121,28 @@ class WeightRuntime:
             if a.shape != entry.shape or a.dtype != entry.dtype:
                 raise ConfigError(f"layer {name}: array '{key}' is {a.dtype}{list(a.shape)}, "
                                   f"its layout says {entry.dtype}{list(entry.shape)}")
+        # On the CPU under a limit a layer is packed straight into arena memory (its own hold,
+        # or an idle streaming slot on its way to the pack file): a host copy of each layer on
+        # top of the arrays just read would raise the peak RSS past the limit while loading
+        # (a flan-t5-xxl int4 decoder layer is 115 MB).
+        packs_in_arena = self.be.device == "cpu" and self.in_arena
         if name in self.plan.streamed:
-            block = layout.pack(arrays)
-            if self.be.device == "cpu" and self.in_arena:
+            if packs_in_arena:
                 if self.pack is None:
                     self.pack = PackFile()
-                offset, n = self.pack.append(block)
+                offset, n = self.pack.append(layout.pack(arrays, out=self.slots[0][:layout.nbytes]))
                 return Unit(name, layout, source=HostSource(n, pack=self.pack, offset=offset))
+            block = layout.pack(arrays)
             return Unit(name, layout, source=HostSource(block.nbytes,
                                                         array=self.be.host_buffer(block)))
         if not self.in_arena:
             resident = {k: self.be.asarray(v) for k, v in arrays.items()}
         else:
             block = self.be.arena.hold({name: ((layout.nbytes,), np.uint8)}).buffers[name]
-            self.be.upload(block, layout.pack(arrays))
+            if packs_in_arena:
+                layout.pack(arrays, out=block)
+            else:
+                self.be.upload(block, layout.pack(arrays))
             resident = layout.views(block)
         return Unit(name, layout, resident=resident, params=layout.params(resident, self.wrap))
 
@@ -151,7 +159,8 @@ class WeightRuntime:
         dtype = self.float_dtype if dtype is None else np.dtype(dtype)
         scratch = None if self.scratch is None else self.scratch.view(dtype)
         return fmt.wrap(name, arrays, dtype, scratch,
-                        kernels.compiled() if self._kernel_eligible else None)
+                        kernels.compiled() if self._kernel_eligible else None,
+                        int8_inputs=self.be.compute == "int8")
 
     # -- running a stack --------------------------------------------------------------------------
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:

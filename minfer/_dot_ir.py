@@ -1,0 +1,390 @@
+"""Integer dot-product tiles written in LLVM IR: the inner loops of `compute="int8"` (imported by
+_numba_kernels.py, which says what the products are for).
+
+A tile takes R weight rows and C quantised activation rows and writes their R x C scaled dot
+products, each row pair's sum kept in a vector register of 32-bit lanes for the whole inner loop
+and the lanes summed once at the end, all R x C together. numba has no vector types and LLVM does not find the instruction
+these loops want on its own: a plain `acc += int32(u8[k]) * int32(s8[k])` loop compiles (LLVM 22,
+znver4) to vpmovzxbd + vpmovsxbd + vpdpwssd, 16 products per instruction. So the loops are built
+here, through numba's `intrinsic` (as the float16 widening is), around
+`llvm.x86.avx512.vpdpbusd.{512,256}`: `vpdpbusd` multiplies 64 (zmm) or 32 (ymm) unsigned bytes
+by as many signed bytes and adds each group of 4 products into one of 16 (8) int32 lanes. Checked
+in the assembly (`inspect_asm`, LLVM 22, znver4): per 64 input columns the int8 4x4 tile's loop
+is 16 vpdpbusd zmm, 4 vpxorq (the weights' sign flip) and 8 loads (LLVM unrolls it twice); the
+int4 tile's, per weight row, vbroadcasti64x4 + vpsrlvw + vpandq (the nibbles of 64 columns) and
+one vpdpbusd per input row, then a vcvtdq2ps and a vfmadd per group; the AVX-512 BW fallback's,
+per weight row and input row, vpabsb / vpblendmb (the sign moved to the inputs), vpmaddubsw and
+vpmaddwd (LLVM fuses the latter with its add into vpdpwssd where the CPU has VNNI).
+
+Which instructions: the CPU numba compiles for (the host, unless NUMBA_CPU_NAME /
+NUMBA_CPU_FEATURES name another) decides once, in `ISA`: "avx512vnni" (64-byte vectors),
+"avxvnni" (the same intrinsic at 256 bits, which LLVM encodes as AVX-VNNI's `{vex} vpdpbusd` on
+CPUs without AVX-512: checked for alderlake), else `FALLBACK`: "avx512bw" / "avx2" (vpmaddubsw, u8 x s8 pairs summed into
+int16, then vpmaddwd by ones into int32: 2 instructions where VNNI takes one) or "generic" (16-bit
+products in plain IR, for CPUs that are not x86). Every build is exact: integer sums, no
+saturation. The kernels build `ISA` and `FALLBACK` (the same on a CPU without VNNI), so a machine
+with VNNI also tests the fallback; no tile is built for instructions the CPU lacks (LLVM would
+abort the process: "Cannot select X86ISD::VPDPBUSD" on haswell).
+
+The operands: vpdpbusd and vpmaddubsw want one unsigned operand. int8 weights are signed: the
+VNNI tile flips their sign bit (w + 128, unsigned) and the caller subtracts 128 x the
+activations' sum (`offset()`); the vpmaddubsw tile gives the activations each weight's sign and
+multiplies by its magnitude (|w| <= 128 and |x| <= 127 keep the int16 pair sums exact). int4 weights are stored
+as unsigned nibbles q + 8, so they are the unsigned operand as they are and the tile subtracts
+8 x each group's activation sum before applying the group's scale.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding as ll
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+I8, I16, I32, I64, F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                          ir.FloatType())
+
+
+def _target_features() -> set[str]:
+    """The features of the CPU numba generates code for."""
+    from numba.core import config
+    if config.CPU_NAME or config.CPU_FEATURES:     # a portable target the user chose
+        return {f[1:] for f in (config.CPU_FEATURES or "").split(",") if f.startswith("+")}
+    return {name for name, on in ll.get_host_cpu_features().items() if on}
+
+
+def detect_isa(features: set[str]) -> str:
+    """The best instruction set for the tiles among the CPU's `features`."""
+    if {"avx512vnni", "avx512bw", "avx512vl"} <= features:
+        return "avx512vnni"
+    if "avxvnni" in features:
+        return "avxvnni"
+    return fallback_isa(features)
+
+
+def fallback_isa(features: set[str]) -> str:
+    """The best one without VNNI: vpmaddubsw + vpmaddwd (AVX-512 BW, AVX2), else generic IR."""
+    return "avx512bw" if "avx512bw" in features else "avx2" if "avx2" in features else "generic"
+
+
+_FEATURES = _target_features()
+ISA = detect_isa(_FEATURES)              # what the kernels use
+FALLBACK = fallback_isa(_FEATURES)       # what they use on CPUs without VNNI (and in tests here)
+_WIDTH = {"avx512vnni": 64, "avxvnni": 32, "avx512bw": 64, "avx2": 32, "generic": 32}
+_VNNI = ("avx512vnni", "avxvnni")
+
+
+def width(isa: str) -> int:
+    """Bytes of activations one step of an int8 tile built for `isa` consumes."""
+    return _WIDTH[isa]
+
+
+def offset(isa: str) -> int:
+    """What an int8 tile built for `isa` adds to every weight (the caller subtracts it x the
+    activations' sum): VNNI's unsigned operand is the weight with its sign bit flipped."""
+    return 128 if isa in _VNNI else 0
+
+
+def describe() -> str:
+    """Which instructions the int8 x int8 products run on (`minfer info`)."""
+    return {"avx512vnni": "AVX-512 VNNI (vpdpbusd, 512-bit)",
+            "avxvnni": "AVX-VNNI (vpdpbusd, 256-bit)",
+            "avx512bw": "AVX-512 BW without VNNI (vpmaddubsw + vpmaddwd)",
+            "avx2": "AVX2 without VNNI (vpmaddubsw + vpmaddwd)",
+            "generic": "no x86 dot-product instructions (16-bit products)"}[ISA]
+
+
+# -- IR pieces -------------------------------------------------------------------------------------
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _rows(context, builder, aryty, value, first, count):
+    """Pointers to rows first .. first + count - 1 of a 2-D array (typed as its elements). Rows
+    are addressed inside the tile rather than passed as row views: numba reference-counts every
+    view it makes with atomic operations, which cost about as much as a short row's products."""
+    ary = context.make_array(aryty)(context, builder, value)
+    stride = builder.extract_value(ary.strides, 0)
+    base = builder.bitcast(ary.data, I8.as_pointer())
+    out = []
+    for j in range(count):
+        at = builder.mul(builder.add(first, ir.Constant(I64, j)), stride)
+        out.append(builder.bitcast(builder.gep(base, [at]), ary.data.type))
+    return out
+
+
+def _load_vec(builder, ptr, offset, vty):
+    """An unaligned vector load of `vty` at element `offset` of the byte pointer `ptr`."""
+    return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vty.as_pointer()), align=1)
+
+
+def _load_at(builder, ptr, index):
+    return builder.load(builder.gep(ptr, [index]))
+
+
+def _splat(builder, value, n):
+    v = builder.insert_element(ir.Constant(_vec(value.type, n), ir.Undefined), value,
+                               ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * n))
+
+
+def _slice(builder, v, start, n):
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(start, start + n))))
+
+
+def _declare(builder, name, ret, *args):
+    module = builder.module
+    fn = module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(module, ir.FunctionType(ret, args), name)
+    return fn
+
+
+def _dot4(builder, acc, u, s, isa, u_signed=False):
+    """acc (<W/4 x i32>) + the exact products of u (<W x i8>, unsigned unless u_signed) and s
+    (<W x i8>, signed, never -128), each lane taking 4 of them (generic: 4 of them too, but not
+    adjacent ones: the lanes are summed at the end either way)."""
+    W = u.type.count
+    L = W // 4
+    lanes = _vec(I32, L)
+    if isa in _VNNI:                     # u must be unsigned: int8 weights come flipped
+        fn = _declare(builder, f"llvm.x86.avx512.vpdpbusd.{W * 8}", lanes, lanes, lanes, lanes)
+        return builder.call(fn, [acc, builder.bitcast(u, lanes), builder.bitcast(s, lanes)])
+    if isa in ("avx512bw", "avx2"):
+        # vpmaddubsw sums pairs of u8 x s8 into saturating int16: exact when |u| <= 127, so a
+        # signed u gives its magnitude and its sign to s (llama.cpp's trick); vpmaddwd by ones
+        # then sums pairs into int32
+        if u_signed:
+            neg = builder.icmp_signed("<", u, ir.Constant(u.type, None))
+            s = builder.select(neg, builder.sub(ir.Constant(s.type, None), s), s)
+            absolute = _declare(builder, f"llvm.abs.v{W}i8", u.type, u.type, ir.IntType(1))
+            u = builder.call(absolute, [u, ir.Constant(ir.IntType(1), 0)])
+        w16 = _vec(ir.IntType(16), W // 2)
+        ubs, wd = (("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512") if W == 64
+                   else ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"))
+        pairs = builder.call(_declare(builder, ubs, w16, u.type, s.type), [u, s])
+        ones = ir.Constant(w16, [1] * (W // 2))
+        quads = builder.call(_declare(builder, wd, _vec(I32, W // 4), w16, w16), [pairs, ones])
+        return builder.add(acc, quads)
+    # generic: exact 16-bit products (|u| <= 255, |s| <= 127) widened to 32 bits and summed in
+    # quarters
+    w16 = _vec(ir.IntType(16), W)
+    ext = builder.sext if u_signed else builder.zext
+    p = builder.sext(builder.mul(ext(u, w16), builder.sext(s, w16)), _vec(I32, W))
+    quarters = [_slice(builder, p, q * L, L) for q in range(4)]
+    return builder.add(acc, builder.add(builder.add(quarters[0], quarters[1]),
+                                        builder.add(quarters[2], quarters[3])))
+
+
+def _loop(builder, count, init, body):
+    """A counted loop carrying `init` values: body(builder, i, values) -> new values; returns the
+    values after `count` iterations (none when count <= 0)."""
+    before = builder.block
+    header = builder.append_basic_block("tile.header")
+    inside = builder.append_basic_block("tile.body")
+    after = builder.append_basic_block("tile.exit")
+    builder.branch(header)
+    builder.position_at_end(header)
+    i = builder.phi(I64)
+    i.add_incoming(ir.Constant(I64, 0), before)
+    carried = []
+    for v in init:
+        p = builder.phi(v.type)
+        p.add_incoming(v, before)
+        carried.append(p)
+    builder.cbranch(builder.icmp_signed("<", i, count), inside, after)
+    builder.position_at_end(inside)
+    new = body(builder, i, carried)
+    end = builder.block                      # the body may have added blocks (a nested loop)
+    i.add_incoming(builder.add(i, ir.Constant(I64, 1)), end)
+    builder.branch(header)
+    for p, v in zip(carried, new):
+        p.add_incoming(v, end)
+    builder.position_at_end(after)
+    return carried
+
+
+# -- the tiles -------------------------------------------------------------------------------------
+def _elem(context, builder, aryty, value, index):
+    """Pointer to element `index` of a 1-D array (any stride)."""
+    ary = context.make_array(aryty)(context, builder, value)
+    at = builder.mul(index, builder.extract_value(ary.strides, 0))
+    return builder.bitcast(builder.gep(builder.bitcast(ary.data, I8.as_pointer()), [at]),
+                           ary.data.type)
+
+
+def _gather(builder, context, aryty, value, first, count, ty):
+    """Elements first .. first + count - 1 of a 1-D array as a <count x ty> vector."""
+    v = ir.Constant(_vec(ty, count), None)
+    for j in range(count):
+        x = builder.load(_elem(context, builder, aryty, value, builder.add(first, ir.Constant(I64, j))))
+        v = builder.insert_element(v, x, ir.Constant(I32, j))
+    return v
+
+
+def _spread(builder, v, R, C, by_row):
+    """A <R or C x t> vector spread over the tile's R*C lanes (lane c * R + r): its element r
+    (by_row) or c in each lane."""
+    mask = [r if by_row else c for c in range(C) for r in range(R)]
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(I32, R * C), mask))
+
+
+def _tile_vector(builder, sums_vectors, n):
+    """The first n lanes of the folded accumulators (`_fold`'s vectors) as one vector."""
+    a = sums_vectors[0]
+    b = sums_vectors[1] if len(sums_vectors) > 1 else a
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(I32, n), list(range(n))))
+
+
+def _store_rows(context, builder, aryty, value, first, col, values, R, C):
+    """values (<R*C x float>, lane c * R + r) into out[first + c, col + r]."""
+    for c, p in enumerate(_rows(context, builder, aryty, value, first, C)):
+        part = builder.shuffle_vector(values, values, ir.Constant(_vec(I32, R),
+                                                                  list(range(c * R, c * R + R))))
+        builder.store(part, builder.bitcast(builder.gep(p, [col]), _vec(F32, R).as_pointer()),
+                      align=4)
+
+
+def _fold(builder, vectors, L, add):
+    """The lane sums of several L-lane vectors, lane j of the result (of its vector j // L)
+    holding vector j's sum. Vectors are folded in pairs: each level adds the two halves of every
+    block of lanes, a's halved blocks then b's in one vector, so after log2(L) levels each lane
+    is one vector's sum (a vector is paired with itself when one is left). 16 accumulators take
+    45 shuffles and adds, not 16 x 12."""
+    vs, size = list(vectors), L
+    while size > 1:
+        half = size // 2
+        lo = [j * size + i for j in range(L // size) for i in range(half)]
+        hi = [j * size + half + i for j in range(L // size) for i in range(half)]
+        lo_ab = ir.Constant(_vec(I32, L), lo + [L + i for i in lo])
+        hi_ab = ir.Constant(_vec(I32, L), hi + [L + i for i in hi])
+        pairs = [(vs[i], vs[i + 1] if i + 1 < len(vs) else vs[i]) for i in range(0, len(vs), 2)]
+        vs = [add(builder.shuffle_vector(a, b, lo_ab), builder.shuffle_vector(a, b, hi_ab))
+              for a, b in pairs]
+        size = half
+    return vs
+
+
+INT8, INT4 = 3, 4          # the weight kinds a tile multiplies (_numba_kernels' I8 and I4)
+
+
+def _int8_codegen(R, C, isa, context, builder, a, args):
+    """out[m + c, i + r] = (sum over k < n * width(isa) of (w[i + r, k] + offset(isa)) *
+    x[m + c, k] - off * sums[m + c, 0]) * sx[m + c] * scale[i + r], for r < R, c < C. w, x:
+    C-contiguous 2-D int8 (n whole vectors of columns); sums 2-D int32; scale, sx: 1-D."""
+    w, scale, i, x, sums, m, n, _, sx, out, off = args
+    W = _WIDTH[isa]
+    L = W // 4
+    wp = _rows(context, builder, a[0], w, i, R)
+    xp = _rows(context, builder, a[3], x, m, C)
+    flip = ir.Constant(_vec(I8, W), [-128] * W)
+
+    def body(b, k, accs):
+        at = b.mul(k, ir.Constant(I64, W))
+        wv = [_load_vec(b, p, at, _vec(I8, W)) for p in wp]
+        if isa in _VNNI:
+            wv = [b.xor(v, flip) for v in wv]       # w + 128: the unsigned operand
+        xv = [_load_vec(b, p, at, _vec(I8, W)) for p in xp]
+        return [_dot4(b, accs[c * R + r], wv[r], xv[c], isa, u_signed=isa not in _VNNI)
+                for c in range(C) for r in range(R)]
+    zero = ir.Constant(_vec(I32, L), None)
+    accs = _loop(builder, n, [zero] * (R * C), body)
+    total = _tile_vector(builder, _fold(builder, accs, L, builder.add), R * C)
+    fix = ir.Constant(_vec(I32, C), None)
+    for c, p in enumerate(_rows(context, builder, a[4], sums, m, C)):     # sums[m + c, 0]
+        fix = builder.insert_element(fix, builder.load(p), ir.Constant(I32, c))
+    fix = builder.mul(fix, _splat(builder, builder.trunc(off, I32), C))
+    total = builder.sub(total, _spread(builder, fix, R, C, by_row=False))
+    scales = builder.fmul(
+        _spread(builder, _gather(builder, context, a[8], sx, m, C, F32), R, C, by_row=False),
+        _spread(builder, _gather(builder, context, a[1], scale, i, R, F32), R, C, by_row=True))
+    return builder.fmul(builder.sitofp(total, _vec(F32, R * C)), scales)
+
+
+def _int4_codegen(R, C, isa, context, builder, a, args):
+    """out[m + c, i + r] = sx[m + c] * the sum over g < groups (n) of scale[i + r, g] * the sum
+    over group g of (q - 8) * x[m + c], for r < R, c < C; a group is `per` blocks of 64
+    columns, a block 32 bytes of row w[i + r], byte j holding column j in its low nibble and
+    column 32 + j in its high one (q + 8, unsigned); sums[m + c, g] is the group's sum of
+    x[m + c] (int32). C-contiguous 2-D arrays but sx (1-D)."""
+    w, scale, i, x, sums, m, n, per, sx, out, _ = args
+    W = _WIDTH[isa]
+    L = W // 4
+    wp = _rows(context, builder, a[0], w, i, R)
+    sp = _rows(context, builder, a[1], scale, i, R)
+    xp = _rows(context, builder, a[3], x, m, C)
+    tp = _rows(context, builder, a[4], sums, m, C)
+    low = ir.Constant(_vec(I8, 32), [15] * 32)
+    four = ir.Constant(_vec(I8, 32), [4] * 32)
+    low64 = ir.Constant(_vec(I8, 64), [15] * 64)
+    shift = ir.Constant(_vec(I16, 32), [0] * 16 + [4] * 16)
+    izero, fzero = ir.Constant(_vec(I32, L), None), ir.Constant(_vec(F32, L), None)
+    fma = _declare(builder, f"llvm.fma.v{L}f32", _vec(F32, L), *[_vec(F32, L)] * 3)
+
+    def group(b, g, faccs):
+        first = b.mul(g, per)
+
+        def block(b, j, iaccs):
+            k = b.add(first, j)
+            pieces = []
+            for p in wp:
+                packed = _load_vec(b, p, b.mul(k, ir.Constant(I64, 32)), _vec(I8, 32))
+                if W == 64:
+                    # both halves from one broadcast load, the upper shifted by 4 in 16-bit
+                    # lanes (vpsrlvw), then one mask: 3 instructions a block
+                    both = b.shuffle_vector(packed, packed,
+                                            ir.Constant(_vec(I32, 64), list(range(32)) * 2))
+                    shifted = b.lshr(b.bitcast(both, _vec(I16, 32)), shift)
+                    pieces.append([b.and_(b.bitcast(shifted, _vec(I8, 64)), low64)])
+                else:
+                    pieces.append([b.and_(packed, low), b.lshr(packed, four)])
+            base = b.mul(k, ir.Constant(I64, 64))
+            xv = [[_load_vec(b, p, b.add(base, ir.Constant(I64, h * W)), _vec(I8, W))
+                   for h in range(64 // W)] for p in xp]
+            out = []
+            for c in range(C):
+                for r in range(R):
+                    acc = iaccs[c * R + r]
+                    for u, v in zip(pieces[r], xv[c]):
+                        acc = _dot4(b, acc, u, v, isa)
+                    out.append(acc)
+            return out
+        iaccs = _loop(b, per, [izero] * (R * C), block)
+        # the nibbles are q + 8: take 8 x the group's activation sum off (in lane 0)
+        fix = [b.insert_element(izero, b.mul(_load_at(b, p, g), ir.Constant(I32, 8)),
+                                ir.Constant(I32, 0)) for p in tp]
+        scales = [_splat(b, _load_at(b, p, g), L) for p in sp]
+        return [b.call(fma, [b.sitofp(b.sub(iaccs[c * R + r], fix[c]), _vec(F32, L)),
+                             scales[r], faccs[c * R + r]])
+                for c in range(C) for r in range(R)]
+    faccs = _loop(builder, n, [fzero] * (R * C), group)
+    total = _tile_vector(builder, _fold(builder, faccs, L, builder.fadd), R * C)
+    sxv = _spread(builder, _gather(builder, context, a[8], sx, m, C, F32), R, C, by_row=False)
+    return builder.fmul(total, sxv)
+
+
+def make_tile(isas: dict[bool, str]):
+    """The tile intrinsic: tile(kind, R, C, best, w, scale, i, x, sums, m, n, per, sx, out, off)
+    writes out[m + c, i + r] for r < R, c < C (see `_int8_codegen` and `_int4_codegen` for what
+    each kind computes and what its arguments hold). kind (INT8, INT4), R, C and best are
+    compile-time constants: best picks the instruction set `isas[best]` (the kernels pass
+    {True: ISA, False: FALLBACK}; the tests build others)."""
+    from numba.core.errors import RequireLiteralValue
+
+    @intrinsic
+    def tile(typingctx, kind, R, C, best, w, scale, i, x, sums, m, n, per, sx, out, off):
+        known = [getattr(t, "literal_value", None) for t in (kind, R, C, best)]
+        if None in known:
+            raise RequireLiteralValue("the tile's kind, shape and instruction set")
+        k, rows, cols, b = known
+        sig = types.none(kind, R, C, best, w, scale, types.int64, x, sums, types.int64,
+                         types.int64, types.int64, sx, out, types.int64)
+        build = _int8_codegen if k == INT8 else _int4_codegen
+
+        def codegen(context, builder, signature, args):
+            values = build(rows, cols, isas[b], context, builder, signature.args[4:], args[4:])
+            _store_rows(context, builder, signature.args[13], args[13], args[9], args[6],
+                        values, rows, cols)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
