@@ -91,6 +91,21 @@ def position_bias(cfg: T5Config, rel_bias: np.ndarray, q_len: int, k_len: int,
     return rel_bias[buckets].transpose(2, 0, 1)  # (T, S, H) -> (H, T, S)
 
 
+def fill_position_bias(be: Any, out: Any, cfg: T5Config, rel_bias: np.ndarray,
+                       bidirectional: bool, extra: np.ndarray | None = None) -> None:
+    """out (H, T, S), an arena buffer, = rel_bias[bucket(key - query)] (+ extra (T, S)), one
+    head at a time: the whole (H, T, S) on the host would be a temporary outside the arena as
+    large as the buffer (64 MiB for 64 heads over 512 tokens), one head is (T, S)."""
+    H, T, S = out.shape
+    buckets = _bucket_matrix(T, S, bidirectional, cfg.num_buckets, cfg.max_distance)
+    info = np.finfo(out.dtype) if extra is not None else None
+    for h in range(H):
+        head = np.asarray(rel_bias[:, h][buckets], dtype=np.float32)   # (T, S)
+        if extra is not None:   # + the causal mask, clipped to the buffer's range
+            np.clip(np.add(head, extra, out=head), info.min, info.max, out=head)
+        be.upload(out[h], head)
+
+
 def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -> np.ndarray:
     """(H, max_len) decoder bias indexed by reversed distance: column max_len-1-n holds distance n.
 
@@ -313,8 +328,8 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
 
     def layer(i: int, blk: dict) -> PassAttention:
         if refills_bias(cfg, i):   # (H, T, T) uploaded once, copied to every row, + the mask
-            be.upload(ws.bias[0], position_bias(cfg, bias_table(cfg, params, "encoder", i), T, T,
-                                                bidirectional=True))
+            fill_position_bias(be, ws.bias[0], cfg, bias_table(cfg, params, "encoder", i),
+                               bidirectional=True)
             if B > 1:
                 ws.bias[1:] = ws.bias[0]
             ws.bias += ws.mask
@@ -363,15 +378,13 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
         cross_kv(be, cfg, params, encoder_states, ws.cross_k, ws.cross_v)
         embed_tokens(be, params, decoder_input_ids, ws)                       # (B, T, C)
         causal = np.triu(np.full((T, T), mask_value(ws.self_bias.dtype), np.float32), 1)
-        info = np.finfo(ws.self_bias.dtype)
         attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v,
                                                 mask_bias(be, attention_mask, ws.cross_bias)))
         pending = None
         for i, blk in enumerate(params["decoder"]):
             if refills_bias(cfg, i):   # block 0's table (UMT5: each layer's own) + causal mask
-                bias = position_bias(cfg, bias_table(cfg, params, "decoder", i), T, T,
-                                     bidirectional=False) + causal
-                be.upload(ws.self_bias[0], np.clip(bias, info.min, info.max))
+                fill_position_bias(be, ws.self_bias[0], cfg, bias_table(cfg, params, "decoder", i),
+                                   bidirectional=False, extra=causal)
             pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
         logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws)
         return np.array(be.to_host(logits), dtype=np.float32)
