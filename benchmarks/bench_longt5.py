@@ -3,6 +3,7 @@
     python benchmarks/bench_longt5.py [--shape base|tiny] [--attention transient-global|local]
                                       [--lengths 1024,2048,4096,8192,16384] [--runs 3]
                                       [--threads 2] [--engines minfer,transformers] [--json OUT]
+                                      [--chart PNG] [--from-json JSON]
 
 The task: encode one row of N random token ids (fixed seed, eos last), batch 1, float32, for
 each N of --lengths. Each (engine, N) runs in its own subprocess, so its peak RSS (VmHWM) is
@@ -152,6 +153,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="minfer,transformers")
     p.add_argument("--json")
+    p.add_argument("--chart", help="draw seconds and memory against length (matplotlib)")
+    p.add_argument("--from-json", help="with --chart: draw a saved --json report, measure nothing")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -160,6 +163,9 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.from_json:
+        draw(json.loads(Path(args.from_json).read_text())["rows"], args.chart)
+        return 0
     import numpy as np
     engines = [e for e in args.engines.split(",") if e]
     if "transformers" in engines and not _has_torch():
@@ -210,7 +216,38 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": b5.machine_info(), "rows": rows},
                                               indent=1) + "\n")
+    if args.chart:
+        draw(rows, args.chart)
     return 0
+
+
+def draw(rows: dict[str, list[dict]], png: str | None) -> None:
+    """Two log-log panels, seconds and the memory a run adds over the warmed-up model, against
+    input length, one line per engine; a dotted line of slope 1 marks linear growth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if not png:
+        raise SystemExit("--from-json needs --chart PNG")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = (("seconds per encode", lambda r: statistics.median(r["seconds"])),
+              ("MiB above the warmed-up model", lambda r: (r["peak_rss"] - r["rss_ready"]) / 2**20))
+    for ax, (title, value) in zip(axes, panels):
+        for engine, runs in rows.items():
+            done = [r for r in runs if "seconds" in r]
+            ax.plot([r["length"] for r in done], [value(r) for r in done], "o-", label=engine)
+            if engine == "minfer" and done:       # linear growth from minfer's first point
+                x0, y0 = done[0]["length"], value(done[0])
+                ax.plot([r["length"] for r in done], [y0 * r["length"] / x0 for r in done], ":",
+                        color="grey", label="linear")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("input tokens")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    print(f"wrote {png}")
 
 
 def _has_torch() -> bool:
