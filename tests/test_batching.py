@@ -237,3 +237,47 @@ def test_a_huge_prompt_costs_what_its_limit_allows(text_model, monkeypatch):
     with pytest.raises(ArenaExhausted, match=r"more than \d+ prompt tokens"):
         text_model.generate(prompt, max_new_tokens=2)     # the arena's own bound
     assert max(longest) < 100_000        # pieces near the limit, never the 8 MB text
+
+
+def test_a_start_cancelled_while_another_start_holds_admission_never_runs():
+    """A request cancelled while another request's start (an encoder pass) holds the admission
+    lock gives up when it gets the lock, without starting (it used to run its own encode)."""
+    import threading
+
+    from minfer.errors import Cancelled
+    from minfer.generation.batcher import Batcher
+
+    class Owner:   # the batcher keeps only a weak reference to its model
+        pass
+
+    owner = Owner()
+    batcher = Batcher(owner)
+    inside, leave = threading.Event(), threading.Event()
+
+    def slow_start():
+        inside.set()
+        assert leave.wait(10)
+        return "first"
+
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("first", batcher.admit(slow_start)))
+    first.start()
+    assert inside.wait(10)
+    cancel, started = threading.Event(), []
+
+    def second():
+        try:
+            results["second"] = batcher.admit(lambda: started.append(1) or "second", cancel)
+        except Cancelled as e:
+            results["second"] = e
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    waiter.join(0.2)             # now waiting for the admission lock
+    cancel.set()
+    leave.set()
+    first.join(10)
+    waiter.join(10)
+    assert results["first"] == "first"
+    assert isinstance(results["second"], Cancelled) and started == []
+    assert len(batcher.starting) == 1   # the first only (it never joined); the second left

@@ -200,7 +200,9 @@ class Batcher:
                 seen = self.released
                 self.starting.append(me)   # holds memory from here until it joins (or fails)
             try:
-                with self.admission:
+                with self.admission:   # (another start may hold it for a whole encoder pass)
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("cancelled while waiting for arena memory")
                     return start()
             except BaseException as e:
                 with self.cv:
