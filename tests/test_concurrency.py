@@ -133,21 +133,24 @@ def test_xl_threads_scoring_and_generating_agree_with_sequential():
     assert m.backend.arena.used == 0
 
 
-def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event():
-    # Between taking an event and reporting the rows it stopped, a consumer must not see its
-    # request stepped by another thread's leader: a stopped row would get one more token.
-    from minfer.generation.batcher import Batcher, Request
+class StubModel:
+    """What the batcher calls on a model: one joint step (no scores)."""
+    def step_together(self, states, feeds):
+        return [None] * len(states)
 
-    class Model:
-        def step_together(self, states, feeds):
-            return [None] * len(states)
 
-    class Stub(Request):   # the Decoding parts the batcher calls
-        def __init__(self, runs_ahead):
+def StubRequest(runs_ahead=True, broken=False):
+    """A batcher Request with the Decoding parts it calls; `broken`: ready() fails."""
+    from minfer.generation.batcher import Request
+
+    class Stub(Request):
+        def __init__(self):
             super().__init__(runs_ahead)
             self.state, self.steps = None, 0
 
         def ready(self):
+            if broken:
+                raise MemoryError("reorder scratch")
             return True
 
         def feed(self):
@@ -157,7 +160,15 @@ def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event(
             self.steps += 1
             return self.steps
 
-    model, stops, free = Model(), Stub(runs_ahead=False), Stub(runs_ahead=True)
+    return Stub()
+
+
+def test_a_request_with_stop_strings_waits_until_its_consumer_handled_its_event():
+    # Between taking an event and reporting the rows it stopped, a consumer must not see its
+    # request stepped by another thread's leader: a stopped row would get one more token.
+    from minfer.generation.batcher import Batcher
+
+    model, stops, free = StubModel(), StubRequest(runs_ahead=False), StubRequest(runs_ahead=True)
     batcher = Batcher(model)
     batcher.join(stops)
     batcher.join(free)
@@ -506,32 +517,11 @@ def test_cancelling_a_beam_search_from_another_thread_stops_it_and_frees_its_mem
 def test_a_requests_failure_to_get_ready_is_its_own_not_the_leaders():
     # ready() (rows that stopped leave the state: a reorder) ran outside the per-request guard:
     # its exception reached whichever thread led the step, and the failing request stayed active
-    from minfer.generation.batcher import Batcher, Request
+    from minfer.generation.batcher import Batcher
 
-    class Model:
-        def step_together(self, states, feeds):
-            return [None] * len(states)
-
-    class Stub(Request):
-        def __init__(self, broken):
-            super().__init__(runs_ahead=True)
-            self.state, self.broken, self.steps = None, broken, 0
-
-        def ready(self):
-            if self.broken:
-                raise MemoryError("reorder scratch")
-            return True
-
-        def feed(self):
-            return None
-
-        def advance(self, scores):
-            self.steps += 1
-            return self.steps
-
-    model = Model()                                 # (the batcher holds it weakly)
+    model = StubModel()                             # (the batcher holds it weakly)
     batcher = Batcher(model)
-    broken, fine = Stub(True), Stub(False)
+    broken, fine = StubRequest(broken=True), StubRequest()
     batcher.join(broken)
     batcher.join(fine)
     assert batcher.next_event(fine) == 1            # the healthy one's consumer leads: no error
