@@ -84,13 +84,6 @@ def _bucket_matrix(q_len: int, k_len: int, bidirectional: bool, num_buckets: int
     return out
 
 
-def position_bias(cfg: T5Config, rel_bias: np.ndarray, q_len: int, k_len: int,
-                  bidirectional: bool) -> np.ndarray:
-    """(H, T, S) bias of every (query, key) pair: rel_bias[bucket(key - query)]."""
-    buckets = _bucket_matrix(q_len, k_len, bidirectional, cfg.num_buckets, cfg.max_distance)
-    return rel_bias[buckets].transpose(2, 0, 1)  # (T, S, H) -> (H, T, S)
-
-
 def fill_position_bias(be: Any, out: Any, cfg: T5Config, rel_bias: np.ndarray,
                        bidirectional: bool, extra: np.ndarray | None = None) -> None:
     """out (H, T, S), an arena buffer, = rel_bias[bucket(key - query)] (+ extra (T, S)), one
