@@ -312,7 +312,7 @@ def matmul_i4(x, w, scale, out):
                         s = srow[g]
                         a0 += (p0 - xsum[m, g]) * s
                         if rows > 1:
-                            a1 += (p1 - xsum[m + 1 if rows > 1 else m, g]) * s
+                            a1 += (p1 - xsum[m + 1, g]) * s
                             a2 += (p2 - xsum[m + 2 if rows > 2 else m, g]) * s
                             a3 += (p3 - xsum[m + 3 if rows > 3 else m, g]) * s
                     out[m, n] = a0
@@ -433,7 +433,8 @@ def _quantise_row(xr, qr, sums, G):
 @njit(cache=True)
 def _carve(work, M, K, groups):
     """The quantised rows (M, K) int8, their group sums (M, groups) int32 and scales (M,) float32
-    in the byte buffer `work` (64-byte aligned parts)."""
+    in the byte buffer `work` (64-byte aligned parts; kernels.quantised_bytes sizes it: keep the
+    two layouts the same)."""
     a = (M * K + 63) // 64 * 64
     b = a + (M * groups * 4 + 63) // 64 * 64
     xq = work[:M * K].view(np.int8).reshape((M, K))

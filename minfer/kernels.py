@@ -28,6 +28,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from .arena import align_up
 from .errors import ConfigError
 
 MODES = ("numba", "numpy")
@@ -220,9 +221,7 @@ def quantised_bytes(M: int, K: int, groups: int) -> int:
     """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
     (`_numba_kernels._carve`'s layout: the int8 rows, their int32 sums per group of columns, the
     float32 row scales, each part 64-byte aligned)."""
-    def up(n: int) -> int:
-        return (n + 63) // 64 * 64
-    return up(M * K) + up(M * groups * 4) + up(M * 4)
+    return align_up(M * K, 64) + align_up(M * groups * 4, 64) + align_up(M * 4, 64)
 
 
 def int8_products() -> str:
