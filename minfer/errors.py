@@ -53,3 +53,8 @@ class StreamingError(MinferError, OSError):
 class Cancelled(MinferError):
     """A request was cancelled (`Stream.cancel()`, e.g. a client that disconnected) before it
     ended."""
+
+
+class NonFiniteError(MinferError, ArithmeticError):
+    """A model's outputs hold NaN or infinity (weights that load but overflow in float16 or in
+    their own arithmetic): the message names the model and the layer where they began."""
