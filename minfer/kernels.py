@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from .arena import align_up
@@ -203,8 +203,11 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
     try:
         work(0, bounds[0], bounds[1])
     finally:
-        for f in futures:
-            f.result()
+        # every part has ended before anything is raised: a part still running could otherwise
+        # write into memory that the caller hands to the next request once the error is out
+        wait(futures)
+    for f in futures:
+        f.result()   # the first failing part's error, in part order
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:

@@ -1,5 +1,7 @@
 """The compiled CPU kernels (kernels.py, _numba_kernels.py) against plain NumPy, at the edges of
 their blocking: rows that are not a multiple of the blocks, 1..17 input rows, every format."""
+import time
+
 import numpy as np
 import pytest
 
@@ -144,11 +146,15 @@ def test_split_covers_the_range_once_in_contiguous_parts(three_threads):
 
 
 def test_split_raises_a_failing_part_after_all_parts_ran(three_threads):
+    """A part that fails early must not let split return while a slower part still runs (it
+    could write into memory already handed to the next request): part 2 is made the slowest."""
     done = []
 
     def work(part, a, b):
         if part == 1:
             raise ValueError("part 1 failed")
+        if part == 2:
+            time.sleep(0.3)
         done.append(part)
 
     with pytest.raises(ValueError, match="part 1 failed"):
