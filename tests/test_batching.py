@@ -215,7 +215,7 @@ def test_a_long_prompt_is_cut_as_its_full_encoding_would_be(text_model):
     full = tok.encode(prompt)
     for limit in (16, 64):
         got = text_model.generate(prompt, max_new_tokens=3, max_input_tokens=limit,
-                                  truncation=True, return_details=True)[0][0]
+                                  truncation=True, return_details=True)[0]
         cut = full[:limit - 1] + full[-1:]        # the start, and the closing </s>
         assert got.prompt_tokens == limit
         assert got.token_ids == text_model.generate([cut], max_new_tokens=3)[0]
@@ -230,7 +230,7 @@ def test_a_huge_prompt_costs_what_its_limit_allows(text_model, monkeypatch):
                                                                    real(self, text))[1])
     prompt = "date: 4th of July 1976 and more words " * (8_000_000 // 38)  # 8 MB
     got = text_model.generate(prompt, max_new_tokens=2, max_input_tokens=32, truncation=True,
-                              return_details=True)[0][0]
+                              return_details=True)[0]
     assert got.error is None and got.prompt_tokens == 32
     with pytest.raises(InputError, match="more than 32 tokens, more than max_input_tokens 32"):
         text_model.generate(prompt, max_new_tokens=2, max_input_tokens=32)

@@ -378,7 +378,7 @@ def test_one_thread_whose_own_stream_waits_for_it_fails_at_once_not_hangs(tmp_pa
 # -- streams: what they report, and cancelling one from another thread ---------------------------------
 def test_a_stream_reports_how_it_ended_and_its_token_counts(model):
     prompt = PROMPTS[3]
-    want = model.generate(prompt, return_details=True)[0][0]
+    want = model.generate(prompt, return_details=True)[0]
     s = model.generate(prompt, stream=True)
     assert s.finish_reason is None
     assert "".join(s) == want.text

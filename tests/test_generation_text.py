@@ -33,6 +33,25 @@ def test_details_report_ids_and_reasons(text_model):
     assert r.text == text_model.tokenizer.decode(r.token_ids)
 
 
+def test_details_follow_the_shape_of_the_input(text_model):
+    """A string in gives that prompt's list of Results (one per returned sequence), as a string
+    in gives a string without details; a list gives one such list per prompt."""
+    one = text_model.generate("a b c", max_new_tokens=5, return_details=True)
+    assert isinstance(one, list) and len(one) == 1 and isinstance(one[0], g.Result)
+    assert one[0].text == text_model.generate("a b c", max_new_tokens=5)
+    two = text_model.generate("a b c", max_new_tokens=5, num_beams=3, num_return_sequences=2,
+                              return_details=True)
+    assert [type(r) for r in two] == [g.Result, g.Result]
+    assert [r.text for r in two] == text_model.generate("a b c", max_new_tokens=5, num_beams=3,
+                                                        num_return_sequences=2)
+    listed = text_model.generate(["a b c", "date: 1999"], max_new_tokens=5, return_details=True)
+    assert [len(row) for row in listed] == [1, 1] and listed[0][0].text == one[0].text
+    ids = text_model.generate([[5, 6, 7, 1]], max_new_tokens=4, return_details=True)
+    assert len(ids) == 1 and isinstance(ids[0][0], g.Result)
+    array = text_model.generate(np.array("a b c"), max_new_tokens=5, return_details=True)
+    assert [r.text for r in array] == [one[0].text]      # a 0-d string array is one prompt
+
+
 @pytest.mark.parametrize("options", [{}, {"do_sample": True, "seed": 3, "top_k": 20},
                                      {"stop": ["e"]}, {"num_beams": 3}])
 def test_stream_pieces_join_to_the_whole_text(text_model, options):
@@ -82,8 +101,8 @@ def test_task_applies_prefix_and_settings(text_model):
     with_task = text_model.generate("The house", task="translation_en_to_de", return_details=True)
     manual = text_model.generate("translate English to German: The house", num_beams=2,
                                  max_new_tokens=8, early_stopping=True, return_details=True)
-    assert with_task[0][0].token_ids == manual[0][0].token_ids
-    assert with_task[0][0].new_tokens <= 8
+    assert with_task[0].token_ids == manual[0].token_ids
+    assert with_task[0].new_tokens <= 8
 
 
 def test_text_input_needs_a_tokenizer(tmp_path):

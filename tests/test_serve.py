@@ -92,7 +92,7 @@ def test_completions_equal_offline_generate(server, offline):
 def test_streamed_pieces_join_to_the_whole_text(server, offline):
     client = server.openai()
     prompt = "spell: 98765"
-    want = offline.generate(prompt, return_details=True)[0][0]
+    want = offline.generate(prompt, return_details=True)[0]
     chunks = list(client.completions.create(model="dates", prompt=prompt, stream=True,
                                             stream_options={"include_usage": True}))
     pieces = [c.choices[0].text for c in chunks if c.choices]

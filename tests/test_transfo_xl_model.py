@@ -258,7 +258,7 @@ def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
     prompt, answer = _long_recall_prompt()
     model = minfer.load(folder)
     assert len(model.tokenizer.encode(prompt, add_eos=False)) == 4000
-    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0]
     assert want.text.split()[0] == answer
     peak = model.plan(1)["peak"]  # the segment memory + one tgt_len segment's scratch
     # the plan of a prompt this long is that of the segments it runs in (the batch planner asks
@@ -269,7 +269,7 @@ def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
     for opts in ({"memory_limit": "16MiB"}, {"workspace": peak}):
         with minfer.load(folder, **opts) as small:
             before = small.backend.arena.used  # resident weights under a limit, else nothing
-            got = small.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+            got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
             assert got.token_ids == want.token_ids, opts
             assert small.backend.arena.used == before
 
@@ -321,17 +321,17 @@ def test_a_prompt_of_one_calls_length_runs_in_exact_segments_when_one_call_does_
     folder = ROOT / "weights" / "tiny-xl-recall"
     model = minfer.load(folder)
     prompt = _long_recall_prompt(60)[0]
-    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+    want = model.generate(prompt, max_new_tokens=4, return_details=True)[0]
     peak = model.plan(1)["peak"]   # the memory and one 16-token segment's scratch
     assert model.plan(1, 60)["peak"] == peak
     with minfer.load(folder, workspace=peak) as small:
-        got = small.generate(prompt, max_new_tokens=4, return_details=True)[0][0]
+        got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
         assert got.error is None and got.token_ids == want.token_ids
         # 300 tokens: segments would not see what one call sees, and one call does not fit:
         # refused (naming the bytes), never answered differently
         long_prompt = _long_recall_prompt(300)[0]
         assert model.plan(1, 300)["peak"] > peak
-        bad = small.generate(long_prompt, max_new_tokens=4, return_details=True)[0][0]
+        bad = small.generate(long_prompt, max_new_tokens=4, return_details=True)[0]
         assert bad.error is not None and "cannot hand out" in bad.error
 
 

@@ -803,8 +803,8 @@ def generate(model: DecodingModel, inputs: Any, *, stream_output: bool = False, 
     # as HF pipelines raise; with return_details a failed row is a Result with `error` set
     kind, results = run(model, inputs, task=task, attention_mask=attention_mask,
                         row_errors=return_details, **options)
-    if return_details:
-        return results
+    if return_details:   # a string in: that prompt's own list (one Result per returned sequence)
+        return results[0] if kind == "text" else results
     if kind == "ids":
         return [r.token_ids for row in results for r in row]
     texts = [[r.text for r in row] for row in results]
