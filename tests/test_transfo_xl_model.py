@@ -264,8 +264,6 @@ def test_long_prompt_runs_segment_by_segment_in_bounded_memory():
     # the plan of a prompt this long is that of the segments it runs in (the batch planner asks
     # it: a plan for 4,000-token segments refused this prompt under `workspace=peak`)
     assert model.plan(1, 4000)["peak"] == peak
-    assert model.plan(1, 300)["peak"] > peak   # a short prompt runs in one call (segments would
-                                               # not see all it sees: mem_len 48 < 300 - 16)
     for opts in ({"memory_limit": "16MiB"}, {"workspace": peak}):
         with minfer.load(folder, **opts) as small:
             before = small.backend.arena.used  # resident weights under a limit, else nothing
@@ -327,12 +325,34 @@ def test_a_prompt_of_one_calls_length_runs_in_exact_segments_when_one_call_does_
     with minfer.load(folder, workspace=peak) as small:
         got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
         assert got.error is None and got.token_ids == want.token_ids
-        # 300 tokens: segments would not see what one call sees, and one call does not fit:
-        # refused (naming the bytes), never answered differently
-        long_prompt = _long_recall_prompt(300)[0]
-        assert model.plan(1, 300)["peak"] > peak
-        bad = small.generate(long_prompt, max_new_tokens=4, return_details=True)[0]
-        assert bad.error is not None and "cannot hand out" in bad.error
+
+
+@pytest.mark.parametrize("length", [200, 300, 512, 513, 600])
+def test_a_prompt_whose_one_call_does_not_fit_runs_in_segments_at_every_length(length, monkeypatch):
+    # tiny-xl-recall (mem_len 48, tgt_len 16): from 65 tokens on, segments do not see all that one
+    # call sees; a prompt whose one call does not fit still runs, in tgt_len segments (before,
+    # 65-512 tokens were refused while 513 and more ran), and gives what the unlimited model
+    # gives when it too reads the prompt in segments
+    from minfer.models.transfo_xl import model as xl_model
+    folder = ROOT / "weights" / "tiny-xl-recall"
+    model = minfer.load(folder)
+    prompt = _long_recall_prompt(length)[0]
+    peak = model.plan(1)["peak"]
+    assert model.plan(1, length)["peak"] == peak     # the memory and one segment, at any length
+    with monkeypatch.context() as patch:             # the unlimited model, made to use segments
+        patch.setattr(xl_model, "prompt_call_bytes", lambda *a: 1 << 60)
+        want = model.generate(prompt, max_new_tokens=4, return_details=True)[0]
+    with minfer.load(folder, workspace=peak) as small:
+        got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
+    assert got.error is None and got.token_ids == want.token_ids
+
+
+def _segments_equal_one_call(cfg, prompt_len: int) -> bool:
+    """Whether tgt_len segments see what one call sees (up to rounding): the memory keeps every
+    segment before the last, which starts at tgt_len * ((prompt_len - 1) // tgt_len), and the
+    attention span does not depend on the call's length (no same_length)."""
+    before_last = cfg.tgt_len * ((prompt_len - 1) // cfg.tgt_len)
+    return not cfg.same_length and cfg.mem_len >= before_last
 
 
 @needs_xl_fixtures
@@ -347,7 +367,7 @@ def test_segments_called_exact_give_what_one_call_gives(case, monkeypatch):
     rng = np.random.default_rng(0)
     exact = 0
     for P in range(2, 3 * cfg.tgt_len + 2):
-        if not xl_spec.segments_equal_one_call(cfg, P):
+        if not _segments_equal_one_call(cfg, P):
             continue
         exact += 1
         ids = rng.integers(5, cfg.vocab_size, size=(1, P))

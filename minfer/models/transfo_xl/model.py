@@ -229,9 +229,9 @@ class XLModel(Model):
         try:
             P = ids.shape[1]
             be, cfg, params = self.backend, self.config, self.params
-            with self.lock:   # one call when its scratch fits now; else segments, if they are exact
+            with self.lock:   # one call when its scratch fits now; else tgt_len segments
                 whole = prompt_call_bytes(cfg, be.dtype, B, P) <= be.arena.available
-                chunk = prompt_segment(cfg, P, whole, memory.length)
+                chunk = prompt_segment(cfg, P, whole)
             for start in range(0, P, chunk):
                 # each segment's scratch goes back before the next one (as in `score`): a prompt
                 # of any length runs in one segment's arena plus the memory

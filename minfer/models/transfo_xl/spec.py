@@ -339,24 +339,13 @@ def head_temporaries(cfg: XLConfig, rows: int, dtype: Any, scoring: bool = False
 PROMPT_CHUNK = 512  # prompts up to this many tokens run in one call; longer ones by tgt_len segments
 
 
-def segments_equal_one_call(cfg: XLConfig, prompt_len: int, memory_len: int = 0) -> bool:
-    """Whether running a prompt in tgt_len segments gives what one call gives (up to rounding):
-    every position still sees all it would see in one call (the memory keeps the rest: mem_len
-    covers the `memory_len` positions already held plus every segment before the last, which
-    starts at tgt_len * ((prompt_len - 1) // tgt_len)), and the attention span does not depend
-    on the call's length (no same_length)."""
-    before_last = cfg.tgt_len * ((prompt_len - 1) // cfg.tgt_len)
-    return not cfg.same_length and cfg.mem_len >= memory_len + before_last
-
-
-def prompt_segment(cfg: XLConfig, prompt_len: int, whole_fits: bool = True,
-                   memory_len: int = 0) -> int:
+def prompt_segment(cfg: XLConfig, prompt_len: int, whole_fits: bool = True) -> int:
     """The segment length a prompt of `prompt_len` tokens runs in: all of it in one call up to
-    PROMPT_CHUNK tokens (fastest), unless its scratch does not fit (`whole_fits`) and segments
-    give the same result; longer prompts in tgt_len segments (scratch bounded whatever the
-    length)."""
-    if prompt_len <= PROMPT_CHUNK and (
-            whole_fits or not segments_equal_one_call(cfg, prompt_len, memory_len)):
+    PROMPT_CHUNK tokens when that call's scratch fits (`whole_fits`: fastest, and what one
+    forward over the prompt gives); otherwise tgt_len segments with the memory carried, as
+    Transformer-XL reads any text longer than a segment (scratch bounded whatever the length;
+    positions further back than mem_len are then out of sight, as in the model's training)."""
+    if prompt_len <= PROMPT_CHUNK and whole_fits:
         return prompt_len
     return min(prompt_len, cfg.tgt_len)
 
