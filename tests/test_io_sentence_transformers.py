@@ -70,6 +70,144 @@ def test_a_symlink_out_of_the_folder_is_refused(st_folder, tmp_path):
         read_sentence_modules(st_folder)
 
 
+def one_line(error, limit=400):
+    """The message of a raised error: one line, a few hundred characters at most."""
+    text = str(error.value)
+    assert "\n" not in text and len(text) <= limit, (len(text), text[:500])
+    return text
+
+
+def set_path(folder, module, path):
+    entries = modules(folder)
+    entries[module]["path"] = path
+    write_modules(folder, entries)
+
+
+def link_loop(folder):
+    (folder / "loop_a").symlink_to("loop_b")
+    (folder / "loop_b").symlink_to("loop_a")
+    return "loop_a"
+
+
+@pytest.mark.parametrize("module", [0, 1, 2])
+@pytest.mark.parametrize("path, match", [
+    (link_loop, r"'path' 'loop_a' cannot be followed: a loop of symbolic links"),
+    ("1_Pooling\x00x", r"'path' '1_Pooling\\x00x' holds a NUL character"),
+    ("x" * 5000, r"'path' 'x{120}\.\.\.' is 5000 characters long, more than the 255"),
+    ("/".join(["y" * 250] * 20), r"'path' 'y{120}\.\.\.' is 5019 characters long")],
+    ids=["link-loop", "nul", "long-name", "long-components"])
+def test_module_paths_the_os_cannot_follow_are_one_line_errors(st_folder, module, path, match):
+    """A link loop, a NUL or an overlong name in a module's path: the OS's raw RuntimeError,
+    ValueError or OSError (with the whole path) before; one bounded CheckpointError now."""
+    set_path(st_folder, module, path(st_folder) if callable(path) else path)
+    with pytest.raises(CheckpointError, match=rf"modules.json: module {module}: {match}") as e:
+        read_sentence_modules(st_folder)
+    one_line(e)
+
+
+def test_a_link_loop_inside_a_module_path(st_folder):
+    (st_folder / "self").symlink_to("self")
+    set_path(st_folder, 1, "self/1_Pooling")
+    with pytest.raises(CheckpointError, match="cannot be followed") as e:
+        read_sentence_modules(st_folder)
+    one_line(e)
+
+
+@pytest.mark.parametrize("count", [30_000, 65])
+def test_the_number_of_modules_is_bounded(st_folder, count):
+    """30,000 modules gave a 390,000-character error listing every one; now a short line, from
+    the file's size or the module count, before any module is followed."""
+    entries = modules(st_folder)
+    write_modules(st_folder, entries[:2] + [{"type": "sentence_transformers.models.Pooling",
+                                             "path": "1_Pooling"}] * (count - 2))
+    with pytest.raises(CheckpointError, match="larger than the 1048576-byte limit|65 modules, "
+                                              "more than the 64") as e:
+        read_sentence_modules(st_folder)
+    one_line(e)
+
+
+def test_a_module_out_of_order_is_named(st_folder):
+    entries = modules(st_folder)
+    write_modules(st_folder, entries[:3] + [entries[3]] * 40 + [entries[1]])
+    with pytest.raises(CheckpointError, match=r"module 43: a Pooling module here; modules must be "
+                                              r"a Transformer, a Pooling") as e:
+        read_sentence_modules(st_folder)
+    one_line(e)
+    write_modules(st_folder, entries[:1])
+    with pytest.raises(CheckpointError, match="only a Transformer module"):
+        read_sentence_modules(st_folder)
+
+
+# (file, its JSON, what the error says): wrong JSON types and huge values in each file a folder
+# gives minfer; each was a raw TypeError, a message as long as the value, or accepted
+BAD_SETTINGS = [
+    ("modules.json", [list(range(100_000))], r"module 0: expected an object .*, got a JSON list "
+                                             r"of 100000 items"),
+    ("modules.json", {"modules": []}, r"expected a non-empty JSON list of modules, got a JSON "
+                                      r"object of 1 item$"),
+    ("1_Pooling/config.json", {"word_embedding_dimension": 10 ** 4000,
+                               "pooling_mode_mean_tokens": True},
+     r"'word_embedding_dimension' must be a positive integer \(at most 2147483647\), got a "
+     r"13288-bit integer"),
+    ("1_Pooling/config.json", {"word_embedding_dimension": 16, "pooling_mode_mean_tokens": True,
+                               "include_prompt": list(range(100_000))},
+     r"'include_prompt' must be true or false, got a JSON list of 100000 items"),
+    ("2_Dense/config.json", {"in_features": 16, "out_features": 20,
+                             "activation_function": ["torch.nn.modules.activation.Tanh"]},
+     r"'activation_function' a JSON list of 1 item is not one of the torch activations"),
+    ("2_Dense/config.json", {"in_features": 16, "out_features": 10 ** 4000},
+     r"'out_features' must be a positive integer .*, got a 13288-bit integer"),
+    ("2_Dense/config.json", [16, 20], r"expected a JSON object, got a JSON list of 2 items"),
+    ("sentence_bert_config.json", {"do_lower_case": list(range(100_000))},
+     r"'do_lower_case' must be true or false, got a JSON list of 100000 items"),
+    ("sentence_bert_config.json", {"max_seq_length": 10 ** 4000},
+     r"'max_seq_length' must be an integer 1\.\.1048576, got a 13288-bit integer"),
+    ("config_sentence_transformers.json", {"prompts": {"q": "q: "}, "default_prompt_name": ["q"]},
+     r"'default_prompt_name' a JSON list of 1 item is not one of its prompts \('q'\)"),
+    ("config_sentence_transformers.json", {"prompts": {f"p{i}": "x" for i in range(50_000)},
+                                           "default_prompt_name": "doc"},
+     r"'default_prompt_name' 'doc' is not one of its prompts \('p0', .*'p7', \.\.\. "
+     r"\(49992 more\)\)"),
+    ("config_sentence_transformers.json", {"prompts": 0},
+     r"'prompts' must map names to prompt strings, got 0"),
+    ("config_sentence_transformers.json", {"prompts": {"q": {"text": "q: "}}},
+     r"'prompts' must map names to prompt strings: 'q' maps to a JSON object of 1 item"),
+    ("config_sentence_transformers.json", {"prompts": {"q": "x" * 20_000}},
+     r"prompt 'q' is 20000 characters long, more than the 16384"),
+    ("config_sentence_transformers.json", {"prompts": {"q": "x" * 2_000_000}},
+     r"bytes is larger than the 1048576-byte limit"),
+    ("config_sentence_transformers.json", "[" * 500 + "]" * 500,
+     r"JSON nested deeper than 100 levels"),
+]
+
+
+@pytest.mark.parametrize("name, content, match", BAD_SETTINGS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_SETTINGS)])
+def test_bad_settings_are_one_bounded_line(st_folder, name, content, match):
+    path = st_folder / name
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(CheckpointError, match=match) as e:
+        read_sentence_modules(st_folder)
+    assert one_line(e).startswith(str(path))
+
+
+@pytest.mark.parametrize("name", ["sentence_bert_config.json", "1_Pooling/config.json",
+                                  "2_Dense/config.json"])
+@pytest.mark.parametrize("make", ["folder", "loop"])
+def test_a_settings_file_that_is_not_a_file_is_named(st_folder, name, make):
+    """A settings file that is a folder or a looping link: not taken for absent (sentence_bert_
+    config.json was ignored) nor called missing."""
+    path = st_folder / name
+    path.unlink()
+    if make == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to(path.name)
+    with pytest.raises(CheckpointError, match=f"{name}: not a readable file") as e:
+        read_sentence_modules(st_folder)
+    one_line(e)
+
+
 def test_unknown_module_type_in_a_folder_names_file_and_module(st_folder):
     entries = modules(st_folder)
     entries[2]["type"] = "custom_code.Projection"

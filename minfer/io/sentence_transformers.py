@@ -13,6 +13,12 @@ Type names are accepted in the old form (`sentence_transformers.models.Dense`) a
 repeated (`sentence_transformers.models.Dense.Dense`); nothing is imported or executed from a
 folder: an activation is one of a fixed list of torch class names, read as text. Every problem is
 a one-line CheckpointError naming the file and the field. The math is minfer/embedding.py.
+
+The folder's author chose every path and value read here: a module's path is a relative name that
+stays inside the folder (no absolute path, no `..` or link out of it; a NUL, an overlong name or a
+link loop is refused in words, not with the OS's raw error); the JSON files are small (bounded in
+bytes and nesting before they are parsed), the modules few, the widths and prompts bounded; and a
+message quotes what it was given cut short, so that no value makes an error long.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .checkpoint import Checkpoint, read_json
+from .limits import MAX_LENGTH, is_int, quoted, read_json_text
 
 MODULES_FILE = "modules.json"
 MODULE_KINDS = ("Transformer", "Pooling", "Dense", "Normalize")
@@ -39,6 +46,13 @@ ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
                "torch.nn.modules.activation.Sigmoid": "sigmoid",
                "torch.nn.modules.activation.SiLU": "silu"}
 MAX_SEQ_LENGTH = 1 << 20   # a longer max_seq_length is not a real setting
+# Bounds on what a folder states (real folders: 2-5 modules, paths like "2_Dense", settings files
+# under 4 KiB, prompts under a thousand characters), far above real use, far below any cost.
+MAX_MODULES = 64
+MAX_PATH_CHARS = 255         # a module folder's relative path (one file name's limit on Linux)
+MAX_SETTINGS_BYTES = 1 << 20  # modules.json and every module's JSON settings file
+MAX_PROMPT_CHARS = 1 << 14   # one prompt, prepended to every text
+LISTED = 8                   # names listed in a message at most
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,26 @@ class SentenceModules:
         return ", ".join(parts) + f" -> {self.dimension}"
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A value read from a folder's JSON, for a one-line message: a string quoted (escaped, cut),
+    a container by its kind and size (its repr could be megabytes), anything else cut."""
+    if isinstance(value, str):
+        return f"'{quoted(value, limit)}'"
+    if isinstance(value, (list, dict)):
+        kind, n = "list" if isinstance(value, list) else "object", len(value)
+        return f"a JSON {kind} of {n} item{'s' * (n != 1)}"
+    if is_int(value) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit integer"
+    return quoted(repr(value), limit)
+
+
+def listed(names: Any) -> str:
+    """At most LISTED names from a folder, quoted, and how many more there are."""
+    names = list(names)
+    more = f", ... ({len(names) - LISTED} more)" if len(names) > LISTED else ""
+    return ", ".join(shown(n, 40) for n in names[:LISTED]) + more or "none"
+
+
 def kind_of(type_name: Any, where: str) -> str:
     """'sentence_transformers.models.Dense' (or '...Dense.Dense') -> 'Dense'; anything else is
     refused by name."""
@@ -96,8 +130,8 @@ def kind_of(type_name: Any, where: str) -> str:
     if len(parts) >= 2 and parts[-1] == parts[-2]:
         parts = parts[:-1]
     if len(parts) < 2 or parts[0] != "sentence_transformers" or parts[-1] not in MODULE_KINDS:
-        raise CheckpointError(f"{where}: module type {type_name!r:.120} is not one minfer runs "
-                              f"(sentence_transformers.models.{', '.join(MODULE_KINDS)})")
+        raise CheckpointError(f"{where}: module type {shown(type_name, 120)} is not one minfer "
+                              f"runs (sentence_transformers.models.{', '.join(MODULE_KINDS)})")
     return parts[-1]
 
 
@@ -105,14 +139,49 @@ def _inside(folder: Path, path: Any, where: str, needed: bool = True) -> Path:
     """A module's folder: a relative path that stays inside `folder`. A module without files of
     its own (Normalize) may lack it: git, and so the hub, keep no empty folder."""
     if not isinstance(path, str):
-        raise CheckpointError(f"{where}: 'path' must be a string, got {path!r:.80}")
-    target = (folder / path).resolve()
-    root = folder.resolve()
-    if Path(path).is_absolute() or (target != root and root not in target.parents):
-        raise CheckpointError(f"{where}: 'path' {path!r:.120} leaves the model folder")
-    if needed and not target.is_dir():
-        raise CheckpointError(f"{where}: 'path' {path!r:.120} is not a folder in {folder}")
+        raise CheckpointError(f"{where}: 'path' must be a string, got {shown(path)}")
+    said = f"{where}: 'path' {shown(path, 120)}"
+    if "\x00" in path:
+        raise CheckpointError(f"{said} holds a NUL character")
+    if len(path) > MAX_PATH_CHARS:
+        raise CheckpointError(f"{said} is {len(path)} characters long, more than the "
+                              f"{MAX_PATH_CHARS} of a module folder's name")
+    if Path(path).is_absolute():
+        raise CheckpointError(f"{said} leaves the model folder")
+    try:   # the OS's own errors (a link loop, a name too long) carry the whole path
+        root = folder.resolve()
+        target = (folder / path).resolve()
+        inside = target == root or root in target.parents
+        is_dir = inside and target.is_dir()
+    except (OSError, RuntimeError, ValueError) as e:   # RuntimeError: a link loop (Python < 3.13)
+        why = (e.strerror if isinstance(e, OSError) and e.strerror
+               else "a loop of symbolic links" if isinstance(e, RuntimeError) else type(e).__name__)
+        raise CheckpointError(f"{said} cannot be followed: {why}") from None
+    if not inside:
+        raise CheckpointError(f"{said} leaves the model folder")
+    if needed and not is_dir:
+        raise CheckpointError(f"{said} is not a folder in {folder}")
     return target
+
+
+def _settings(source: Path, required: bool = False) -> dict | None:
+    """A JSON object of the folder's (modules' settings, prompts): None when absent and not
+    required; too large, not JSON, not an object, or not a plain file: a one-line error."""
+    if not source.is_file():
+        if source.is_symlink() or source.exists():   # a folder, a broken or looping link
+            raise CheckpointError(f"{source}: not a readable file")
+        if required:
+            raise CheckpointError(f"{source}: file is missing")
+        return None
+    value, _ = read_json_text(source, CheckpointError, MAX_SETTINGS_BYTES)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {shown(value)}")
+    return value
+
+
+def _is_width(value: Any) -> bool:
+    """A feature count a file may state: 1..MAX_LENGTH (the tensors' shapes check the rest)."""
+    return _is_count(value) and value <= MAX_LENGTH
 
 
 def read_sentence_modules(folder: str | Path) -> SentenceModules | None:
@@ -121,35 +190,41 @@ def read_sentence_modules(folder: str | Path) -> SentenceModules | None:
     source = folder / MODULES_FILE
     if not source.is_file():
         return None
-    from .limits import read_json_text
-    entries, _ = read_json_text(source, CheckpointError)
+    entries, _ = read_json_text(source, CheckpointError, MAX_SETTINGS_BYTES)
     if not isinstance(entries, list) or not entries:
-        raise CheckpointError(f"{source}: expected a non-empty JSON list of modules")
+        raise CheckpointError(f"{source}: expected a non-empty JSON list of modules, got "
+                              f"{shown(entries)}")
+    if len(entries) > MAX_MODULES:
+        raise CheckpointError(f"{source}: {len(entries)} modules, more than the {MAX_MODULES} "
+                              "minfer reads")
+    order = "must be a Transformer, a Pooling, then Dense / Normalize layers"
     kinds: list[tuple[str, Path, str]] = []
     for i, entry in enumerate(entries):
         where = f"{source}: module {i}"
         if not isinstance(entry, dict):
-            raise CheckpointError(f"{where}: expected an object with 'type' and 'path'")
+            raise CheckpointError(f"{where}: expected an object with 'type' and 'path', got "
+                                  f"{shown(entry)}")
         kind = kind_of(entry.get("type"), where)
+        if kind not in (("Transformer",) if i == 0 else ("Pooling",) if i == 1
+                        else ("Dense", "Normalize")):
+            raise CheckpointError(f"{where}: a {kind} module here; modules {order}")
         kinds.append((kind, _inside(folder, entry.get("path", ""), where, kind != "Normalize"),
                       where))
-    order = [k for k, _, _ in kinds]
-    if order[:2] != ["Transformer", "Pooling"] or any(k not in ("Dense", "Normalize") for k in order[2:]):
-        raise CheckpointError(f"{source}: modules {order} must be a Transformer, a Pooling, then "
-                              "Dense / Normalize layers")
+    if len(kinds) < 2:
+        raise CheckpointError(f"{source}: only a {kinds[0][0]} module; modules {order}")
     transformer = kinds[0][1]
-    settings = read_json(transformer / "sentence_bert_config.json") or {}
+    settings = _settings(transformer / "sentence_bert_config.json") or {}
     max_len = settings.get("max_seq_length")
     if max_len is None:   # as transformers truncates then: at the tokenizer's model_max_length
         max_len = (read_json(transformer / "tokenizer_config.json") or {}).get("model_max_length")
         max_len = max_len if _is_count(max_len) and max_len <= MAX_SEQ_LENGTH else None
     elif not (_is_count(max_len) and max_len <= MAX_SEQ_LENGTH):
         raise CheckpointError(f"{transformer / 'sentence_bert_config.json'}: 'max_seq_length' must "
-                              f"be an integer 1..{MAX_SEQ_LENGTH}, got {max_len!r:.40}")
+                              f"be an integer 1..{MAX_SEQ_LENGTH}, got {shown(max_len)}")
     lower = settings.get("do_lower_case", False)
     if not isinstance(lower, bool):
         raise CheckpointError(f"{transformer / 'sentence_bert_config.json'}: 'do_lower_case' "
-                              f"must be true or false, got {lower!r:.40}")
+                              f"must be true or false, got {shown(lower)}")
     pooling = _pooling(kinds[1][1])
     steps: list[Dense | Normalize] = []
     width = pooling.out_features
@@ -170,17 +245,17 @@ def _is_count(value: Any) -> bool:
 
 def _pooling(path: Path) -> Pooling:
     source = path / "config.json"
-    cfg = read_json(source, required=True)
+    cfg = _settings(source, required=True)
     dim = cfg.get("word_embedding_dimension")
-    if not _is_count(dim):
-        raise CheckpointError(f"{source}: 'word_embedding_dimension' must be a positive integer, "
-                              f"got {dim!r:.40}")
+    if not _is_width(dim):
+        raise CheckpointError(f"{source}: 'word_embedding_dimension' must be a positive integer "
+                              f"(at most {MAX_LENGTH}), got {shown(dim)}")
     modes = []
     for mode in POOLING_MODES:
         flag = cfg.get(f"pooling_mode_{mode}", False)
         if not isinstance(flag, bool):
             raise CheckpointError(f"{source}: 'pooling_mode_{mode}' must be true or false, "
-                                  f"got {flag!r:.40}")
+                                  f"got {shown(flag)}")
         if flag:
             modes.append(mode)
     if not modes:
@@ -188,29 +263,32 @@ def _pooling(path: Path) -> Pooling:
                               f"(pooling_mode_{', pooling_mode_'.join(POOLING_MODES)})")
     include = cfg.get("include_prompt", True)
     if not isinstance(include, bool):
-        raise CheckpointError(f"{source}: 'include_prompt' must be true or false, got {include!r:.40}")
+        raise CheckpointError(f"{source}: 'include_prompt' must be true or false, "
+                              f"got {shown(include)}")
     return Pooling(tuple(modes), dim, include)
 
 
 def _dense(path: Path, in_width: int) -> Dense:
     """A Dense layer's config and weights, checked against the width it receives."""
     source = path / "config.json"
-    ckpt = Checkpoint(path)   # config.json (the layer's settings) and its weight file
-    cfg = ckpt.config
+    cfg = _settings(source, required=True)   # checked before its weights are opened
     n_in, n_out = cfg.get("in_features"), cfg.get("out_features")
     for key, value in (("in_features", n_in), ("out_features", n_out)):
-        if not _is_count(value):
-            raise CheckpointError(f"{source}: '{key}' must be a positive integer, got {value!r:.40}")
+        if not _is_width(value):
+            raise CheckpointError(f"{source}: '{key}' must be a positive integer (at most "
+                                  f"{MAX_LENGTH}), got {shown(value)}")
     if n_in != in_width:
         raise CheckpointError(f"{source}: 'in_features' {n_in} does not fit the {in_width} "
                               "features the module before it gives")
     has_bias = cfg.get("bias", True)
     if not isinstance(has_bias, bool):
-        raise CheckpointError(f"{source}: 'bias' must be true or false, got {has_bias!r:.40}")
+        raise CheckpointError(f"{source}: 'bias' must be true or false, got {shown(has_bias)}")
     act_name = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
-    if act_name not in ACTIVATIONS:
-        raise CheckpointError(f"{source}: 'activation_function' {act_name!r:.120} is not one of "
-                              f"{', '.join(ACTIVATIONS)}")
+    if not isinstance(act_name, str) or act_name not in ACTIVATIONS:
+        raise CheckpointError(f"{source}: 'activation_function' {shown(act_name, 120)} is not one "
+                              "of the torch activations minfer runs (torch.nn.modules' "
+                              f"{', '.join(a.rsplit('.', 1)[1] for a in ACTIVATIONS)})")
+    ckpt = Checkpoint(path)   # its weight file (config.json read again: the checks above held)
     want = {"linear.weight": (n_out, n_in), **({"linear.bias": (n_out,)} if has_bias else {})}
     for name, shape in want.items():
         if name not in ckpt:
@@ -227,13 +305,21 @@ def _dense(path: Path, in_width: int) -> Dense:
 
 
 def _prompts(source: Path) -> tuple[dict[str, str], str | None]:
-    cfg = read_json(source) or {}
-    prompts = cfg.get("prompts") or {}
-    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                for k, v in prompts.items()):
-        raise CheckpointError(f"{source}: 'prompts' must map names to prompt strings")
+    cfg = _settings(source) or {}
+    prompts = cfg.get("prompts")
+    prompts = {} if prompts is None else prompts
+    if not isinstance(prompts, dict):
+        raise CheckpointError(f"{source}: 'prompts' must map names to prompt strings, got "
+                              f"{shown(prompts)}")
+    for name, text in prompts.items():
+        if not isinstance(text, str):
+            raise CheckpointError(f"{source}: 'prompts' must map names to prompt strings: "
+                                  f"{shown(name, 40)} maps to {shown(text)}")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise CheckpointError(f"{source}: prompt {shown(name, 40)} is {len(text)} characters "
+                                  f"long, more than the {MAX_PROMPT_CHARS} minfer prepends")
     default = cfg.get("default_prompt_name")
-    if default is not None and default not in prompts:
-        raise CheckpointError(f"{source}: 'default_prompt_name' {default!r:.80} is not one of "
-                              f"its prompts ({', '.join(prompts) or 'none'})")
+    if default is not None and (not isinstance(default, str) or default not in prompts):
+        raise CheckpointError(f"{source}: 'default_prompt_name' {shown(default, 80)} is not one "
+                              f"of its prompts ({listed(prompts)})")
     return prompts, default
