@@ -210,11 +210,19 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
         f.result()   # the first failing part's error, in part order
 
 
+def _quiet_thread() -> None:
+    """The pool's threads run parts of model calls, which check their outputs for NaN and
+    infinity themselves (numerics.quiet): NumPy's warnings stay off there for good."""
+    import numpy as np
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
+
+
 def _get_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="minfer")
+            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="minfer",
+                                                   initializer=_quiet_thread)
             if old is not None:
                 old.shutdown(wait=False)
         return _pool

@@ -331,16 +331,23 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
 
 
 def encode(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
-           attention_mask: np.ndarray, out: Any) -> Any:
-    """Encoder stack: (B, T) ids -> final-normed states written into `out` (B, T, C)."""
+           attention_mask: np.ndarray, out: Any, probe: Any = None) -> Any:
+    """Encoder stack: (B, T) ids -> final-normed states written into `out` (B, T, C).
+    `probe(label, *arrays)`, when given, sees each layer's output (numerics.first_non_finite)."""
     xp = be.xp
     with be.arena.scope():
         ws, attention = encoder_attention(be, cfg, params, attention_mask)
         embed_tokens(be, params, input_ids, ws)                                # (B, T, C)
+        if probe is not None:
+            probe("encoder embedding", ws.x)
         pending = None
         for i, blk in enumerate(params["encoder"]):
             pending = block(xp, cfg, blk, i, ws.x, ws, attention(i, blk), pending)
+            if probe is not None:   # the layer's output: the stream plus its pending output
+                probe(f"encoder layer {i}", ws.x, pending)
         out[...] = residual_norm(xp, cfg, ws.x, pending, params["encoder.final_ln"], ws)
+        if probe is not None:
+            probe("encoder final norm", out)
     return out
 
 
@@ -360,9 +367,9 @@ def cross_kv(be: Any, cfg: T5Config, params: dict, encoder_states: Any, cache_k:
 
 
 def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndarray,
-                encoder_states: Any, attention_mask: np.ndarray) -> np.ndarray:
+                encoder_states: Any, attention_mask: np.ndarray, probe: Any = None) -> np.ndarray:
     """Teacher-forced decoder: (B, T) ids over encoder states (B, S, C) -> logits (B, T, V)
-    float32 on the host."""
+    float32 on the host. `probe` as in `encode`."""
     xp = be.xp
     B, T = decoder_input_ids.shape
     S = encoder_states.shape[1]
@@ -370,6 +377,9 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
         ws = DecoderScratch.allocate(be.arena, cfg, B, T, S, be.dtype)
         cross_kv(be, cfg, params, encoder_states, ws.cross_k, ws.cross_v)
         embed_tokens(be, params, decoder_input_ids, ws)                       # (B, T, C)
+        if probe is not None:
+            probe("decoder cross-attention keys and values", ws.cross_k, ws.cross_v)
+            probe("decoder embedding", ws.x)
         causal = np.triu(np.full((T, T), mask_value(ws.self_bias.dtype), np.float32), 1)
         attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v,
                                                 mask_bias(be, attention_mask, ws.cross_bias)))
@@ -379,7 +389,11 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
                 fill_position_bias(be, ws.self_bias[0], cfg, bias_table(cfg, params, "decoder", i),
                                    bidirectional=False, extra=causal)
             pending = block(xp, cfg, blk, i, ws.x, ws, attn, pending, cross=True)
+            if probe is not None:
+                probe(f"decoder layer {i}", ws.x, pending)
         logits = lm_head(xp, cfg, params, ws.x, pending, ws.logits, ws)
+        if probe is not None:
+            probe("the output head", logits)
         return np.array(be.to_host(logits), dtype=np.float32)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...errors import InputError
+from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
 from ..base import Model, as_batch
@@ -21,6 +22,7 @@ class T5DecodeState(DecodeState):
 
     def __init__(self, model: "T5Model", buffers: DecodeBuffers, batch: int, max_len: int):
         self.be, self.cfg, self.params = model.backend, model.config, model.params
+        self.model = model
         self.lock = model.lock
         self.buf, self.max_len = buffers, max_len
         self.batch = batch          # live rows (<= the allocated batch); `reorder` shrinks it
@@ -32,11 +34,24 @@ class T5DecodeState(DecodeState):
         """(b,) tokens at the next position -> logits (b, V) float32 (on the CPU a view of the
         arena, valid until the next step)."""
         self.check_room()
-        with self.lock, self.be.arena.scope():  # CUDA: CuPy's temporaries come from the scope
+        # CUDA: CuPy's temporaries come from the scope
+        with self.lock, quiet(), self.be.arena.scope():
             logits = t5.decode_steps(self.be, self.cfg, self.params, [(self.live, self.length)],
                                      tokens, self.live, self.live.logits)
+            self.check_finite(logits)
             self.length += 1
             return np.asarray(self.be.to_host(logits), np.float32)
+
+    def check_finite(self, logits: Any) -> None:
+        """This step's logits (b, V) hold no NaN or infinity, else a NonFiniteError naming the
+        decoder layer where they began (read from the caches this step wrote at its position)."""
+        xp = self.be.xp
+        if all_finite(xp, logits):
+            return
+        L = self.cfg.num_decoder_layers
+        where = first_bad_layer(xp, [self.live.self_k[i][:, :, self.length] for i in range(L)],
+                                L, "decoder ")
+        raise non_finite(self.model, "logits", where)
 
     def check_room(self) -> None:
         if self.length >= self.max_len:
@@ -85,7 +100,7 @@ class T5Model(Model):
         be = self.backend
         B, T = ids.shape
         out = np.empty((B, T, self.config.d_model), np.float32)
-        with self.lock:
+        with self.lock, quiet():
             # rows in passes that fit the arena's free bytes (a batch of 8 x 512 tokens of a
             # 64-head encoder needs 1.7 GB of scratch; under a memory limit it runs 4 + 4)
             step = self._rows_per_pass(B, T)
@@ -94,8 +109,18 @@ class T5Model(Model):
                     part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
                                           "encoder output")
                     t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
+                    if not all_finite(be.xp, part):
+                        raise non_finite(self, "encoder states", self._where_encoder_fails(
+                            ids[a:a + step], mask[a:a + step], part))
                     out[a:a + step] = be.to_host(part)
         return out
+
+    def _where_encoder_fails(self, ids: np.ndarray, mask: np.ndarray, out: Any) -> str | None:
+        """The first encoder layer whose output holds NaN or infinity (the pass run again with a
+        probe; only on the failing path)."""
+        be = self.backend
+        return first_non_finite(be.xp, lambda probe: t5.encode(be, self.config, self.params, ids,
+                                                               mask, out, probe))
 
     def _rows_per_pass(self, batch: int, length: int) -> int:
         """The most rows of `length` tokens whose encoder pass fits the arena's free bytes (at
@@ -173,10 +198,16 @@ class T5Model(Model):
             raise InputError(f"decoder_input_ids: batch {dec.shape[0]} != input_ids batch "
                              f"{ids.shape[0]}")
         be = self.backend
-        with self.lock, be.arena.scope():
+        with self.lock, quiet(), be.arena.scope():
             enc = be.arena.alloc((*ids.shape, self.config.d_model), be.dtype, "encoder output")
             t5.encode(be, self.config, self.params, ids, mask, enc)
-            return t5.decode_full(be, self.config, self.params, dec, enc, mask)
+            logits = t5.decode_full(be, self.config, self.params, dec, enc, mask)
+            if not all_finite(np, logits):
+                where = self._where_encoder_fails(ids, mask, enc) or first_non_finite(
+                    be.xp, lambda probe: t5.decode_full(be, self.config, self.params, dec, enc,
+                                                        mask, probe))
+                raise non_finite(self, "logits", where)
+            return logits
 
     @contextlib.contextmanager
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -190,9 +221,14 @@ class T5Model(Model):
         with self.lock:   # the state is this request's own hold: released in any order
             buf, held = DecodeBuffers.hold(be.arena, self.config, B * repeat, S, max_len, be.dtype)
         try:
-            with self.lock, be.arena.scope():
+            with self.lock, quiet(), be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
                                max_len, repeat)
+                if not all_finite(be.xp, buf.cross_k[:, :B], buf.cross_v[:, :B]):
+                    enc = be.arena.alloc((B, S, self.config.d_model), be.dtype, "encoder output")
+                    where = self._where_encoder_fails(input_ids, attention_mask, enc)
+                    raise non_finite(self, "encoder states", where or
+                                     "the decoder's cross-attention keys and values")
             yield T5DecodeState(self, buf, B * repeat, max_len)
         finally:
             held.release()
@@ -235,7 +271,7 @@ class T5Model(Model):
         be, cfg = self.backend, self.config
         R = sum(state.batch for state in states)
         keys = max(max(s.length + 1 for s in states), max(s.buf.cross_k.shape[3] for s in states))
-        with self.lock, be.arena.scope():
+        with self.lock, quiet(), be.arena.scope():
             ws = StepScratch.allocate(be.arena, cfg, R, keys, be.dtype)
             out = t5.decode_steps(be, cfg, self.params, [(s.live, s.length) for s in states],
                                   np.concatenate(tokens), ws, ws.logits)
@@ -244,6 +280,7 @@ class T5Model(Model):
             bounds = np.cumsum([0] + [s.batch for s in states])
             for state, a, b in zip(states, bounds[:-1], bounds[1:]):
                 state.live.logits[:, 0] = out[a:b]
+                state.check_finite(state.live.logits)
         results = []
         for state in states:
             state.length += 1

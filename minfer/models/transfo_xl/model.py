@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ...errors import InputError
+from ...numerics import all_finite, first_bad_layer, non_finite, quiet
 from ...generation.options import resolve_options
 from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
@@ -126,15 +127,32 @@ class XLModel(Model):
         self._check_memory(memory, B)   # (a closed session's stream must not write a freed block)
         rows = 0 if head == "none" else B if head == "last" else B * T
         temporaries = head_temporaries(self.config, rows, self.backend.dtype)
-        with self.lock, self.backend.arena.scope(temporaries):
+        with self.lock, quiet(), self.backend.arena.scope(temporaries):
             h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
                                   memory.length)
             memory.advance(T)
+            self._check_hidden(h, memory)
             if head == "none":
                 return None
             h = h[:, -1] if head == "last" else h.reshape(B * T, -1)
-            return np.asarray(self.backend.to_host(
+            out = np.asarray(self.backend.to_host(
                 xl.log_probs(self.backend, self.config, self.params, h)), np.float32)
+            if not all_finite(np, out):
+                raise non_finite(self, "log-probs", "the adaptive softmax")
+            return out
+
+    def _check_hidden(self, h: Any, memory: SegmentMemory) -> None:
+        """The last layer's output (B, T, C) of a call holds no NaN or infinity, else a
+        NonFiniteError naming the layer where they began: the memory has just taken each layer's
+        input of this call (earlier calls were checked), so the first layer whose memory is not
+        finite was fed by the layer before it."""
+        xp = self.backend.xp
+        if all_finite(xp, h):
+            return
+        L, n = self.config.n_layer, memory.length
+        where = first_bad_layer(xp, [memory.live().states[i][:, :n] for i in range(L)], L) \
+            if n else None
+        raise non_finite(self, "hidden states", where)
 
     def _check_memory(self, memory: Any, batch: int) -> None:
         """A memory this model made, not yet released, for `batch` rows; else a one-line error."""
@@ -195,9 +213,10 @@ class XLModel(Model):
                 seg = arr[:, start:min(start + T, n)]
                 targets = arr[0, start + 1:start + 1 + seg.shape[1]]
                 temporaries = head_temporaries(cfg, seg.shape[1], be.dtype, scoring=True)
-                with self.lock, be.arena.scope(temporaries):
+                with self.lock, quiet(), be.arena.scope(temporaries):
                     h = xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
                     memory.advance(seg.shape[1])
+                    self._check_hidden(h, memory)
                     total += float(xl.target_log_probs(be, cfg, params, h.reshape(seg.shape[1], -1),
                                                        targets).sum())
                 if progress is not None:
@@ -205,6 +224,8 @@ class XLModel(Model):
         finally:
             if own:
                 memory.release()
+        if not math.isfinite(total):
+            raise non_finite(self, "log-likelihoods", "the adaptive softmax")
         return {"log_likelihood": total, "tokens": n, "perplexity": math.exp(-total / n),
                 "seconds": time.perf_counter() - t0}
 
@@ -235,13 +256,16 @@ class XLModel(Model):
             for start in range(0, P, chunk):
                 # each segment's scratch goes back before the next one (as in `score`): a prompt
                 # of any length runs in one segment's arena plus the memory
-                with self.lock, be.arena.scope(head_temporaries(cfg, B, be.dtype)):
+                with self.lock, quiet(), be.arena.scope(head_temporaries(cfg, B, be.dtype)):
                     part = ids[:, start:start + chunk]
                     h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
                     memory.advance(part.shape[1])
+                    self._check_hidden(h, memory)
                     if start + chunk >= P:  # the last segment: its last position's log-probs
                         first = np.array(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
                                          np.float32)                             # (B, V)
+                        if not all_finite(np, first):
+                            raise non_finite(self, "log-probs", "the adaptive softmax")
             spread = np.repeat(np.arange(B), repeat)
             if repeat > 1:
                 with self.lock:

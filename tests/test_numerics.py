@@ -1,0 +1,133 @@
+"""Outputs that hold NaN or infinity (numerics.py): weights that load but overflow make every
+public call fail in one line naming the model and the layer where the values began, never hand
+back NaN."""
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import minfer
+from minfer import numerics
+from minfer.errors import NonFiniteError
+
+from conftest import ROOT
+from factories import write_t5
+
+HUGE = 1e20   # under the loader's bound on a weight (1e30), but two such products overflow float32
+
+
+def _scaled(folder, *names, factor=HUGE):
+    """The checkpoint with these tensors multiplied by `factor`: they load, and the layer that
+    multiplies by both overflows to infinity."""
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in names:
+        tensors[name] = (tensors[name].astype(np.float64) * factor).astype(np.float32)
+    save_file(tensors, str(path))
+    return folder
+
+
+def _ff(stack, layer, sub):
+    """The two weights of a T5 feed-forward (relu): both scaled, its output overflows."""
+    return (f"{stack}.block.{layer}.layer.{sub}.DenseReluDense.wi.weight",
+            f"{stack}.block.{layer}.layer.{sub}.DenseReluDense.wo.weight")
+
+
+@pytest.fixture
+def t5_folder(tmp_path):
+    return write_t5(tmp_path / "t5", seed=2, num_layers=3, num_decoder_layers=3)
+
+
+def test_all_finite_sees_nan_and_infinity_anywhere():
+    a = np.zeros((3, 1000), np.float32)
+    assert numerics.all_finite(np, a, None)
+    for bad in (np.nan, np.inf, -np.inf):
+        b = a.copy()
+        b[2, 777] = bad
+        assert not numerics.all_finite(np, a, b)
+    big = np.full(1 << 16, 3e38, np.float32)    # finite values whose float32 sum overflows
+    assert numerics.all_finite(np, big)
+    assert not numerics.all_finite(np, np.array([np.inf], np.float16))
+
+
+def test_encode_names_the_encoder_layer_where_the_values_began(t5_folder):
+    _scaled(t5_folder, *_ff("encoder", 1, 1))
+    model = minfer.load(t5_folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # nothing but the error: no NumPy warnings
+        with pytest.raises(NonFiniteError) as e:
+            model.encode([[5, 6, 7, 1], [8, 9, 1, 0]])
+    message = str(e.value)
+    assert "\n" not in message and str(t5_folder) in message
+    assert "encoder states" in message and "beginning at encoder layer 1" in message
+
+
+def test_generate_and_forward_fail_in_one_line_when_the_encoder_overflows(t5_folder):
+    model = minfer.load(_scaled(t5_folder, *_ff("encoder", 0, 1)))
+    for call in (lambda: model.generate([[5, 6, 7, 1]], max_new_tokens=3),
+                 lambda: model.generate([[5, 6, 7, 1]], max_new_tokens=3, num_beams=2),
+                 lambda: model.forward([[5, 6, 7, 1]], [[0, 3, 4]])):
+        with pytest.raises(NonFiniteError, match="beginning at encoder layer 0"):
+            call()
+
+
+def test_a_decoder_layer_that_overflows_is_named_in_steps_and_in_forward(t5_folder):
+    model = minfer.load(_scaled(t5_folder, *_ff("decoder", 1, 2)))
+    assert np.isfinite(model.encode([[5, 6, 7, 1]])).all()
+    with pytest.raises(NonFiniteError, match=r"logits .*beginning at decoder layer 1"):
+        model.generate([[5, 6, 7, 1]], max_new_tokens=3)
+    with pytest.raises(NonFiniteError, match=r"logits .*beginning at decoder layer 1"):
+        model.forward([[5, 6, 7, 1]], [[0, 3, 4]])
+
+
+def test_steps_taken_together_check_each_state(t5_folder):
+    """Two requests stepped together (step_together stacks their rows): the overflow is found
+    in the stacked step too."""
+    model = minfer.load(_scaled(t5_folder, *_ff("decoder", 2, 2)))
+    ids, mask = np.array([[5, 6, 7, 1]]), np.ones((1, 4), np.int64)
+    with model.start_decoding(ids, mask, 4) as a, model.start_decoding(ids, mask, 4) as b:
+        with pytest.raises(NonFiniteError, match="decoder layer 2 or the output head"):
+            model.step_together([a, b], [a.first_tokens, b.first_tokens])
+
+
+def test_a_healthy_model_is_untouched(t5_folder):
+    model = minfer.load(t5_folder)
+    assert np.isfinite(model.encode([[5, 6, 7, 1]])).all()
+    assert len(model.generate([[5, 6, 7, 1]], max_new_tokens=3)[0]) >= 1
+
+
+@pytest.fixture
+def xl_folder(tmp_path):
+    return shutil.copytree(ROOT / "weights" / "tiny-xl-recall", tmp_path / "xl")
+
+
+def test_transformer_xl_names_the_layer_in_forward_score_and_generate(xl_folder):
+    model = minfer.load(_scaled(xl_folder, "transformer.layers.0.pos_ff.CoreNet.0.weight",
+                                 "transformer.layers.0.pos_ff.CoreNet.3.weight"))
+    ids = [[3, 4, 5, 6]]
+    for call in (lambda: model.forward(ids), lambda: model.score([3, 4, 5, 6, 7]),
+                 lambda: model.generate(ids, max_new_tokens=2)):
+        with pytest.raises(NonFiniteError, match="beginning at layer 0"):
+            call()
+
+
+def test_embed_and_the_cli_embed_fail_in_one_line(tmp_path):
+    """`minfer embed` wrote NaN (not JSON) and exited 0; now one line and a failing status."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import make_text_model_folder
+    folder = make_text_model_folder(tmp_path / "m")
+    _scaled(folder, *_ff("encoder", 1, 1))
+    model = minfer.load(folder)
+    with pytest.raises(NonFiniteError, match="beginning at encoder layer 1"):
+        model.embed(["a b c", "d e"])
+    run = subprocess.run([sys.executable, "-m", "minfer", "embed", "-m", str(folder), "a b c"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, NUMBA_NUM_THREADS="1"))
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode != 0 and "NaN" not in run.stdout and len(lines) == 1, run.stderr
+    assert "encoder layer 1" in lines[0] and "NaN or infinity" in lines[0]
