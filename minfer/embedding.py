@@ -8,6 +8,10 @@ encoder states of the real tokens pooled, then each Dense layer (x W^T + b, acti
 Normalize in order. A folder without modules.json embeds by mean pooling of the encoder states
 over the real tokens, with no projection or normalisation.
 
+Texts are a string or an ordered collection of strings (`text_list`: anything else, bytes, a dict
+or a set is a one-line InputError naming what was given, or the index of the item that is no
+string); a model without an encoder (Transformer-XL) cannot embed, in one line too.
+
 The head runs on the host over the float32 states `encode` returns: (B, T, C) -> (B, dim) is a
 few operations per state, next to the encoder's whole stack. Shapes: B batch, T tokens, C
 d_model, E the embedding width.
@@ -15,12 +19,14 @@ d_model, E the embedding width.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Set
 from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import InputError
-from .io.sentence_transformers import Dense, Normalize, Pooling, SentenceModules
+from .io.limits import quoted
+from .io.sentence_transformers import Dense, Normalize, Pooling, SentenceModules, listed
 
 MEAN_POOLING = Pooling(("mean_tokens",), 0)   # a T5 folder without modules.json
 DEFAULT_BATCH = 32
@@ -103,6 +109,50 @@ def head(states: np.ndarray, mask: np.ndarray, modules: SentenceModules | None) 
 # =====================================================================================================
 # Texts -> embeddings
 # =====================================================================================================
+TEXTS_EXPECTED = "expected a string or a list of strings"
+
+
+def given(value: Any) -> str:
+    """What a caller passed, for a one-line message: a scalar with its value, else its type."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    if isinstance(value, (bool, int, float, complex, np.number, np.bool_)):
+        text = str(value)   # (NumPy 2's repr of 2.5 is "np.float32(2.5)")
+        return f"{name} {text if len(text) <= 40 else text[:37] + '...'}"
+    return name
+
+
+def text_list(texts: Any, what: str) -> list[str]:
+    """A string, or an ordered collection of strings (a list, a tuple, a 1-D array, a generator)
+    -> a list of strings; anything else is a one-line InputError saying what was given, and for
+    an item that is not a string, its index. Bytes are refused rather than read as integers, and
+    a dict or a set rather than embedded in an order that matches no input."""
+    if isinstance(texts, str):
+        return [texts]
+    if isinstance(texts, (bytes, bytearray, memoryview)):
+        raise InputError(f"{what}: got {given(texts)}, {TEXTS_EXPECTED} (decode bytes first)")
+    if (isinstance(texts, (Mapping, Set)) or not isinstance(texts, Iterable)
+            or (isinstance(texts, np.ndarray) and texts.ndim != 1)):
+        shape = f" of shape {texts.shape}" if isinstance(texts, np.ndarray) else ""
+        raise InputError(f"{what}: got {given(texts)}{shape}, {TEXTS_EXPECTED}")
+    texts = list(texts)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            hint = "; decode bytes first" if isinstance(text, (bytes, bytearray)) else ""
+            raise InputError(f"{what}: text {i} is {given(text)}, not a string "
+                             f"({TEXTS_EXPECTED}{hint})")
+    return texts
+
+
+def check_can_embed(model: Any) -> None:
+    """A one-line error for a model with no encoder to embed with (Transformer-XL)."""
+    if not callable(getattr(model, "encode", None)):
+        family = getattr(model, "family", type(model).__name__)
+        raise InputError(f"{getattr(model, 'folder', 'this model')}: a {family} model cannot "
+                         "embed: sentence embeddings need an encoder (a T5-family model)")
+
+
 def prompt_for(modules: SentenceModules | None, prompt_name: str | None,
                prompt: str | None) -> str:
     """The prompt prepended to every text: given, named, or the folder's default."""
@@ -114,9 +164,11 @@ def prompt_for(modules: SentenceModules | None, prompt_name: str | None,
         return prompt
     prompts = modules.prompts if modules is not None else {}
     if prompt_name is not None:
-        if prompt_name not in prompts:
-            raise InputError(f"embed(): prompt_name {prompt_name!r:.80} is not one of the model's "
-                             f"prompts ({', '.join(prompts) or 'none'})")
+        if not isinstance(prompt_name, str) or prompt_name not in prompts:
+            name = (f"'{quoted(prompt_name, 80)}'" if isinstance(prompt_name, str)
+                    else given(prompt_name))
+            raise InputError(f"embed(): prompt_name {name} is not one of the model's prompts "
+                             f"({listed(prompts)})")
         return prompts[prompt_name]
     default = modules.default_prompt_name if modules is not None else None
     return prompts[default] if default is not None else ""
@@ -127,18 +179,14 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
     """Texts -> (N, E) float32 embeddings (a single text: (1, E)); see the module docstring.
     Rows run in batches of similar length (at most `batch_size`; `encode` runs a batch in fewer
     rows at a time when the arena cannot hold it); results keep the input order."""
+    check_can_embed(model)
     tok = model.tokenizer
     if tok is None:
         raise InputError(f"embed() needs a tokenizer, and {model.folder} has none: encode token "
                          "ids with model.encode instead")
-    if isinstance(texts, str):
-        texts = [texts]
-    texts = list(texts)
+    texts = text_list(texts, "embed()")
     if not texts:
         raise InputError("embed(): expected a text or a non-empty list of texts")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise InputError(f"embed(): text {i} is {type(t).__name__}, not a string")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"embed(): batch_size must be a positive integer, got {batch_size!r:.40}")
     modules = model.sentence_modules
@@ -173,6 +221,8 @@ def token_counts(model: Any, texts: Sequence[str], *, prompt_name: str | None = 
                  prompt: str | None = None) -> list[int]:
     """How many tokens `embed` encodes for each text (the prompt's included, cut at
     max_seq_length): a server's usage counts, and what it bounds."""
+    check_can_embed(model)
+    texts = text_list(texts, "token_counts()")
     modules = model.sentence_modules
     text_prompt = prompt_for(modules, prompt_name, prompt)
     return [len(tokens_of(model, text_prompt + t, modules)) for t in texts]
