@@ -142,10 +142,16 @@ class T5Model(Model):
             raise InputError("encode(): padding='max_length' needs max_length")
         if truncation and max_length is None:
             raise InputError("encode(): truncation=True needs max_length")
+        from ...embedding import given, text_list
         texts = [inputs] if isinstance(inputs, str) else inputs
-        is_text = isinstance(texts, (list, tuple)) and len(texts) > 0 and all(
-            isinstance(t, str) for t in texts)
+        # text when its first item is a string (every other item must be one too: named if not)
+        is_text = isinstance(texts, (list, tuple)) and len(texts) > 0 and isinstance(texts[0], str)
+        if not is_text and not isinstance(inputs, (list, tuple)) and not (
+                hasattr(inputs, "shape") and hasattr(inputs, "dtype")):
+            raise InputError(f"encode(): got {given(inputs)}, expected text (a string or a list "
+                             "of strings) or token ids (id lists or a (batch, length) array)")
         if is_text:
+            texts = text_list(texts, "encode()")
             if attention_mask is not None:
                 raise InputError("encode(): attention_mask applies to token ids, not to text")
             from ...generation.text import need_tokenizer
