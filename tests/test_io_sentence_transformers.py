@@ -191,12 +191,13 @@ def test_bad_settings_are_one_bounded_line(st_folder, name, content, match):
     assert one_line(e).startswith(str(path))
 
 
-@pytest.mark.parametrize("name", ["sentence_bert_config.json", "1_Pooling/config.json",
-                                  "2_Dense/config.json"])
+@pytest.mark.parametrize("name", ["modules.json", "sentence_bert_config.json",
+                                  "1_Pooling/config.json", "2_Dense/config.json"])
 @pytest.mark.parametrize("make", ["folder", "loop"])
 def test_a_settings_file_that_is_not_a_file_is_named(st_folder, name, make):
-    """A settings file that is a folder or a looping link: not taken for absent (sentence_bert_
-    config.json was ignored) nor called missing."""
+    """A settings file that is a folder or a looping link: not taken for absent (modules.json
+    loaded a plain T5 without its head, sentence_bert_config.json was ignored) nor called
+    missing."""
     path = st_folder / name
     path.unlink()
     if make == "folder":

@@ -189,6 +189,8 @@ def read_sentence_modules(folder: str | Path) -> SentenceModules | None:
     folder = Path(folder)
     source = folder / MODULES_FILE
     if not source.is_file():
+        if source.is_symlink() or source.exists():   # not a plain T5 folder: say so
+            raise CheckpointError(f"{source}: not a readable file")
         return None
     entries, _ = read_json_text(source, CheckpointError, MAX_SETTINGS_BYTES)
     if not isinstance(entries, list) or not entries:
