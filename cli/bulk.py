@@ -1,6 +1,8 @@
 """Bulk mode (`generate --input PATH [--output PATH]`): input rows -> JSON Lines records, read and
 written as it goes (a window of rows at a time), so memory stays flat however long the input; an
-interrupted run continues with --resume. Also the line reader and the in-order decoding that the
+interrupted run continues with --resume, which recognises its own output (each line a record
+this command writes for that input line) and refuses any other file, leaving it as it was. Also
+the line reader and the in-order decoding that the
 batched stdin output shares.
 
 Every input line is a row, so output line k always answers input line k: a row that cannot run
@@ -11,11 +13,14 @@ on, ending with one line naming the count and the first error, status 1.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
+import stat
 import sys
 import time
-from typing import Any, BinaryIO, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple
 
 import click
 
@@ -117,8 +122,9 @@ def bulk_settings(prompts: tuple, input_path: str | None, output_path: str | Non
         fail(f"--input {input_path}: no such file", EXIT_USAGE)
     if input_path != "-" and os.path.isdir(input_path):   # a pipe (<(zcat ...)) is fine
         fail(f"--input {input_path}: is a directory", EXIT_USAGE)
-    if (output_path != "-" and input_path != "-" and os.path.exists(output_path)
-            and os.path.samefile(input_path, output_path)):
+    if output_path != "-" and os.path.isdir(output_path):
+        fail(f"--output {output_path}: is a directory (name a file in it)", EXIT_USAGE)
+    if output_path != "-" and _same_file(input_path, output_path):
         fail(f"--output {output_path} is the input file: writing it would destroy the input",
               EXIT_USAGE)
     jsonl = fmt == "jsonl" or (fmt == "auto" and (field is not None or (
@@ -128,17 +134,28 @@ def bulk_settings(prompts: tuple, input_path: str | None, output_path: str | Non
     return Bulk(input_path, output_path, jsonl, field or "text", resume)
 
 
-def bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, str, dict]]:
-    """(prompt or BadRow, its name, the fields copied into its record) per input line after the
-    first `skip`. Every line is a row (an empty one too: it fails as a row), so output line k
-    always answers input line k and --resume can count."""
+def _same_file(input_path: str, output_path: str) -> bool:
+    """Whether the output is the input file (given twice, or stdin redirected from it); a
+    device such as /dev/null may be both."""
+    try:
+        out = os.stat(output_path)
+        if not stat.S_ISREG(out.st_mode):
+            return False
+        if input_path != "-":
+            return os.path.samestat(os.stat(input_path), out)
+        return sys.stdin is not None and os.path.samestat(os.fstat(sys.stdin.fileno()), out)
+    except (OSError, ValueError, AttributeError):   # no output yet; a stdin without a file
+        return False
+
+
+def bulk_rows(stream: BinaryIO, bulk: Bulk) -> Iterator[tuple[Any, str, dict]]:
+    """(prompt or BadRow, its name, the fields copied into its record) per input line, from the
+    first. Every line is a row (an empty one too: it fails as a row), so output line k always
+    answers input line k and --resume can count."""
     from minfer.errors import InputError
     from minfer.generation.text import BadRow
     from minfer.io.limits import parse_json
-    number = 0
     for number, offset, raw in lines(stream):
-        if number <= skip:
-            continue
         where = f"{bulk.name}: line {number}"
         if raw is None:
             yield BadRow(f"{where}: longer than {MAX_LINE_BYTES} bytes"), where, {}
@@ -164,9 +181,6 @@ def bulk_rows(stream: BinaryIO, bulk: Bulk, skip: int) -> Iterator[tuple[Any, st
         elif not isinstance(prompt, str):
             prompt = BadRow(f"{where}: field {bulk.field!r} is {json_type(prompt)}, not a string")
         yield prompt, where, extra
-    if number < skip:   # more records than input lines: not this input's output
-        fail(f"--resume: {bulk.out_name} holds {skip} records but {bulk.name} has only {number} "
-             "lines: it is not this input's output (remove it, or drop --resume)")
 
 
 def json_type(value: Any) -> str:
@@ -214,7 +228,8 @@ def bulk_options(item: str, output_help: str):
                           "are copied into its output  [default: text]."),
         click.option("--resume", is_flag=True,
                      help="Bulk mode: keep the complete records already in --output, skip that "
-                          "many input rows and append the rest."),
+                          "many input rows and append the rest. Only this command's own output "
+                          "for this input is continued; any other file is refused, untouched."),
     ]
 
     def apply(command):
@@ -224,44 +239,165 @@ def bulk_options(item: str, output_help: str):
     return apply
 
 
-def open_to_resume(path: str) -> BinaryIO | None:
-    """The output file of an earlier run, open for reading and cutting (None: there is none)."""
-    try:
-        return open(path, "r+b")
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        fail(f"--output {path}: cannot open: {e.strerror or e}")
+# -- --resume: continue an earlier run's output, and only that -----------------------------------------
+Checks = dict[str, Callable[[Any], bool]]   # a key of a record -> whether its value is one we write
 
 
-def is_generate_record(obj: Any) -> bool:
-    """Whether a JSON value is a record `generate --input` writes (its result fields are there)."""
-    return (isinstance(obj, dict) and obj.get("finish_reason") in ("eos", "length", "stop", "error")
-            and "text" in obj and (obj["finish_reason"] != "error" or "error" in obj))
+@dataclass(frozen=True)
+class RecordShape:
+    """What a bulk command's records hold beside the fields they copy from their input row.
 
+    first: the result key written first. keys: every key a result may hold. kind: a record ->
+    (required, optional) checks of its result keys, chosen by what the record is (a result or
+    an error), or None when it is neither."""
+    first: str
+    keys: frozenset[str]
+    kind: Callable[[dict], tuple[Checks, Checks] | None]
 
-def resume_point(path: str, is_record: Callable[[Any], bool]) -> tuple[int, bool]:
-    """(complete records already in `path`, whether anything after them was cut off). The file
-    is cut after the last complete record (`is_record` says what the command writes): a line the
-    last run was writing when it stopped, or anything else (a stray line another process
-    appended), ends them, and is dropped to be written again. No file: (0, False)."""
-    f = open_to_resume(path)
-    if f is None:
-        return 0, False
-    with f:
-        good = end = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):   # our own records, one a line
-            try:
-                ok = line.endswith(b"\n") and is_record(json.loads(line))
-            except (ValueError, RecursionError):
-                ok = False
-            if not ok:
+    def matches(self, record: Any, extra: dict) -> bool:
+        """Whether `record` is what this command writes for an input row whose copied fields
+        are `extra`: each key a result key holding a value of ours, or copied from the row with
+        the row's value; every field of the row there."""
+        if not isinstance(record, dict) or not all(k in record for k in extra):
+            return False
+        checks = self.kind(record)
+        if checks is None:
+            return False
+        required, optional = checks
+        if not all(k in record and ok(record[k]) for k, ok in required.items()):
+            return False
+        for key, value in record.items():
+            if key in required:
+                continue
+            copied = key in extra and _same(value, extra[key])
+            if not (copied or (key in optional and optional[key](value))):
+                return False
+        return True
+
+    def head(self, extra: dict) -> bytes:
+        """The bytes every record of a row with copied fields `extra` starts with: the copied
+        fields written before the first result key, then that key."""
+        before = {}
+        for key in {**extra, self.first: None}:
+            if key in self.keys:   # (a copied field named like a result key holds the result)
                 break
-            good, end = good + 1, end + len(line)
-        cut = f.seek(0, os.SEEK_END) > end
-        if cut:   # (a character device such as /dev/null cannot be truncated, nor needs it)
-            f.truncate(end)
-    return good, cut
+            before[key] = extra[key]
+        text = json.dumps(before, ensure_ascii=False)[:-1] + (", " if before else "")
+        return (text + json.dumps(key, ensure_ascii=False) + ": ").encode("utf-8",
+                                                                        "backslashreplace")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON (NaN, written as such, equals itself)."""
+    return json.dumps(a) == json.dumps(b)
+
+
+def is_count(v: Any) -> bool:
+    return type(v) is int and v >= 0
+
+
+def is_number(v: Any) -> bool:
+    return type(v) in (int, float)
+
+
+class Resumed(NamedTuple):
+    records: int          # complete records kept
+    end: int              # the byte offset after them
+    cut: bool             # whether bytes after them (a record cut short) are dropped
+    rows: Iterator        # the input rows after the ones those records answer
+
+
+def check_resume(bulk: Bulk, rows: Iterator[tuple], shape: RecordShape) -> Resumed:
+    """An earlier run's --output, checked before anything is written to it: each line must be
+    a record this command writes (`shape`) answering the input row of the same number (the
+    fields it copied from that row equal the row's), except a last line cut short by an
+    interrupted write, which must start as that row's record would. Anything else (a user's
+    notes, another tool's JSON Lines, another input's output) is refused in one line and the
+    file left as it was. No file, or an empty one: nothing to keep. `rows` is consumed as far
+    as the records go; the rest come back in `rows`."""
+    from minfer.errors import InputError
+    from minfer.io.limits import parse_json
+    out = bulk.out_name
+    try:
+        f = open(bulk.output_path, "rb")
+    except FileNotFoundError:
+        return Resumed(0, 0, False, rows)
+    except OSError as e:
+        fail(f"--output {out}: cannot open: {e.strerror or e}")
+    with f:
+        records = end = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            number = records + 1
+            row = next(rows, None)
+            if row is None:
+                more = 1 + sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+                fail(f"--resume: {out} holds {records + more} lines but {bulk.name} has only "
+                     f"{records}: it is not this input's output (remove it, or drop --resume)")
+            if not line.endswith(b"\n"):   # cut short by an interrupted write: the last line
+                head = shape.head(row[2])
+                if f.read(1) or line[:len(head)] != head[:len(line)]:
+                    fail(f"--resume: {out} line {number} is not a record minfer writes; it was "
+                         f"not written by this command for {bulk.name} (resume only its own "
+                         "output; write to a new file)")
+                return Resumed(records, end, True, itertools.chain([row], rows))
+            try:
+                record = parse_json(line, out, InputError)
+            except InputError:
+                record = None
+            if not shape.matches(record, row[2]):
+                ours = isinstance(record, dict) and shape.matches(
+                    record, {k: v for k, v in record.items() if k not in shape.keys})
+                what = ("the fields it copies differ from that line's" if ours
+                        else "it is not a record minfer writes")
+                fail(f"--resume: {out} line {number} does not answer {bulk.name} line {number} "
+                     f"({what}); resume only this command's output for this input (or write to "
+                     "a new file)")
+            records, end = number, end + len(line)
+    return Resumed(records, end, False, rows)
+
+
+def skip_rows(bulk: Bulk, rows: Iterator[tuple], done: int) -> Iterator[tuple]:
+    """The input rows after the first `done` (the rows an output that keeps no per-row fields
+    already answers), or a one-line failure when the input is shorter."""
+    for seen in range(done):
+        if next(rows, None) is None:
+            fail(f"--resume: {bulk.out_name} holds {done} rows but {bulk.name} has only {seen} "
+                 "lines: it is not this input's output (remove it, or drop --resume)")
+    return rows
+
+
+def open_output(bulk: Bulk, kept: Resumed) -> NamedOutput:
+    """The JSON Lines output: a new file, or the resumed one cut after its kept records."""
+    if bulk.resume and kept.cut:
+        try:
+            with open(bulk.output_path, "r+b") as f:
+                f.truncate(kept.end)
+        except OSError as e:
+            fail(f"--output {bulk.out_name}: cannot cut its incomplete record: {e.strerror or e}")
+    return open_output_file(bulk, "ab" if bulk.resume else "wb")
+
+
+_FINISHED = ("eos", "length", "stop")
+_SEQUENCE: Checks = {"text": lambda v: isinstance(v, str), "finish_reason": lambda v: v in _FINISHED,
+                     "prompt_tokens": is_count, "new_tokens": is_count}
+
+
+def _is_sequence(v: Any) -> bool:
+    return (isinstance(v, dict) and all(k in v and ok(v[k]) for k, ok in _SEQUENCE.items())
+            and set(v) <= {*_SEQUENCE, "score"} and is_number(v.get("score", 0)))
+
+
+def _generate_kind(record: dict) -> tuple[Checks, Checks] | None:
+    if record.get("finish_reason") == "error":
+        return {"text": lambda v: v is None, "finish_reason": lambda v: v == "error",
+                "error": lambda v: isinstance(v, str)}, {}
+    return _SEQUENCE, {"score": is_number, "sequences": lambda v: (
+        isinstance(v, list) and len(v) > 1 and all(map(_is_sequence, v)))}
+
+
+# what _bulk_record writes: --resume continues only files of these records
+GENERATE_RECORD = RecordShape("text", frozenset({*_SEQUENCE, "score", "sequences", "error"}),
+                              _generate_kind)
 
 
 def count_lines(path: str) -> int:
@@ -329,15 +465,24 @@ class NamedOutput:
         return getattr(self._f, attr)
 
 
-def open_files(bulk: Bulk, out_mode: str) -> tuple[BinaryIO, NamedOutput]:
-    """The input stream and the output file (opened in `out_mode`), or a one-line failure."""
+def open_input(bulk: Bulk) -> BinaryIO:
+    """The input stream, or a one-line failure."""
+    if bulk.input_path == "-":
+        return getattr(sys.stdin, "buffer", sys.stdin)
     try:
-        source = (getattr(sys.stdin, "buffer", sys.stdin) if bulk.input_path == "-"
-                  else open(bulk.input_path, "rb"))
-        out = (sys.stdout.buffer if bulk.output_path == "-" else open(bulk.output_path, out_mode))
+        return open(bulk.input_path, "rb")
     except OSError as e:
-        fail(f"{e.filename}: cannot open: {e.strerror or e}")
-    return source, NamedOutput(out, bulk.out_name, bulk.output_path != "-")
+        fail(f"--input {bulk.name}: cannot open: {e.strerror or e}")
+
+
+def open_output_file(bulk: Bulk, mode: str) -> NamedOutput:
+    """The output file (opened in `mode`) or stdout's bytes, or a one-line failure."""
+    if bulk.output_path == "-":
+        return NamedOutput(sys.stdout.buffer, bulk.out_name, False)
+    try:
+        return NamedOutput(open(bulk.output_path, mode), bulk.out_name, True)
+    except OSError as e:
+        fail(f"--output {bulk.out_name}: cannot open: {e.strerror or e}")
 
 
 def close_files(source: BinaryIO, out: NamedOutput) -> None:
@@ -363,12 +508,14 @@ def kept_note(bulk: Bulk, skip: int, cut: bool) -> str:
 def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
     """Bulk mode: input rows -> JSON Lines records in input order, written as each window of
     rows is done (flushed then), so memory stays flat and an interrupted run can --resume."""
-    skip, cut = resume_point(bulk.output_path, is_generate_record) if bulk.resume else (0, False)
-    source, out = open_files(bulk, "ab" if bulk.resume else "wb")
+    source = open_input(bulk)
+    rows: Iterator = bulk_rows(source, bulk)
+    kept = check_resume(bulk, rows, GENERATE_RECORD) if bulk.resume else Resumed(0, 0, False, rows)
+    skip, cut, rows = kept.records, kept.cut, kept.rows
+    out = open_output(bulk, kept)
     progress = Progress(rows_to_come(bulk, skip))
     failed, first, written = 0, None, 0
     try:
-        rows = bulk_rows(source, bulk, skip)
         for (_, _, extra), results, window_done in results_in_order(m, rows, task, options, progress):
             record = _bulk_record(extra, results)
             # a lone surrogate (a "\ud800" escape in the input) is written back as that escape
@@ -384,11 +531,11 @@ def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
     finally:
         progress.close()
         close_files(source, out)
-    kept = kept_note(bulk, skip, cut)
+    kept_text = kept_note(bulk, skip, cut)
     rate = (f"{progress.rows / progress.elapsed():.1f} prompts/s, "
             f"{progress.tokens / progress.elapsed():.1f} tokens/s")
     if failed:
-        fail(f"{failed} of {written} rows failed{kept}, each written with an 'error' field to "
+        fail(f"{failed} of {written} rows failed{kept_text}, each written with an 'error' field to "
               f"{bulk.out_name} (first: {first}); {rate}")
-    click.echo(f"minfer: {written} rows{kept} -> {bulk.out_name} in {progress.elapsed():.1f} s: "
+    click.echo(f"minfer: {written} rows{kept_text} -> {bulk.out_name} in {progress.elapsed():.1f} s: "
                f"{rate}", err=True)

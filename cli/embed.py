@@ -14,6 +14,7 @@ the count and the first error, status 1. The input reading, resume and progress 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -24,8 +25,9 @@ import numpy as np
 
 from minfer.generation.text import take_window
 
-from .bulk import (Bulk, Progress, bulk_options, bulk_rows, bulk_settings, close_files, kept_note,
-                   open_files, open_to_resume, resume_point, rows_to_come)
+from .bulk import (Bulk, Progress, RecordShape, Resumed, bulk_options, bulk_rows, bulk_settings,
+                   check_resume, close_files, is_number, kept_note, open_input, open_output,
+                   open_output_file, rows_to_come, skip_rows)
 from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
 
 WINDOW = 256   # rows read, embedded and written at a time in bulk mode (and at most
@@ -93,20 +95,20 @@ def embed_window(m: Any, texts: list[Any], options: dict) -> list[np.ndarray | s
 
 def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
     dim = _dimension(m, options)
-    if npy:
-        skip, cut = _npy_resume_point(bulk.output_path, dim) if bulk.resume else (0, False)
+    source = open_input(bulk)
+    rows = bulk_rows(source, bulk)
+    if not bulk.resume:
+        kept = Resumed(0, 0, False, rows)
+    elif npy:
+        done, end, cut = _npy_resume_point(bulk.output_path, dim)
+        kept = Resumed(done, end, cut, skip_rows(bulk, rows, done))
     else:
-        skip, cut = resume_point(bulk.output_path, _is_embed_record) if bulk.resume else (0, False)
-    source, out = open_files(bulk, ("r+b" if skip or cut else "w+b") if npy
-                             else ("ab" if bulk.resume else "wb"))
+        kept = check_resume(bulk, rows, embed_record(dim))
+    skip, cut, rows = kept.records, kept.cut, kept.rows
+    out = _open_npy(bulk, kept, dim) if npy else open_output(bulk, kept)
     progress = Progress(rows_to_come(bulk, skip), unit="text", tokens=False)
     written, failed, first = skip, 0, None
     try:
-        if npy:
-            out.seek(0, os.SEEK_END)
-            if out.tell() == 0:
-                _write_npy_header(out, 0, dim)
-        rows = bulk_rows(source, bulk, skip)
         while window := take_window(rows, WINDOW, text=lambda row: row[0]):
             results = embed_window(m, [row[0] for row in window], options)
             for (_, _, extra), result in zip(window, results):
@@ -145,44 +147,66 @@ def _dimension(m: Any, options: dict) -> int:
     return int(m.embed(["x"], **options).shape[1])
 
 
-def _write_npy_header(out: BinaryIO, rows: int, dim: int) -> None:
+def _npy_header(rows: int, dim: int) -> bytes:
     """A .npy version 1.0 header of exactly NPY_HEADER bytes for a (rows, dim) float32 array."""
     text = repr({"descr": "<f4", "fortran_order": False, "shape": (rows, dim)})
     body = text.encode("latin1")
     pad = NPY_HEADER - 10 - len(body) - 1
     if pad < 0:
         raise click.ClickException(f"{rows} x {dim} does not fit a {NPY_HEADER}-byte .npy header")
+    return b"\x93NUMPY\x01\x00" + (NPY_HEADER - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
+
+
+def _write_npy_header(out: BinaryIO, rows: int, dim: int) -> None:
     out.seek(0)
-    out.write(b"\x93NUMPY\x01\x00" + (NPY_HEADER - 10).to_bytes(2, "little") + body
-              + b" " * pad + b"\n")
+    out.write(_npy_header(rows, dim))
 
 
-def _is_embed_record(obj: Any) -> bool:
-    """Whether a JSON value is a record `embed --input` writes: its vector, or its error."""
-    return isinstance(obj, dict) and (
-        isinstance(obj.get("embedding"), list) or (obj.get("embedding", 0) is None and "error" in obj))
+def embed_record(dim: int) -> RecordShape:
+    """What a JSON Lines record of `embed --input` holds: its `dim` floats, or its error."""
+    def kind(record: dict) -> tuple[dict, dict]:
+        if record.get("embedding", 0) is None:
+            return {"embedding": lambda v: v is None, "error": lambda v: isinstance(v, str)}, {}
+        return {"embedding": lambda v: (isinstance(v, list) and len(v) == dim
+                                        and all(map(is_number, v)))}, {}
+    return RecordShape("embedding", frozenset({"embedding", "error"}), kind)
 
 
-def _npy_resume_point(path: str, dim: int) -> tuple[int, bool]:
-    """(whole rows already in the .npy file at `path`, whether a partial row was cut off). The
-    file is cut after its last whole row and its header says that many. No file: (0, False)."""
-    f = open_to_resume(path)
-    if f is None:
-        return 0, False
-    with f:
-        try:
-            version = np.lib.format.read_magic(f)
-            shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                                     else np.lib.format.read_array_header_2_0(f))
-        except ValueError as e:
-            fail(f"--output {path}: not a .npy file to resume ({e})")
-        if f.tell() != NPY_HEADER or fortran or dtype != np.dtype("<f4") or len(shape) != 2 \
-                or shape[1] != dim:
-            fail(f"--output {path}: not a (rows, {dim}) float32 file written by minfer embed; "
-                 "resume into a new file")
-        size = f.seek(0, os.SEEK_END) - NPY_HEADER
-        rows = size // (4 * dim)
-        cut = rows * 4 * dim != size or rows != shape[0]
-        f.truncate(NPY_HEADER + rows * 4 * dim)
-        _write_npy_header(f, rows, dim)
-    return rows, cut
+def _npy_resume_point(path: str, dim: int) -> tuple[int, int, bool]:
+    """(whole rows already in the .npy file at `path`, the byte offset after them, whether
+    anything else is dropped or rewritten), read only. The file must be what this command
+    writes: its header byte for byte ours for some (rows, dim) float32 (its count may lag the
+    rows after it, written before the header counts them). An empty file, or one cut inside
+    the first header, has no rows; anything else is refused in one line, the file untouched.
+    No file: (0, 0, False)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(NPY_HEADER)
+            size = f.seek(0, os.SEEK_END)
+    except FileNotFoundError:
+        return 0, 0, False
+    except OSError as e:
+        fail(f"--output {path}: cannot open: {e.strerror or e}")
+    if len(head) < NPY_HEADER and _npy_header(0, dim).startswith(head):
+        return 0, 0, bool(head)   # (cut while the first header was written)
+    try:
+        rows = np.lib.format.read_array_header_1_0(io.BytesIO(head[8:]))[0][0]
+    except (ValueError, IndexError, TypeError, SyntaxError):
+        rows = None
+    if rows is None or head != _npy_header(rows, dim):
+        fail(f"--output {path}: not a (rows, {dim}) float32 file written by minfer embed; "
+             "resume only its own output (or write to a new file)")
+    whole = (size - NPY_HEADER) // (4 * dim)
+    end = NPY_HEADER + whole * 4 * dim
+    return whole, end, size != end or whole != rows
+
+
+def _open_npy(bulk: Bulk, kept: Resumed, dim: int) -> Any:
+    """The .npy output: a new file with an empty (0, dim) header, or the resumed one cut after
+    its kept rows with its header counting them; the position at its end."""
+    out = open_output_file(bulk, "r+b" if kept.records or kept.cut else "w+b")
+    if kept.records or kept.cut:
+        out.truncate(kept.end if kept.records else 0)
+    _write_npy_header(out, kept.records, dim)
+    out.seek(0, os.SEEK_END)
+    return out

@@ -96,10 +96,10 @@ def test_resume_continues_after_the_complete_records(text_model_folder, tmp_path
     assert part.read_bytes() == full.read_bytes()
 
 
-def test_resume_counts_only_its_own_records_and_refuses_a_longer_output(text_model_folder,
-                                                                         tmp_path):
-    # any JSON line counted as a record: a stray line another process appended shifted every
-    # later row; an output longer than the input reported success
+def test_resume_refuses_a_stray_line_and_a_longer_output_leaving_them_as_they_were(
+        text_model_folder, tmp_path):
+    # a stray line another process appended used to be cut off with every record after it;
+    # an output longer than the input reported success
     source = tmp_path / "in.txt"
     source.write_text("".join(PROMPTS[i % 8] + "\n" for i in range(12)))
     full = tmp_path / "full.jsonl"
@@ -107,17 +107,20 @@ def test_resume_counts_only_its_own_records_and_refuses_a_longer_output(text_mod
                 "--max-new-tokens", "2").returncode == 0
     lines = full.read_bytes().splitlines(keepends=True)
     part = tmp_path / "part.jsonl"
-    part.write_bytes(b"".join(lines[:5]) + b'{"note": "appended by something else"}\n' + lines[5])
+    stray = b"".join(lines[:5]) + b'{"note": "appended by something else"}\n' + lines[5]
+    part.write_bytes(stray)
     proc = bulk(text_model_folder, "--input", str(source), "--output", str(part),
                 "--max-new-tokens", "2", "--resume")
-    assert proc.returncode == 0 and "after the 5 already in" in proc.stderr, proc.stderr
-    assert part.read_bytes() == full.read_bytes()
+    assert_one_line_error(proc, 1, f"{part} line 6 does not answer {source} line 6 (it is not a "
+                                   "record minfer writes)")
+    assert part.read_bytes() == stray
     longer = tmp_path / "longer.jsonl"
     longer.write_bytes(b"".join(lines) + b"".join(lines[:3]))      # 15 records, 12 lines
     proc = bulk(text_model_folder, "--input", str(source), "--output", str(longer),
                 "--max-new-tokens", "2", "--resume")
-    assert_one_line_error(proc, 1, "holds 15 records but")
-    assert "has only 12 lines" in proc.stderr
+    assert_one_line_error(proc, 1, "holds 15 lines but")
+    assert "has only 12:" in proc.stderr
+    assert longer.read_bytes() == b"".join(lines) + b"".join(lines[:3])
 
 
 def test_bad_text_rows_become_error_records_and_the_run_goes_on(text_model_folder, tmp_path,

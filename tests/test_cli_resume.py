@@ -1,0 +1,179 @@
+"""--resume continues only minfer's own output, for this input: anything else is a one-line
+refusal and the file is left byte for byte as it was (issue 30, item 1). And the other ways an
+output path could destroy a user's file: a directory, the input itself."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_fuzz_inputs import run_cli
+
+FAMILY = Path(__file__).resolve().parent.parent / "weights" / "family"
+ST = FAMILY / "st_prompts"   # a sentence-transformers fixture: 8 floats a row
+NOTES = "".join(f"note {i}: call the plumber about the {i}th pipe\n" for i in range(800))
+
+
+def one_line_error(result, code, needle):
+    status, _, err = result
+    lines = err.strip().splitlines()
+    assert status == code and len(lines) == 1 and lines[0].startswith("minfer: error: "), err
+    assert needle in lines[0], err
+    return lines[0]
+
+
+def generate(folder, *args):
+    return run_cli(["generate", "-m", str(folder), "--max-new-tokens", "2", *map(str, args)])
+
+
+def embed(*args):
+    return run_cli(["embed", "-m", str(ST), *map(str, args)])
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("a b c\nx y\nhello world\n")
+    return path
+
+
+@pytest.fixture
+def rows(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                            for i, t in enumerate(["a b c", "x y", "hello world"])))
+    return path
+
+
+FOREIGN = {
+    "notes": NOTES,
+    "notes without a last newline": "my notes, one line",
+    "one json-looking line cut short": '{"foo": [1, 2',
+    "another tool's json lines": "".join(json.dumps({"text": f"t{i}", "label": i}) + "\n"
+                                         for i in range(3)),
+    "blank lines": "\n\n",
+    "a json array": "[1, 2, 3]\n",
+}
+
+
+@pytest.mark.parametrize("name", FOREIGN)
+def test_generate_resume_refuses_a_file_it_did_not_write(text_model_folder, tmp_path, prompts, name):
+    out = tmp_path / "notes.txt"
+    out.write_text(FOREIGN[name])
+    before = out.read_bytes()
+    line = one_line_error(generate(text_model_folder, "-i", prompts, "-o", out, "--resume"), 1,
+                          f"--resume: {out} line 1 ")
+    assert "resume only this command's output" in line or "not a record minfer writes" in line
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("name", FOREIGN)
+def test_embed_resume_refuses_a_json_lines_file_it_did_not_write(tmp_path, prompts, name):
+    out = tmp_path / "notes.jsonl"
+    out.write_text(FOREIGN[name])
+    before = out.read_bytes()
+    one_line_error(embed("-i", prompts, "-o", out, "--resume"), 1, f"--resume: {out} line 1 ")
+    assert out.read_bytes() == before
+
+
+def test_records_of_the_other_command_or_another_input_are_refused(text_model_folder, tmp_path,
+                                                                   prompts, rows):
+    made = tmp_path / "made.jsonl"
+    assert generate(text_model_folder, "-i", rows, "-o", made)[0] == 0
+    theirs = made.read_bytes()
+    # generate's records are not embed's, and embed's are not generate's
+    one_line_error(embed("-i", rows, "-o", made, "--resume"), 1, "not a record minfer writes")
+    assert made.read_bytes() == theirs
+    embedded = tmp_path / "embedded.jsonl"
+    assert embed("-i", rows, "-o", embedded)[0] == 0
+    ours = embedded.read_bytes()
+    one_line_error(generate(text_model_folder, "-i", rows, "-o", embedded, "--resume"), 1,
+                   "not a record minfer writes")
+    assert embedded.read_bytes() == ours
+    # generate's own records, for other rows (their ids differ from this input's)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": 10 + i, "text": "q"}) + "\n" for i in range(3)))
+    one_line_error(generate(text_model_folder, "-i", other, "-o", made, "--resume"), 1,
+                   f"line 1 does not answer {other} line 1 (the fields it copies differ")
+    assert made.read_bytes() == theirs
+    # a record with a field no input row had
+    extra = json.loads(theirs.splitlines()[0])
+    extra["mine"] = 1
+    forged = tmp_path / "forged.jsonl"
+    forged.write_text(json.dumps(extra) + "\n")
+    one_line_error(generate(text_model_folder, "-i", rows, "-o", forged, "--resume"), 1,
+                   "line 1 does not answer")
+
+
+def test_resume_keeps_its_own_records_and_rewrites_only_one_cut_short(text_model_folder, tmp_path,
+                                                                     rows):
+    full = tmp_path / "full.jsonl"
+    assert generate(text_model_folder, "-i", rows, "-o", full)[0] == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    for cut in (1, 9, len(lines[1]) - 1):   # inside the copied id, the text, before the newline
+        part = tmp_path / f"part{cut}.jsonl"
+        part.write_bytes(lines[0] + lines[1][:cut])
+        status, _, err = generate(text_model_folder, "-i", rows, "-o", part, "--resume")
+        assert status == 0 and "after the 1 already in" in err and "incomplete record" in err, err
+        assert part.read_bytes() == full.read_bytes()
+    # a last line that does not start as that row's record would is not ours to cut
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_bytes(lines[0] + b'{"id": 7, "te')
+    one_line_error(generate(text_model_folder, "-i", rows, "-o", wrong, "--resume"), 1,
+                   "line 2 is not a record minfer writes")
+    assert wrong.read_bytes() == lines[0] + b'{"id": 7, "te'
+
+
+@pytest.mark.parametrize("command", ["generate", "embed jsonl", "embed npy"])
+def test_a_missing_or_empty_output_is_a_fresh_start(text_model_folder, tmp_path, prompts, command):
+    suffix = ".npy" if command.endswith("npy") else ".jsonl"
+    for name, content in (("missing", None), ("empty", b"")):
+        out = tmp_path / (name + suffix)
+        if content is not None:
+            out.write_bytes(content)
+        status, _, err = (generate(text_model_folder, "-i", prompts, "-o", out, "--resume")
+                          if command == "generate" else embed("-i", prompts, "-o", out, "--resume"))
+        assert status == 0 and err.startswith("minfer: 3 rows -> "), err
+        if suffix == ".npy":
+            assert np.load(out).shape == (3, 8)
+        else:
+            assert len(out.read_text().splitlines()) == 3
+
+
+def test_embed_resume_refuses_an_npy_it_did_not_write(tmp_path, prompts):
+    saved = tmp_path / "saved.npy"
+    np.save(saved, np.ones((2, 8), np.float32))      # the right shape, numpy's own header
+    text = tmp_path / "text.npy"
+    text.write_text(NOTES)
+    short = tmp_path / "short.npy"
+    short.write_bytes(b"\x93NUMPY\x01\x00v\x00{'descr': '<f8'")
+    for path in (saved, text, short):
+        before = path.read_bytes()
+        one_line_error(embed("-i", prompts, "-o", path, "--resume"), 1,
+                       "not a (rows, 8) float32 file written by minfer embed")
+        assert path.read_bytes() == before
+    # its own, cut inside the first rows' header write: nothing kept, nothing refused
+    full = tmp_path / "full.npy"
+    assert embed("-i", prompts, "-o", full)[0] == 0
+    cut = tmp_path / "cut.npy"
+    cut.write_bytes(full.read_bytes()[:40].replace(b"(3, 8)", b"(0, 8)"))
+    status, _, err = embed("-i", prompts, "-o", cut, "--resume")
+    assert status == 0, err
+    assert np.array_equal(np.load(cut), np.load(full))
+
+
+def test_output_onto_a_directory_or_the_input_is_a_usage_error(text_model_folder, tmp_path, prompts):
+    before = prompts.read_bytes()
+    for command in (["generate", "-m", str(text_model_folder)], ["embed", "-m", str(ST)]):
+        one_line_error(run_cli([*command, "-i", str(prompts), "-o", str(tmp_path)]), 2,
+                       f"--output {tmp_path}: is a directory")
+        # stdin redirected from the file the output names: writing it would empty the input
+        with open(prompts, "rb") as stdin:
+            proc = subprocess.run([sys.executable, "-m", "minfer", *command, "-i", "-", "-o",
+                                   str(prompts)], stdin=stdin, capture_output=True, text=True,
+                                  env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+        assert proc.returncode == 2 and "is the input file" in proc.stderr, proc.stderr
+        assert prompts.read_bytes() == before
