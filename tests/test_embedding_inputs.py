@@ -13,17 +13,11 @@ from conftest import ROOT
 import minfer
 from minfer import embedding
 from minfer.errors import InputError
-from minfer.models.base import Model
 
 ST = ROOT / "weights" / "family" / "st_prompts"
 XL_BIN = ROOT / "weights" / "transfo_xl" / "adaptive_div4_bin"   # Transformer-XL with a vocabulary
 EXPECTED = r"expected a string or a list of strings"
 
-# The CLI and Python users reach an XL model's embed only through a Model.embed that
-# minfer/models/base.py does not have yet (the fix is described in issue 30's item 15 report):
-# until then these tests are expected to fail; once it exists they must pass.
-needs_model_embed = pytest.mark.xfail(not hasattr(Model, "embed"), strict=True,
-                                      reason="Model.embed is not in minfer/models/base.py yet")
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +90,11 @@ def test_a_model_without_an_encoder_cannot_embed(xl, call):
     one_line(e)
 
 
-@needs_model_embed
 def test_model_embed_of_a_transformer_xl_is_an_input_error(xl):
     with pytest.raises(InputError, match="a transfo-xl model cannot embed"):
         xl.embed(["the game"])
 
 
-@needs_model_embed
 def test_minfer_embed_on_a_transformer_xl_is_one_line(tmp_path):
     """`minfer embed` said "unexpected AttributeError: 'XLModel' object has no attribute
     'embed'"."""

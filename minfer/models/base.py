@@ -123,6 +123,12 @@ class Model(OwnsWeights, DecodingModel):
         model.free_when_idle = backend.arena.available
         return model
 
+    def embed(self, texts: Any, **options: Any) -> np.ndarray:
+        """Sentence embeddings (N, E) float32 of a text or a list of texts (minfer/embedding.py);
+        a family with no encoder (Transformer-XL) refuses in one line."""
+        from ..embedding import embed
+        return embed(self, texts, **options)
+
     # -- inputs and sizes -----------------------------------------------------------------------------
     def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """Token-id lists or a (B, T) array -> right-padded (B, T) int64 ids and mask, validated."""
