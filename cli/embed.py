@@ -48,29 +48,45 @@ NPY_HEADER = 128   # bytes of the .npy header we write: fixed, so it can be rewr
 @quiet_on_closed_pipe
 def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path, input_format,
           input_field, resume) -> None:
-    """Sentence embeddings of each TEXT (or each line of stdin when no TEXT is given)."""
+    """Sentence embeddings of each TEXT (or each line of stdin when no TEXT is given; every
+    line is a text, a blank one too, so output line k answers input line k)."""
     if prompt is not None and prompt_name is not None:
         fail("give --prompt or --prompt-name, not both", EXIT_USAGE)
     bulk = bulk_settings(texts, input_path, output_path, input_format, input_field, resume,
                          False, None)
     npy = bulk is not None and bulk.output_path.lower().endswith(".npy")
+    names = [f"TEXT {i}" for i in range(1, len(texts) + 1)]
     if not texts and bulk is None:
         if sys.stdin is None or sys.stdin.isatty():
             fail("no text: give TEXT arguments or pipe lines on stdin", EXIT_USAGE)
-        texts = tuple(line for line in read_text(getattr(sys.stdin, "buffer", sys.stdin), "stdin")
-                      .split("\n") if line.strip())
-        if not texts:
-            fail("no text: stdin held no non-empty line", EXIT_USAGE)
+        text = read_text(getattr(sys.stdin, "buffer", sys.stdin), "stdin")
+        if not text:
+            fail("no text: stdin was empty", EXIT_USAGE)
+        # every line is a text, a blank one too: output line k answers input line k
+        texts = tuple(text.split("\n")[:-1] if text.endswith("\n") else text.split("\n"))
+        names = [f"stdin: line {i}" for i in range(1, len(texts) + 1)]
     m = load_model(load)
     if m.tokenizer is None:
         fail(f"{m.folder} has no tokenizer: embed needs one to read text")
     options = dict(prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
     if bulk is None:
-        vectors = m.embed(list(texts), **options)
-        for text, vector in zip(texts, vectors):
-            emit(json.dumps({"text": text, "embedding": vector.tolist()}, ensure_ascii=False))
+        _print_embeddings(m, texts, names, options)
         return
     _run_bulk(m, bulk, npy, options)
+
+
+def _print_embeddings(m: Any, texts: tuple[str, ...], names: list[str], options: dict) -> None:
+    """One {"text", "embedding"} line per text, in order; a text that cannot be embedded is
+    {"text", "embedding": null, "error"} (named by its argument or line) and the run goes on,
+    ending with one line naming the count and the first error, status 1."""
+    results = embed_window(m, list(texts), options)
+    failed = [f"{name}: {r}" for name, r in zip(names, results) if isinstance(r, str)]
+    for text, name, result in zip(texts, names, results):
+        record = ({"text": text, "embedding": None, "error": f"{name}: {result}"}
+                  if isinstance(result, str) else {"text": text, "embedding": result.tolist()})
+        emit(json.dumps(record, ensure_ascii=False))
+    if failed:
+        fail(f"{len(failed)} of {len(texts)} texts failed (first: {failed[0]})")
 
 
 def embed_window(m: Any, texts: list[Any], options: dict) -> list[np.ndarray | str]:

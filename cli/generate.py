@@ -3,9 +3,11 @@ Lines output.
 
 Output streams as it is decided, one prompt at a time; --no-stream and --json run the prompts in
 batches (generation.text.run_iter: a window of prompts at a time, so memory stays flat however
-long stdin is). There a prompt that cannot run is a row error: an `error` record (--json) or an
-empty line (--no-stream); the run carries on, and ends with one line naming the count and the
-first error, status 1. Bulk mode (--input) is cli/bulk.py.
+long stdin is). Every stdin line is a prompt, a blank one too, so output line k answers input
+line k (with several sequences a prompt, plain lines are labelled ROW.K). A prompt that cannot
+run (a blank line; in batches, any row error) is an `error` record (--json) or an empty line;
+the run carries on, and ends with one line naming the count and the first error, status 1.
+Bulk mode (--input) is cli/bulk.py.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
 @click.option("--length-penalty", type=float, default=None,
               help="Beam score = logprob / length**penalty  [default: 1.0].")
 @click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
-              help="Results per prompt  [default: 1].")
+              help="Results per prompt  [default: 1]. Above 1 each plain line is labelled "
+                   "ROW.K and a tab (ROW: the PROMPT argument's or stdin line's number, K: the "
+                   "sequence's), and --json puts them all under \"sequences\".")
 @click.option("--stop", multiple=True, callback=_unescape_stops,
               help="Stop when this text appears (repeatable); it is not printed. Backslash "
                    "escapes \\n (newline), \\t (tab) and \\\\ (backslash) are read, so --stop "
@@ -81,7 +85,9 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
               help="Apply the checkpoint's task settings and prefix, e.g. translation_en_to_de.")
 @click.option("--no-stream", is_flag=True, help="Print each result whole when it is done.")
 @click.option("--json", "as_json", is_flag=True,
-              help="One JSON object per result: text, token ids, finish reason, timing.")
+              help="One JSON object per prompt, in input order: text, token ids, finish reason, "
+                   "token counts, and batch_seconds: the wall time of the batch it ran in, "
+                   "shared by the prompts batched with it (--batch-size 1 times each alone).")
 @click.option("--batch-size", "max_batch_size", type=click.IntRange(min=1), default=None,
               help="Prompts per batch at most (--no-stream, --json, --input); fewer when the "
                    f"workspace cannot hold that many  [default: {DEFAULT_MAX_BATCH_SIZE}].")
@@ -97,7 +103,8 @@ def generate(load, prompts, max_new_tokens,
              no_repeat_ngram_size, num_beams, length_penalty, num_return_sequences, stop, seed,
              task, no_stream, as_json, max_batch_size, max_input_tokens, truncate, input_path,
              output_path, input_format, input_field, resume) -> None:
-    """Generate text for each PROMPT (or each line of stdin when no PROMPT is given).
+    """Generate text for each PROMPT (or each line of stdin when no PROMPT is given; a blank
+    line is a prompt too, which fails as a row, so output line k answers input line k).
 
     Output streams as it is decided, one prompt at a time; --no-stream and --json run the
     prompts in batches (grouped by length, printed in input order). Bulk mode (--input PATH
@@ -109,18 +116,20 @@ def generate(load, prompts, max_new_tokens,
     stream = (bulk is None and not no_stream and not as_json
               and (num_return_sequences or 1) == 1)
     rows = None   # batched output: (prompt, its name, the prompt as --json shows it), read as needed
-    if bulk is None and not prompts:
+    from_stdin = bulk is None and not prompts
+    if from_stdin:
         if sys.stdin is None or sys.stdin.isatty():
             fail("no prompt: give PROMPT arguments or pipe lines on stdin", EXIT_USAGE)
         stdin = getattr(sys.stdin, "buffer", sys.stdin)
         if stream:   # streamed output reads all of stdin first: a bad byte fails before any output
-            prompts = tuple(line for line in read_text(stdin, "stdin").split("\n") if line.strip())
-            empty = not prompts
+            text = read_text(stdin, "stdin")
+            prompts = tuple(text.split("\n")[:-1] if text.endswith("\n") else text.split("\n"))
+            empty = not text
         else:        # batched output reads as it goes (a bad line is a row error)
             rows = _peeked(_stdin_prompts(stdin))
             empty = rows is None
         if empty:
-            fail("no prompt: stdin held no non-empty line", EXIT_USAGE)
+            fail("no prompt: stdin was empty", EXIT_USAGE)
     for i, prompt in enumerate(prompts, 1):
         # an argument that is not UTF-8 arrives with its bad bytes as lone surrogates
         # (surrogateescape): name it as bytes, which is what the user typed
@@ -147,28 +156,41 @@ def generate(load, prompts, max_new_tokens,
         run_bulk(m, bulk, task, options)
         return
     if stream:
-        for prompt in prompts:
-            for piece in m.generate(prompt, stream=True, task=task, **options):
-                emit(piece, nl=False)
-            emit()
+        _run_streamed(m, prompts, from_stdin, task, options)
         return
     if rows is None:
-        rows = ((p, f"PROMPT {i}", p) for i, p in enumerate(prompts, 1))
+        rows = ((p, f"PROMPT {i}", p, i) for i, p in enumerate(prompts, 1))
     _run_batched(m, rows, as_json, task, options)
 
 
-def _stdin_prompts(stream: BinaryIO) -> Iterator[tuple[Any, str, str | None]]:
-    """(prompt or BadRow, its name, the prompt as --json shows it) per non-blank stdin line."""
+def _run_streamed(m: Any, prompts: tuple[str, ...], from_stdin: bool, task: str | None,
+                  options: dict) -> None:
+    """Each prompt's text as it is decided, a line each. A blank stdin line is a row of its own
+    (an empty line, counted as failed), so output line k still answers input line k."""
+    failed, first = 0, None
+    for number, prompt in enumerate(prompts, 1):
+        if from_stdin and not prompt.strip():
+            failed += 1
+            first = first or f"stdin: line {number}: empty prompt (nothing but whitespace)"
+        else:
+            for piece in m.generate(prompt, stream=True, task=task, **options):
+                emit(piece, nl=False)
+        emit()
+    if failed:
+        fail(f"{failed} of {len(prompts)} prompts failed (first: {first})")
+
+
+def _stdin_prompts(stream: BinaryIO) -> Iterator[tuple[Any, str, str | None, int]]:
+    """(prompt or BadRow, its name, the prompt as --json shows it, its line number) per stdin
+    line: a blank one too (it fails as a row), so output line k answers input line k."""
     for number, offset, raw in lines(stream):
         where = f"stdin: line {number}"
         if raw is None:
             from minfer.generation.text import BadRow
-            yield BadRow(f"{where}: longer than {MAX_LINE_BYTES} bytes"), where, None
+            yield BadRow(f"{where}: longer than {MAX_LINE_BYTES} bytes"), where, None, number
             continue
         text = utf8(raw, where, offset)
-        if isinstance(text, str) and not text.strip():
-            continue   # blank lines separate prompts, as when stdin is read whole
-        yield text, where, text if isinstance(text, str) else None
+        yield text, where, text if isinstance(text, str) else None, number
 
 
 def _peeked(rows: Iterator) -> Iterator | None:
@@ -178,28 +200,46 @@ def _peeked(rows: Iterator) -> Iterator | None:
 
 
 def _run_batched(m: Any, rows: Iterable[tuple], as_json: bool, task: str | None, options: dict) -> None:
-    """--no-stream / --json: results printed in input order as each window of prompts is done.
-    A row that cannot run prints an empty line (--json: its `error`); the run goes on and exits
-    1 at the end, naming the first."""
+    """--no-stream / --json: results printed in input order as each window of prompts is done,
+    one line per prompt (--json) or per sequence. A row that cannot run prints an empty line
+    per sequence (--json: its `error`); the run goes on and exits 1 at the end, naming the
+    first. With several sequences a prompt, each plain line is labelled ROW.K and a tab."""
     failed, first, total = 0, None, 0
-    for (_, _, prompt), results, _ in results_in_order(m, rows, task, options):
+    several = (options.get("num_return_sequences") or 1) > 1
+    for (_, _, prompt, number), results, _ in results_in_order(m, rows, task, options):
         total += 1
-        if results[0].error is not None:
+        error = results[0].error
+        if error is not None:
             failed += 1
-            first = first or results[0].error
-            emit(json.dumps({"prompt": prompt, "error": results[0].error}, ensure_ascii=False)
-                 if as_json else "")
-            continue
-        for r in results:
-            if as_json:
-                emit(json.dumps({
-                    "prompt": prompt, "text": r.text, "token_ids": r.token_ids,
-                    "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
-                    "new_tokens": r.new_tokens, "seconds": round(r.seconds, 6),
-                    "tokens_per_second": round(r.new_tokens / r.seconds, 3) if r.seconds else None,
-                    **({"score": r.score} if r.score is not None else {}),
-                }, ensure_ascii=False))
-            else:
-                emit(r.text)
+            first = first or error
+        if as_json:
+            emit(json.dumps(_json_record(prompt, results), ensure_ascii=False))
+        elif several:
+            count = options["num_return_sequences"]
+            texts = [""] * count if error is not None else [r.text for r in results]
+            for k, text in enumerate(texts, 1):
+                emit(f"{number}.{k}\t{text}")
+        else:
+            emit("" if error is not None else results[0].text)
     if failed:
         fail(f"{failed} of {total} prompts failed (first: {first})")
+
+
+def _sequence(r: Any) -> dict:
+    """One sequence's fields in --json. batch_seconds is the wall time of the batch the prompt
+    ran in, shared by every prompt batched with it (--batch-size 1 times each alone)."""
+    return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens,
+            **({"score": r.score} if r.score is not None else {})}
+
+
+def _json_record(prompt: str | None, results: list) -> dict:
+    """A prompt's --json object: its first sequence, all of them under "sequences" when there
+    are several, and the batch's time; or its error."""
+    if results[0].error is not None:
+        return {"prompt": prompt, "error": results[0].error}
+    record = {"prompt": prompt, **_sequence(results[0]),
+              "batch_seconds": round(results[0].seconds, 6)}
+    if len(results) > 1:
+        record["sequences"] = [_sequence(r) for r in results]
+    return record

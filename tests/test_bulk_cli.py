@@ -198,10 +198,11 @@ def test_json_and_no_stream_over_stdin_batch_in_input_order(text_model_folder, t
     stdin = "\n".join(lines[:50] + ["", long] + lines[50:]) + "\n"
     proc = bulk(text_model_folder, "--json", "--max-new-tokens", "3", "--batch-size", "4",
                 "--max-input-tokens", "20", stdin=stdin)
-    assert_one_line_error(proc, 1, "1 of 101 prompts failed (first: stdin: line 52: ")
+    assert_one_line_error(proc, 1, "2 of 102 prompts failed (first: stdin: line 51: empty prompt")
     got = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert got[50]["prompt"] == long and "more than max_input_tokens 20" in got[50]["error"]
-    del got[50]
+    assert got[50] == {"prompt": "", "error": "stdin: line 51: empty prompt (nothing but whitespace)"}
+    assert got[51]["prompt"] == long and "more than max_input_tokens 20" in got[51]["error"]
+    del got[50:52]
     assert [r["prompt"] for r in got] == lines
     assert [r["text"] for r in got] == [expected[3][i % 8] for i in range(100)]
     proc = bulk(text_model_folder, "--no-stream", "--max-new-tokens", "3", "--batch-size", "3",

@@ -36,7 +36,7 @@ def test_generate_streams_the_api_text(text_model_folder, text_model):
 def test_generate_reads_stdin_lines_and_prints_one_result_per_line(text_model_folder, text_model):
     prompts = ["a b c", "date: 1999", "one two three"]
     proc = run("generate", "-m", str(text_model_folder), "--no-stream", "--max-new-tokens", "6",
-               stdin="\n".join(prompts) + "\n\n")
+               stdin="\n".join(prompts) + "\n")
     assert proc.returncode == 0, proc.stderr
     expected = text_model.generate(prompts, max_new_tokens=6)
     assert proc.stdout.split("\n")[:-1] == expected
@@ -51,7 +51,7 @@ def test_generate_json(text_model_folder, text_model):
     for r in rows:
         assert r["token_ids"][0] == 0 and r["new_tokens"] == len(r["token_ids"]) - 1
         assert r["text"] == text_model.tokenizer.decode(r["token_ids"])
-        assert r["finish_reason"] in ("eos", "length") and r["seconds"] >= 0 and "score" in r
+        assert r["finish_reason"] in ("eos", "length") and r["batch_seconds"] >= 0 and "score" in r
 
 
 def test_sampling_options_are_reproducible(text_model_folder):
@@ -129,7 +129,10 @@ def test_bad_checkpoint(tmp_path):
 
 
 def test_empty_input(text_model_folder):
-    assert_one_line_error(run("generate", "-m", str(text_model_folder), stdin="\n\n"), 2, "no prompt")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), stdin=""), 2, "no prompt")
+    # blank lines are prompts (rows that fail), not nothing
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), stdin="\n\n"), 1,
+                          "2 of 2 prompts failed (first: stdin: line 1: empty prompt")
     assert_one_line_error(run("generate", "-m", str(text_model_folder), "  "), 1, "empty prompt")
 
 
