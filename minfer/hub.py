@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ConfigError, ModelNotFoundError
+from .io.limits import shown
 from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
 # Pre-organisation ids the hub now redirects. Resolving them here keeps one cache folder per model
@@ -112,8 +113,8 @@ def check_subfolder(subfolder: str | None, what: str = "subfolder") -> str:
         return ""
     if (not isinstance(subfolder, str) or not _SUBFOLDER.fullmatch(subfolder.rstrip("/"))
             or any(part in (".", "..") for part in subfolder.split("/"))):
-        raise ConfigError(f"{what}={subfolder!r}: expected a folder inside the model folder or "
-                          "repo, such as 'text_encoder_2' (names joined by '/', no '..')")
+        raise ConfigError(f"{what}={shown(subfolder)}: expected a folder inside the model folder "
+                          "or repo, such as 'text_encoder_2' (names joined by '/', no '..')")
     return subfolder.rstrip("/")
 
 
@@ -144,8 +145,8 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
         raise ConfigError(f"'{_shortened(name)}' is neither an existing folder nor a hub repo id "
                           "(expected 'name' or 'org/name' using letters, digits, '-', '_', '.')")
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
-        raise ConfigError(f"revision {revision!r} for '{name}' is not a branch, tag, commit hash "
-                          "or 'refs/pr/N'")
+        raise ConfigError(f"revision {shown(revision)} for '{name}' is not a branch, tag, commit "
+                          "hash or 'refs/pr/N'")
     rev = revision or DEFAULT_REVISIONS.get(repo_id, "main")
 
     try:  # imported lazily: loading a local folder should not pay for (or need) the hub client
@@ -161,7 +162,7 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
     if offline is None:
         offline = _offline_from_env(hf.constants.HF_HUB_OFFLINE)
     what = (f"model '{name}'" + (f" ({repo_id})" if repo_id != name else "")
-            + (f" at revision '{rev}'" if rev != "main" else ""))
+            + (f" at revision '{_shortened(rev)}'" if rev != "main" else ""))
     try:
         with _progress_bars(hf, progress):
             path = hf.snapshot_download(repo_id, revision=rev, cache_dir=cache_dir, token=token,
@@ -184,9 +185,9 @@ def resolve_model(name_or_path: str | os.PathLike, revision: str | None = None, 
                 else "pass a revision that has them, e.g. a 'refs/pr/N' safetensors conversion")
         cached = (" (or they are not in the local cache: connect once to fetch them)"
                   if offline else "")
-        where = f" in {sub}/" if sub else ""
+        where = f" in {_shortened(sub)}/" if sub else ""
         raise ModelNotFoundError(f"hub repo '{repo_id}' has no safetensors weights{where} at "
-                                 f"revision '{rev}'{cached}: {hint}")
+                                 f"revision '{_shortened(rev)}'{cached}: {hint}")
     return folder
 
 
@@ -194,8 +195,13 @@ def _inside(folder: Path, sub: str) -> Path:
     """`sub` of a local model folder, which must exist."""
     if not sub:
         return folder
-    if not (folder / sub).is_dir():
-        raise ModelNotFoundError(f"{folder}: no subfolder '{sub}'")
+    try:   # (a name over the file-name limit is an OSError that is_dir does not swallow)
+        found = (folder / sub).is_dir()
+    except OSError as e:
+        raise ModelNotFoundError(f"{folder}: subfolder '{_shortened(sub)}': "
+                                 f"{e.strerror or e}") from None
+    if not found:
+        raise ModelNotFoundError(f"{folder}: no subfolder '{_shortened(sub)}'")
     return folder / sub
 
 
@@ -203,7 +209,7 @@ def _local_folder(name: str | os.PathLike) -> Path | None:
     """`name` as an existing folder; None when it reads as a hub repo id; else an error."""
     text = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
     if not isinstance(text, str):
-        raise ConfigError(f"model name {name!r} must be a string or a path")
+        raise ConfigError(f"model name {shown(name)} must be a string or a path")
     if not text.strip():  # Path("") is ".", which would silently load the working directory
         raise ConfigError("empty model name: pass a folder or a hub repo id such as 't5-small'")
     path = Path(text).expanduser()
@@ -217,15 +223,25 @@ def _local_folder(name: str | os.PathLike) -> Path | None:
         raise ModelNotFoundError(f"model '{_shortened(text)}': {e.strerror or e} (neither a "
                                  "folder nor a hub repo id)") from None
     if exists:
-        raise ModelNotFoundError(f"'{text}' is a file, not a model folder: pass the folder holding "
-                                 "config.json and the weights")
-    raise ModelNotFoundError(f"no such folder '{text}': check the path "
+        raise ModelNotFoundError(f"'{_shortened(text, 200)}' is a file, not a model folder: pass "
+                                 "the folder holding config.json and the weights")
+    raise ModelNotFoundError(f"no such folder '{_shortened(text, 200)}': check the path "
                              "(hub repo ids look like 'org/name')")
 
 
 def _shortened(text: str, limit: int = 80) -> str:
-    """A long name as its start, its length and its end: an error stays one readable line."""
-    return text if len(text) <= limit else f"{text[:40]}...({len(text)} characters)...{text[-20:]}"
+    """A long name as its start, its length and its end, control characters escaped: an error
+    stays one readable line."""
+    if len(text) <= limit:
+        return _printable(text)
+    return (f"{_printable(text[:limit // 2])}...({len(text)} characters)..."
+            f"{_printable(text[-(limit // 4):])}")
+
+
+def _printable(text: str) -> str:
+    # escapes only what cannot print (a newline, NUL): a path's accented letters stay as they are
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -287,8 +303,8 @@ def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: boo
         return ModelNotFoundError(f"no hub repo '{repo_id}' (check the name, or set HF_TOKEN for a "
                                   "private or gated repo)")
     if isinstance(e, errs.RevisionNotFoundError):
-        return ModelNotFoundError(f"revision '{rev}' not found in {repo_id} (use a branch, tag, "
-                                  "commit hash or 'refs/pr/N' that exists on the hub)")
+        return ModelNotFoundError(f"revision '{_shortened(rev)}' not found in {repo_id} (use a "
+                                  "branch, tag, commit hash or 'refs/pr/N' that exists on the hub)")
     if isinstance(e, errs.DisabledRepoError):
         return ModelNotFoundError(f"hub repo '{repo_id}' is disabled: use another repo or a local "
                                   "folder")
@@ -363,5 +379,6 @@ def _http_status(e: BaseException) -> int | None:
 
 
 def _first_line(e: BaseException) -> str:
+    # the hub's messages repeat what they were given (a revision, a path): cut, not trusted short
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
+    return _shortened(lines[0], 200) if lines else type(e).__name__

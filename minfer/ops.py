@@ -24,6 +24,7 @@ import numpy as np
 
 from . import kernels
 from .errors import ConfigError
+from .io.limits import shown
 from .params.formats import PackedWeight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -388,8 +389,8 @@ ACTIVATION_WORK = {"relu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast"
 
 
 def activation(name: str) -> Callable[[Any, Any], Any]:
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ConfigError(f"activation {name!r} is not supported "
-                          f"(supported: {', '.join(sorted(ACTIVATIONS))})") from None
+    act = ACTIVATIONS.get(name) if isinstance(name, str) else None
+    if act is None:
+        raise ConfigError(f"activation {shown(name)} is not supported "
+                          f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+    return act

@@ -38,3 +38,14 @@ def test_a_model_type_that_is_given_wins_over_the_architecture():
     assert model_type_of({"model_type": "t5", "architectures": ["UMT5EncoderModel"]}) == "t5"
     with pytest.raises(ConfigError, match="not supported"):
         family_of({"architectures": ["TransfoXLLMHeadModel", "x"], "model_type": "xl"}, "c")
+
+
+@pytest.mark.parametrize("model_type", ["x" * 5000, ["t5"] * 30000, {"t5": 1}, 10**400],
+                         ids=["5000-char string", "30000-item list", "object", "10**400"])
+def test_an_unsupported_model_type_is_quoted_cut_short(model_type):
+    # the whole value was repr'd into the message: 5,000 characters for a 5,000-char model_type
+    with pytest.raises(ConfigError) as e:
+        family_of({"model_type": model_type}, "/m/config.json")
+    msg = str(e.value)
+    assert msg.startswith("/m/config.json: model_type ") and "supported: t5" in msg
+    assert "\n" not in msg and len(msg) < 300

@@ -75,6 +75,15 @@ def test_unknown_activation_is_named():
         ops.activation("mish")
 
 
+@pytest.mark.parametrize("name", ["a" * 5000, ["relu"], {"relu": 1}, None])
+def test_an_unknown_activation_of_any_size_or_type_is_one_short_line(name):
+    # a 5,000-character name gave a 5,107-character message; a list raised TypeError (unhashable)
+    with pytest.raises(ConfigError) as e:
+        ops.activation(name)
+    msg = str(e.value)
+    assert msg.startswith("activation ") and "supported: gelu" in msg and len(msg) < 200
+
+
 def test_linear_is_one_product_over_all_leading_axes():
     x, w = rand(3, 4, 8), rand(5, 8)                       # w: (out, in)
     want = np.einsum("btc,oc->bto", x, w)

@@ -164,3 +164,36 @@ def test_buffer_sets_allocate_exactly_what_they_count():
     plan = run_bytes(cfg, np.float32, 3, 7, 20)
     assert plan["decode_state"] == DecodeBuffers.nbytes(cfg, 3, 7, 20, np.float32)
     assert plan["peak"] == plan["decode_state"] + max(plan["encoder_scratch"], plan["cross_kv_scratch"])
+
+
+@pytest.mark.parametrize("change,key", [
+    ({"feed_forward_proj": "a-" * 2500}, "'feed_forward_proj'"),
+    ({"feed_forward_proj": "gated-" + "g" * 5000}, "'feed_forward_proj'"),
+    ({"dense_act_fn": "m" * 5000}, "'dense_act_fn'"),
+    ({"model_type": "t" * 5000}, "model_type"),
+], ids=["proj", "gated-proj", "dense_act_fn", "model_type"])
+def test_long_values_from_the_config_are_cut_and_their_key_named(change, key):
+    # each was repr'd whole: a 5,092-character message for feed_forward_proj "a-" * 2500
+    with pytest.raises(ConfigError) as e:
+        t5.T5Config.from_hf({**BASE, **change}, "/m/config.json")
+    msg = str(e.value)
+    assert msg.startswith(f"/m/config.json: {key}") and "\n" not in msg and len(msg) < 300
+
+
+@pytest.mark.parametrize("change,said", [
+    ({"dense_act_fn": "mish"}, "'dense_act_fn': activation 'mish'"),
+    ({"feed_forward_proj": "gated-mish"}, "'feed_forward_proj' 'gated-mish': activation 'mish'"),
+    ({"feed_forward_proj": "mish"}, "'feed_forward_proj' 'mish': activation 'mish'"),
+])
+def test_an_unsupported_activation_names_the_file_and_the_key_that_set_it(change, said):
+    # ops.activation's message named only the activation, not where it came from
+    with pytest.raises(ConfigError) as e:
+        t5.T5Config.from_hf({**BASE, **change}, "/m/config.json")
+    assert str(e.value).startswith(f"/m/config.json: {said} is not supported (supported: gelu")
+
+
+def test_a_long_parts_argument_is_cut_in_the_message():
+    cfg = t5.T5Config.from_hf(BASE)
+    with pytest.raises(ConfigError) as e:
+        cfg.with_parts(["decoder.x"], "p" * 5000, "/m")
+    assert str(e.value).startswith("parts='ppp") and len(str(e.value)) < 200

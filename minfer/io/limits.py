@@ -51,6 +51,22 @@ def quoted(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def shown(value: Any, limit: int = 60) -> str:
+    """A value read from a file or given as an argument, for a one-line message: a string quoted
+    (escaped, cut), a container by its kind and size (its repr could be megabytes), an integer
+    too long to print by its bit length, anything else its repr cut."""
+    if isinstance(value, str):
+        return f"'{quoted(value, limit)}'"
+    if isinstance(value, (list, dict)):
+        kind, n = "list" if isinstance(value, list) else "object", len(value)
+        return f"a JSON {kind} of {n} item{'s' * (n != 1)}"
+    if isinstance(value, (tuple, set, frozenset, bytes, bytearray)) and len(value) > limit:
+        return f"a {type(value).__name__} of length {len(value)}"   # an argument, not from JSON
+    if is_int(value) and value.bit_length() > 64:
+        return f"a {value.bit_length()}-bit integer"
+    return quoted(repr(value), limit)
+
+
 def json_nesting(raw: bytes, limit: int = MAX_NESTING) -> int:
     """The deepest bracket nesting of a JSON text, counting no further than the first chunk
     that passes `limit`. Vectorised over bounded chunks (a few MiB of scratch whatever the

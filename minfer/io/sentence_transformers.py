@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .checkpoint import Checkpoint, read_json
-from .limits import MAX_LENGTH, is_int, quoted, read_json_text
+from .limits import MAX_LENGTH, read_json_text, shown
 
 MODULES_FILE = "modules.json"
 MODULE_KINDS = ("Transformer", "Pooling", "Dense", "Normalize")
@@ -101,19 +101,6 @@ class SentenceModules:
         parts += [f"dense {s.weight.shape[1]}->{s.weight.shape[0]} {s.activation}"
                   if isinstance(s, Dense) else "normalize" for s in self.steps]
         return ", ".join(parts) + f" -> {self.dimension}"
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """A value read from a folder's JSON, for a one-line message: a string quoted (escaped, cut),
-    a container by its kind and size (its repr could be megabytes), anything else cut."""
-    if isinstance(value, str):
-        return f"'{quoted(value, limit)}'"
-    if isinstance(value, (list, dict)):
-        kind, n = "list" if isinstance(value, list) else "object", len(value)
-        return f"a JSON {kind} of {n} item{'s' * (n != 1)}"
-    if is_int(value) and value.bit_length() > 64:
-        return f"a {value.bit_length()}-bit integer"
-    return quoted(repr(value), limit)
 
 
 def listed(names: Any) -> str:

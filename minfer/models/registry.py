@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..io.limits import shown
 from .base import Model
 from .config import model_type_of
 from .t5 import T5Model
@@ -21,6 +22,6 @@ def family_of(config: dict, source: str) -> type[Model]:
     model_type = model_type_of(config)
     family = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported "
+        raise ConfigError(f"{source}: model_type {shown(model_type)} is not supported "
                           f"(supported: {', '.join(MODEL_TYPES)})")
     return family

@@ -34,6 +34,7 @@ from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
+from ...io.limits import shown
 from ...params.spec import Linear, Tensor, View, WeightTable
 from ..config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader, model_type_of
 from ..family import Family
@@ -143,16 +144,22 @@ class T5Config:
         read = ConfigReader(cfg, source)
         model_type = read.get_str("model_type", model_type_of(cfg))
         if model_type not in MODEL_TYPES:
-            raise ConfigError(f"{source}: model_type {model_type!r} is not a T5 model "
+            raise ConfigError(f"{source}: model_type {shown(model_type)} is not a T5 model "
                               f"({', '.join(MODEL_TYPES)})")
         proj = read.get_str("feed_forward_proj", "relu")
         parts = proj.split("-")
         if not (len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")) or not parts[-1]:
-            raise ConfigError(f"{source}: feed_forward_proj {proj!r} is not 'ACT' or 'gated-ACT'")
+            raise ConfigError(f"{source}: 'feed_forward_proj' {shown(proj)} is not 'ACT' or "
+                              "'gated-ACT'")
         # HF lets explicit config keys override what feed_forward_proj implies.
         act = read.get_str("dense_act_fn", "gelu_new" if proj == "gated-gelu" else parts[-1])
         gated = read.get_bool("is_gated_act", parts[0] == "gated")
-        ops.activation(act)  # unsupported activations fail here, naming themselves
+        try:
+            ops.activation(act)
+        except ConfigError as e:  # say which key of which file named it
+            key = "dense_act_fn" if "dense_act_fn" in cfg else "feed_forward_proj"
+            said = "" if key == "dense_act_fn" else f" {shown(proj)}"
+            raise ConfigError(f"{source}: '{key}'{said}: {e}") from None
 
         vocab = read.get_int("vocab_size", 32128, maximum=MAX_VOCAB)
         pad = read.get_id("pad_token_id", 0, vocab)
@@ -195,7 +202,8 @@ class T5Config:
         if parts is None:
             parts = "all" if holds_decoder else "encoder"
         if parts not in PARTS:
-            raise ConfigError(f"parts={parts!r}: a T5 model loads as {' or '.join(map(repr, PARTS))}")
+            raise ConfigError(f"parts={shown(parts)}: a T5 model loads as "
+                              f"{' or '.join(map(repr, PARTS))}")
         if parts == "all" and not holds_decoder:
             raise ConfigError(f"{folder}: holds only an encoder (no decoder.* tensors, as a "
                               "T5EncoderModel saves it): it loads with parts='encoder' (or none)")

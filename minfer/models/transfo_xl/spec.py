@@ -92,7 +92,7 @@ class XLConfig:
         read = ConfigReader(cfg, source)
         model_type = read.get_str("model_type", "transfo-xl")
         if model_type != "transfo-xl":
-            raise ConfigError(f"{source}: model_type {model_type!r} is not transfo-xl")
+            raise ConfigError(f"{source}: model_type {shown(model_type)} is not transfo-xl")
         attn_type = read.get_int("attn_type", 0, minimum=0, maximum=3)
         if attn_type != 0:
             raise ConfigError(f"{source}: attn_type {attn_type!r} is not supported "
