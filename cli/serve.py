@@ -1,15 +1,17 @@
 """`minfer serve`: an OpenAI-compatible HTTP server for one model (minfer.serve), run by uvicorn.
 
-Loads the model with the shared model options, builds `minfer.serve.app` with the serving limits
-and serves it on --host/--port (127.0.0.1 unless told otherwise; port 0: any free port, printed
-on stderr) until SIGTERM or Ctrl-C. Needs the [serve] extra.
+Checks the flags and binds --host/--port first (a taken port or a bad key is said before the
+model loads), then loads the model with the shared model options, builds `minfer.serve.app`
+with the serving limits and serves it (127.0.0.1 unless told otherwise; port 0: any free port,
+printed on stderr) until SIGTERM or Ctrl-C. Needs the [serve] extra.
 """
 
 from __future__ import annotations
 
 import click
 
-from minfer.serve.limits import Limits
+from minfer.errors import InputError
+from minfer.serve.limits import Limits, clean_api_key
 
 from .common import EXIT_USAGE, fail, load_model, with_model_options
 
@@ -26,6 +28,10 @@ _DEFAULTS = Limits()
               help="Require 'Authorization: Bearer KEY' on /v1/* (or set MINFER_API_KEY).")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="The model name clients send and /v1/models lists  [default: --model].")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header is NAME (repeatable; '*' for any). "
+                   "Bound to a loopback address, the server answers only localhost, 127.x.x.x "
+                   "and [::1] otherwise (DNS rebinding); elsewhere, given, it restricts to them.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow browser requests from this origin (repeatable; '*' for any). No CORS "
                    "headers without it.")
@@ -38,6 +44,9 @@ _DEFAULTS = Limits()
 @click.option("--max-tokens", type=click.IntRange(min=1), default=_DEFAULTS.max_tokens,
               show_default=True, help="Largest max_tokens a request may ask for (and the cap of "
                                       "the checkpoint's default).")
+@click.option("--max-inputs", type=click.IntRange(min=1), default=_DEFAULTS.max_inputs,
+              show_default=True, help="Inputs per request at most: embedding inputs, prompts, "
+                                      "and sequences (prompts x n); more gets 400.")
 @click.option("--max-input-tokens", type=click.IntRange(min=1), default=None,
               help="Prompt tokens at most; longer gets 400  [default: the longest prompt the "
                    "workspace holds alone, at most 16384].")
@@ -48,27 +57,37 @@ _DEFAULTS = Limits()
               help="On SIGTERM, seconds for requests in flight to finish.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="uvicorn's log level (info logs each request).")
-def serve(load, host, port, api_key, served_model_name, cors_origins, max_running, max_waiting,
-          max_body_size, max_tokens, max_input_tokens, request_timeout, grace_period,
-          log_level) -> None:
+def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_origins, max_running,
+          max_waiting, max_body_size, max_tokens, max_inputs, max_input_tokens, request_timeout,
+          grace_period, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
     /v1/embeddings, /v1/models, /health and /metrics. Concurrent requests are decoded together
     (continuous batching)."""
     from minfer.arena import parse_bytes
     try:
         from minfer.serve import app, serve as run_server
+        from minfer.serve.routes import host_names
+        from minfer.serve.server import bind
     except ImportError as e:   # without the [serve] extra: say how to get it
         fail(str(e))
-    if api_key is not None and not api_key.strip():
-        fail("--api-key (or MINFER_API_KEY) is empty", EXIT_USAGE)
-    max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
-    model = load_model(load)
-    application = app(model, name=served_model_name or load.model, api_key=api_key,
-                      cors_origins=cors_origins, max_running=max_running,
-                      max_waiting=max_waiting, max_body_bytes=max_body_bytes,
-                      max_tokens=max_tokens, max_input_tokens=max_input_tokens,
-                      request_timeout=request_timeout)
     try:
-        run_server(application, host, port, grace_period=grace_period, log_level=log_level)
+        api_key = clean_api_key(api_key, "--api-key (or MINFER_API_KEY)")
+        host_names(allowed_hosts)
+    except InputError as e:
+        fail(str(e).replace("allowed host", "--allowed-host"), EXIT_USAGE)
+    max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
+    try:   # before the model loads: a taken port is said at once, not after minutes of loading
+        sock = bind(host, port)
     except OSError as e:   # the address is taken, or not ours to bind
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    try:
+        model = load_model(load)
+        application = app(model, name=served_model_name or load.model, api_key=api_key,
+                          cors_origins=cors_origins, max_running=max_running,
+                          max_waiting=max_waiting, max_body_bytes=max_body_bytes,
+                          max_tokens=max_tokens, max_inputs=max_inputs,
+                          max_input_tokens=max_input_tokens, request_timeout=request_timeout)
+        run_server(application, sock=sock, allowed_hosts=allowed_hosts,
+                   grace_period=grace_period, log_level=log_level)
+    finally:
+        sock.close()

@@ -29,6 +29,7 @@ EMBEDDER = ROOT / "weights" / "family" / "st_sentence_t5"
 PROMPTS = [json.loads(line)["prompt"] for line in open(DATES / "heldout.jsonl")][::25]   # 32
 KEY = "test-key-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json"}   # for bodies sent as raw bytes
 LONG = {"max_tokens": 2048, "ignore_eos": True}   # seconds of decoding on the tiny model
 # what must outlast a deadline or a grace period: 2048 tokens take under a second on a quiet
 # machine (servers started with --max-tokens 30000)
@@ -212,7 +213,8 @@ def test_concurrent_requests_are_decoded_together(server):
 ])
 def test_bad_requests_are_openai_errors(server, path, body, status, param):
     with server.client(headers=AUTH) as http:
-        r = http.post(path, content=body if isinstance(body, bytes) else json.dumps(body))
+        r = http.post(path, content=body if isinstance(body, bytes) else json.dumps(body),
+                      headers=JSON)
         assert r.status_code == status
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
@@ -227,10 +229,11 @@ def test_limits_and_unknown_paths_are_openai_errors_and_the_server_stays_up(serv
         r = http.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": 50,
                                                "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50
-        r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * 70000 + b'"}')
+        r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * 70000 + b'"}',
+                      headers=JSON)
         assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
         chunked = iter([b'{"prompt": "', b"a" * 40000, b"a" * 40000, b'"}'])   # no length
-        r = http.post("/v1/completions", content=chunked)
+        r = http.post("/v1/completions", content=chunked, headers=JSON)
         assert r.status_code == 413
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5000})
         assert r.status_code == 400 and "limit of 2048" in r.json()["error"]["message"]
@@ -294,7 +297,8 @@ def test_a_client_that_leaves_a_plain_request_stops_its_decoding(server):
     body = json.dumps({"prompt": PROMPTS, **LONG}).encode()   # 32 x 2048 tokens: ~10 s or more
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json"
                      b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 30
@@ -374,7 +378,9 @@ def test_sigterm_lets_streams_in_flight_finish_within_the_grace_period(offline):
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 150
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == offline.generate(
             PROMPTS[3], max_new_tokens=150, min_new_tokens=150)
-        assert "[DONE]" not in sse(results.get("long", []))       # cut after the grace period
+        cut = sse(results.get("long", []))                         # cut after the grace period
+        assert "[DONE]" not in cut and cut[-1]["error"]["type"] == "service_unavailable"
+        assert "shutting down" in cut[-1]["error"]["message"]
         assert 3.5 < took < 20
     finally:
         server.stop(signal.SIGKILL)

@@ -2,6 +2,7 @@
 (schema.py), the chat rule (chat.py), the limits (limits.py), admission (workers.py) and the
 jobs' refusals (jobs.py). The server itself is tested over HTTP in test_serve.py."""
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import minfer
 from minfer.serve import jobs, schema
 from minfer.serve.chat import chat_prompt
 from minfer.serve.errors import APIError, from_exception
-from minfer.serve.limits import LONGEST_DEFAULT, Limits, longest_prompt
+from minfer.serve.limits import LONGEST_DEFAULT, Limits, clean_api_key, longest_prompt
 from minfer.serve.workers import Workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,11 +127,52 @@ def test_the_model_field_must_name_the_served_model():
 def test_embedding_requests():
     req = schema.embedding_request({"input": "a", "encoding_format": "base64"})
     assert (req.texts, req.base64, req.dimensions) == (["a"], True, None)
-    for body, match in (({"input": ""}, "empty"), ({"input": [[1, 2]]}, "token ids"),
+    # an empty text is a text (model.embed and `minfer embed` embed it); an empty list is not
+    assert schema.embedding_request({"input": ""}).texts == [""]
+    assert schema.embedding_request({"input": ["a", ""]}).texts == ["a", ""]
+    for body, match in (({"input": []}, "non-empty list"), ({"input": [[1, 2]]}, "token ids"),
                         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
                         ({}, "required")):
         with pytest.raises(APIError, match=match):
             schema.embedding_request(body)
+
+
+def _embedding(body):
+    return schema.embedding_request(body, 4)
+
+
+def _completion(body):
+    return schema.completion_request(body, 2048, 512, 4)
+
+
+def _chat(body):
+    return schema.chat_request({"messages": [{"role": "user", "content": "a"}], **body},
+                               2048, 512, 4)
+
+
+@pytest.mark.parametrize("make, over, at_limit, param", [
+    (_embedding, {"input": ["a"] * 5}, {"input": ["a"] * 4}, "input"),
+    (_completion, {"prompt": ["a"] * 5}, {"prompt": ["a"] * 4}, "prompt"),
+    (_completion, {"prompt": "a", "n": 5}, {"prompt": "a", "n": 4}, "n"),
+    (_completion, {"prompt": ["a"] * 2, "n": 3}, {"prompt": ["a"] * 2, "n": 2}, "n"),
+    (_completion, {"prompt": ["a"] * 2, "use_beam_search": True, "best_of": 3},
+     {"prompt": ["a"] * 2, "use_beam_search": True, "best_of": 2}, "best_of"),
+    (_completion, {"prompt": ["a"] * 3, "num_beams": 2}, {"prompt": ["a"] * 2, "num_beams": 2},
+     "num_beams"),
+    (_chat, {"n": 5}, {"n": 4}, "n"),
+])
+def test_inputs_prompts_and_sequences_are_capped_per_request(make, over, at_limit, param):
+    with pytest.raises(APIError, match=r"limit of 4 per request \(serve --max-inputs\)") as e:
+        make(over)
+    assert (e.value.status, e.value.param) == (400, param)
+    make(at_limit)   # the limit itself is allowed
+
+
+def test_the_default_cap_is_openais_2048_inputs():
+    assert Limits().max_inputs == 2048
+    schema.embedding_request({"input": ["a"] * 2048})
+    with pytest.raises(APIError, match="100000 inputs"):   # 0.5 MB of body, no longer 259 MB out
+        schema.embedding_request({"input": ["a"] * 100000})
 
 
 # -- the chat rule ----------------------------------------------------------------------------------
@@ -199,7 +241,7 @@ def test_a_request_beyond_running_and_waiting_is_refused_at_once(model):
 def test_embedding_needs_an_encoder_and_texts_within_the_limit(model):
     xl = minfer.load(ROOT / "weights" / "tiny-xl-recall")
     request = schema.embedding_request({"input": ["a b"]})
-    with pytest.raises(minfer.InputError, match="no encoder") as e:
+    with pytest.raises(minfer.InputError, match="cannot embed") as e:
         jobs.embed(jobs.Job(xl), request, 100)
     assert from_exception(e.value).status == 400
     with pytest.raises(minfer.InputError, match="limit of 2"):
@@ -225,3 +267,113 @@ def test_embeddings_run_a_window_at_a_time_and_stop_between_windows(model, monke
     with pytest.raises(minfer.Cancelled):
         jobs.embed(job, request, 100)
     assert calls == [texts[:2]]
+
+
+def _stream_request(model, prompts, n, **body):
+    request = schema.completion_request({"prompt": prompts, "n": n, "stream": True,
+                                         "temperature": 1.0, "seed": 1, **body}, 2048, 512)
+    return schema.settle(model, request, 2048)
+
+
+def _made_streams(model, monkeypatch, after=None):
+    """Count the streams model.generate makes; `after(k)` runs once the k-th is made."""
+    made = []
+    real = type(model).generate
+
+    def generate(self, *args, **kwargs):
+        made.append(real(self, *args, **kwargs))
+        if after is not None:
+            after(len(made))
+        return made[-1]
+    monkeypatch.setattr(type(model), "generate", generate)
+    return made
+
+
+def test_stream_setup_stops_at_once_when_the_request_is_cancelled(model, monkeypatch):
+    """A streamed request of many prompts x n is set up one stream at a time (~1 ms each): a
+    client that leaves (or SIGTERM's end of the grace period) stops it there, instead of the
+    worker making every stream first (seconds of work after the client is gone)."""
+    job = jobs.Job(model)
+    made = _made_streams(model, monkeypatch, after=lambda k: k == 3 and job.cancel())
+    emitted, counted = [], []
+    jobs.stream(job, _stream_request(model, ["a b", "c d"] * 8, 16), emitted.append,
+                lambda *c: counted.append(c))
+    assert len(made) == 3                                   # of 256: none made after the cancel
+    assert [type(e) for e in emitted] == [jobs.Failed]
+    assert isinstance(emitted[0].error, minfer.Cancelled)
+    assert all(s.finish_reason is not None for s in made)   # each given back
+    assert len(counted) == 1
+
+
+def test_stream_setup_stops_at_its_deadline(model, monkeypatch):
+    late = APIError(504, "the request ran longer than 1 s")
+    job = jobs.Job(model, deadline=time.monotonic() + 0.3, late=late)
+    made = _made_streams(model, monkeypatch, after=lambda k: time.sleep(0.05))
+    emitted = []
+    t0 = time.monotonic()
+    jobs.stream(job, _stream_request(model, ["a b"] * 64, 32), emitted.append, lambda *c: None)
+    assert time.monotonic() - t0 < 2 and 3 <= len(made) < 64 * 32
+    assert [type(e) for e in emitted] == [jobs.Failed] and emitted[0].error is late
+    assert job.cancelled.is_set()
+
+
+def test_streamed_prompt_tokens_are_counted_once_per_prompt_as_usage_reports_them(model):
+    prompts = ["spell: 12", "date: 4th of July 1976"]
+    counted, emitted = [], []
+    jobs.stream(jobs.Job(model), _stream_request(model, prompts, 3, max_tokens=4),
+                emitted.append, lambda *c: counted.append(c))
+    ended = [e for e in emitted if isinstance(e, jobs.Ended)]
+    assert len(ended) == 6
+    usage = sum(e.prompt_tokens for e in ended if e.index % 3 == 0)   # what _events reports
+    assert usage == sum(len(model.tokenizer.encode(p)) for p in prompts)
+    assert counted == [(usage, sum(e.new_tokens for e in ended))]
+
+
+def test_non_finite_outputs_are_a_500_with_their_own_code():
+    e = from_exception(minfer.errors.NonFiniteError("m: layer 3's outputs hold NaN"))
+    assert (e.status, e.code, e.type) == (500, "non_finite_output", "internal_server_error")
+    assert e.message == "m: layer 3's outputs hold NaN"
+    assert from_exception(RuntimeError("x")).code == "internal_error"
+
+
+def test_after_shutdown_a_request_gets_503_not_a_500(model):
+    workers = Workers(model, max_running=1, max_waiting=1)
+    workers.shutdown()
+    with pytest.raises(APIError) as e:
+        workers.submit(lambda: "never")
+    assert (e.value.status, e.value.code) == (503, "shutting_down")
+
+
+@pytest.mark.parametrize("given, want", [("k ", "k"), ("\tk-1 ", "k-1"), ("a b", "a b"),
+                                         (None, None)])
+def test_api_keys_are_stripped_as_http_strips_header_values(given, want):
+    assert clean_api_key(given) == want
+
+
+@pytest.mark.parametrize("given, match", [("", "empty"), ("  ", "only whitespace"),
+                                          ("a\tb", "control character"),
+                                          ("a\x00b", "control character"),
+                                          ("clé", "non-ASCII")])
+def test_api_keys_no_client_can_send_are_refused(given, match):
+    with pytest.raises(minfer.InputError, match=match):
+        clean_api_key(given)
+
+
+@pytest.mark.parametrize("header, ok", [
+    ("localhost", True), ("LOCALHOST:8000", True), ("localhost.", True), ("127.0.0.1", True),
+    ("127.3.2.1:80", True), ("[::1]", True), ("[::1]:8000", True), (None, True),
+    ("app.test", True), ("app.test:443", True),
+    ("evil.test", False), ("evil.test:8000", False), ("localhost.evil.test", False),
+    ("10.0.0.1", False), ("[::2]:80", False), ("", False), ("127.0.0.1.evil.test", False),
+])
+def test_host_headers_must_name_loopback_or_an_allowed_host(header, ok):
+    routes = pytest.importorskip("minfer.serve.routes")
+    assert routes.host_allowed(header, routes.host_names(["app.test"])) is ok
+    assert routes.host_allowed("anything.test", routes.host_names(["*"]))
+
+
+@pytest.mark.parametrize("name", ["", "http://a.test", "a.test:80", "a b", "a/b"])
+def test_allowed_host_names_are_names(name):
+    routes = pytest.importorskip("minfer.serve.routes")
+    with pytest.raises(minfer.InputError, match="not a host name"):
+        routes.host_names([name])

@@ -4,19 +4,22 @@
 `APIError` is raised by the request checks and the routes; `from_exception` maps what minfer
 raises to one: a request the model cannot run (bad options, a prompt over the limit, too big for
 the arena even alone, an encoder-only model asked to generate: InputError, ArenaExhausted) is the
-client's (400), anything else the server's (500, its message kept to one line).
+client's (400); outputs that hold NaN or infinity (NonFiniteError: the weights overflow) are the
+server's, code "non_finite_output"; anything else is the server's too (500, its message kept to
+one line).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ArenaExhausted, InputError
+from ..errors import ArenaExhausted, InputError, NonFiniteError
 
 # OpenAI's `type` for each status it uses (their API reference's error codes).
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_server_error", 503: "service_unavailable", 504: "timeout_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+          421: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+          503: "service_unavailable", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -47,4 +50,12 @@ def from_exception(e: BaseException, param: str | None = None) -> APIError:
         # alone, a model that cannot generate or embed: the request, not the server (a bad
         # value in the checkpoint's own files, a ConfigError, is the server's)
         return APIError(400, str(e), param=param)
+    if isinstance(e, NonFiniteError):   # the model's weights, not the request: the server's
+        return APIError(500, str(e), code="non_finite_output")
     return APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
+
+
+def shutting_down(detail: str = "") -> APIError:
+    """The answer of a request the server stopped because it is shutting down (SIGTERM)."""
+    return APIError(503, "the server is shutting down" + (f": {detail}" if detail else ""),
+                    code="shutting_down")

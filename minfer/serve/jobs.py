@@ -1,10 +1,12 @@
 """What a request runs in its worker thread: the same generate / embed calls a Python user makes,
 and how the event loop stops them.
 
-A `Job` is one request's handle: `cancel()` may be called from the event loop (the client went
+A `Job` is one request's handle: `cancel(why)` may be called from the event loop (the client went
 away, the request timed out, the server is shutting down); the job's decoding then ends within a
 step, or its wait for arena memory at once, and its memory is given back (Stream.cancel and
-generation.run's `cancel`).
+generation.run's `cancel`); `why`, if given, is what the job raises then (the answer its client
+gets). The job also checks its own deadline between the steps of its set-up, so that setting up
+many streams, or embedding many windows, stops as soon as it is past its time.
 
 - `complete`: a non-streamed request, all its prompts and sequences in one `generation.run`
   call (batched by the memory plan; a prompt that cannot run fails the call before anything is
@@ -12,7 +14,9 @@ generation.run's `cancel`).
 - `stream`: a streamed request, one `model.generate(stream=True)` per prompt and sequence,
   iterated in turn by this one thread (their steps are taken together by the batcher), each
   piece handed to the event loop through `emit` as it is decided. n > 1 sampled sequences of a
-  prompt are n streams; with a seed, sequence j draws from seed + j.
+  prompt are n streams; with a seed, sequence j draws from seed + j. Cancellation and the
+  deadline are checked before each stream is made (a request of 2,048 streams takes seconds to
+  set up).
 - `embed`: `model.embed` (a window of texts at a time, so that a cancelled request stops
   between windows) and the token count of each text.
 """
@@ -20,6 +24,7 @@ generation.run's `cancel`).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,18 +39,25 @@ from .schema import EmbeddingRequest, GenerationRequest
 
 
 class Job:
-    """One request's work, stoppable from another thread."""
+    """One request's work, stoppable from another thread. `deadline` (time.monotonic()) and
+    `late` (what to raise past it) let the worker stop on time by itself."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, deadline: float | None = None,
+                 late: BaseException | None = None):
         self.model = model
+        self.deadline, self.late = deadline, late
         self.cancelled = threading.Event()
+        self.why: BaseException | None = None   # why it was cancelled, if the canceller said
         self._streams: list[Any] = []
         self._lock = threading.Lock()
 
-    def cancel(self) -> None:
-        """From any thread: stop the request's decoding within a step."""
-        self.cancelled.set()
+    def cancel(self, why: BaseException | None = None) -> None:
+        """From any thread: stop the request's decoding within a step; `why` is raised by the
+        worker instead of Cancelled (the first reason given wins)."""
         with self._lock:
+            if self.why is None and not self.cancelled.is_set():
+                self.why = why
+            self.cancelled.set()
             streams = list(self._streams)
         for s in streams:
             s.cancel()
@@ -58,9 +70,17 @@ class Job:
             stream.cancel()
         return stream
 
+    def stopped(self) -> BaseException:
+        """What the worker raises once the job is cancelled."""
+        return self.why if self.why is not None else Cancelled("cancelled")
+
     def check(self) -> None:
+        """Raise if the job was cancelled or is past its deadline (then it cancels itself)."""
+        if not self.cancelled.is_set() and self.deadline is not None \
+                and time.monotonic() >= self.deadline:
+            self.cancel(self.late)
         if self.cancelled.is_set():
-            raise Cancelled("cancelled")
+            raise self.stopped()
 
 
 Count = Callable[[int, int], None]   # (prompt tokens, generated tokens): the metrics
@@ -69,7 +89,10 @@ Count = Callable[[int, int], None]   # (prompt tokens, generated tokens): the me
 def complete(job: Job, request: GenerationRequest, count: Count) -> list[list[Result]]:
     job.check()
     job.model.check_can_generate()
-    _, results = run(job.model, request.prompts, cancel=job.cancelled, **request.options)
+    try:
+        _, results = run(job.model, request.prompts, cancel=job.cancelled, **request.options)
+    except Cancelled:
+        raise job.stopped() from None
     count(sum(row[0].prompt_tokens for row in results),
           sum(r.new_tokens for row in results for r in row))
     return results
@@ -103,13 +126,15 @@ class Failed:
 def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], count: Count) -> None:
     """The request's streams, iterated in turn by this thread; `emit` receives Started, then
     Pieces and an Ended per choice; any failure is a Failed, the last thing emitted. The tokens
-    are counted however it ends (a stream cut short counts what it generated)."""
+    are counted however it ends, as the usage reports them: each prompt's tokens once (not once
+    per sequence), and what every stream generated (one cut short counts what it made)."""
     streams: list[Any] = []
     try:
         job.check()
         job.model.check_can_generate()
         for prompt in request.prompts:
             for j in range(request.n):
+                job.check()   # set-up takes ~1 ms a stream: a cancelled request stops here
                 options = dict(request.options, num_return_sequences=1)
                 if request.n > 1 and options.get("seed") is not None:
                     options["seed"] = (options["seed"] + j) % (MAX_SEED + 1)
@@ -124,7 +149,7 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
                     emit(Piece(index, piece))
                 elif s.finish_reason is not None:
                     if s.finish_reason == "cancelled":
-                        raise Cancelled("cancelled")
+                        raise job.stopped()
                     emit(Ended(index, s.finish_reason, s.prompt_tokens, s.new_tokens))
                     live.remove(item)
     except BaseException as e:   # reported to the loop, which answers the client
@@ -132,7 +157,8 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
     finally:
         for s in streams:
             s.close()   # (a finished one: nothing; an abandoned one gives its memory back)
-        count(sum(s.prompt_tokens for s in streams), sum(s.new_tokens for s in streams))
+        count(sum(s.prompt_tokens for s in streams[::request.n]),   # sequence 0 of each prompt
+              sum(s.new_tokens for s in streams))
 
 
 # Texts embedded per model.embed call: a cancelled request stops between windows (embed sorts

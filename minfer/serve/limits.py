@@ -5,6 +5,9 @@
     max_waiting       requests accepted beyond those, waiting for a thread; one more: 429
     max_body_bytes    request body size; larger: 413
     max_tokens        a request's max_tokens at most (and the default's cap); larger: 400
+    max_inputs        a request's inputs at most: embedding inputs, prompts, and the sequences
+                      it decodes (prompts x n, prompts x beams); more: 400. This bounds the work
+                      one request queues and the size of its answer (OpenAI's embeddings: 2048)
     max_input_tokens  prompt tokens at most (embeddings: tokens per input); longer: 400 naming
                       the limit. Default: the longest prompt whose run, generating the model's
                       default new tokens (at most max_tokens), fits the arena alone by the
@@ -31,6 +34,7 @@ class Limits:
     max_waiting: int = 256
     max_body_bytes: int = 4 << 20
     max_tokens: int = 2048
+    max_inputs: int = 2048
     max_input_tokens: int | None = None
     request_timeout: float = 600.0
 
@@ -38,7 +42,7 @@ class Limits:
         """Each limit a positive number (one-line InputError naming it); max_input_tokens
         settled from the model when unset."""
         for name in ("max_running", "max_waiting", "max_body_bytes", "max_tokens",
-                     "max_input_tokens"):
+                     "max_inputs", "max_input_tokens"):
             value = getattr(self, name)
             if value is not None and (not is_integer(value) or value < (0 if name == "max_waiting"
                                                                        else 1)):
@@ -70,3 +74,23 @@ def longest_prompt(model: Any, max_tokens: int) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def clean_api_key(key: str | None, name: str = "api_key") -> str | None:
+    """The API key as clients can send it: surrounding whitespace stripped (HTTP strips it from
+    header values, so a key kept with it would refuse every request); empty, or holding control
+    or non-ASCII characters (which a header cannot carry as typed): a one-line InputError."""
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise InputError(f"{name} must be a string, got {type(key).__name__}")
+    stripped = key.strip()
+    if not stripped:
+        raise InputError(f"{name} is empty" + (" (only whitespace)" if key else ""))
+    bad = next((c for c in stripped if not " " <= c <= "~"), None)
+    if bad is not None:
+        kind = "a control character" if bad.isascii() or not bad.isprintable() else \
+            "a non-ASCII character"
+        raise InputError(f"{name} holds {kind} ({bad!r}): a key must be printable ASCII, as "
+                         "an HTTP header carries it")
+    return stripped

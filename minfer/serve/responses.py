@@ -35,8 +35,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def event(body: dict[str, Any]) -> bytes:
     """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8") \
-        + b"\n\n"
+    return b"data: " + _json(body) + b"\n\n"
 
 
 class Answer:
@@ -85,17 +84,28 @@ class Answer:
         return {**self._head(True), "choices": [], "usage": use}
 
 
-def embeddings(vectors: np.ndarray, model: str, prompt_tokens: int, as_base64: bool) -> dict[str, Any]:
-    """(N, E) float32 vectors -> the embeddings list; base64 holds each vector's little-endian
-    float32 bytes (what the openai client asks for by default)."""
-    data = []
+def embeddings(vectors: np.ndarray, model: str, prompt_tokens: int, as_base64: bool) -> bytes:
+    """(N, E) float32 vectors -> the embeddings list's JSON bytes; base64 holds each vector's
+    little-endian float32 bytes (what the openai client asks for by default). Written a vector
+    at a time: the answer's Python floats are one vector's, not all N x E of them at once (the
+    whole answer as one dict held ~4 times its size in float objects)."""
+    parts = [b'{"object":"list","data":[']
     for i, v in enumerate(vectors):
         vector = np.ascontiguousarray(v, "<f4")
         value: Any = base64.b64encode(vector.tobytes()).decode("ascii") if as_base64 \
             else vector.tolist()
-        data.append({"object": "embedding", "index": i, "embedding": value})
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+        parts.append((b"," if i else b"") + _json({"object": "embedding", "index": i,
+                                                   "embedding": value}))
+    tail = {"model": model, "usage": {"prompt_tokens": prompt_tokens,
+                                      "total_tokens": prompt_tokens}}
+    parts.append(b"]," + _json(tail)[1:])
+    return b"".join(parts)
+
+
+def _json(body: Any) -> bytes:
+    """Compact JSON bytes (NaN or infinity refused, as JSON has neither)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def model_list(model: str, created: int) -> dict[str, Any]:

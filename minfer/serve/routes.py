@@ -8,16 +8,25 @@ any ASGI server can run or mount (`minfer serve` runs it with uvicorn: server.py
     GET  /health                200 once the model is warmed up, 503 before
     GET  /metrics               Prometheus text format (metrics.py)
 
-A request's body is read (at most max_body_bytes: 413), checked (schema.py: 400 naming the
-field), then run in a worker thread (workers.py: 429 when the queue is full) by jobs.py, which
-calls model.generate / generation.run / model.embed. While it runs the handler watches for the
-client going away and for the request's deadline: either cancels the job, whose decoding stops
-within a step and gives its arena memory back. Every failure is OpenAI's error object
-(errors.py), also for unknown paths, wrong methods and bugs; the server stays up.
+A request's body must be `Content-Type: application/json` (415 otherwise: a web page can POST
+text/plain or form bodies to a local server without a CORS preflight, never JSON); it is read (at
+most max_body_bytes: 413), checked (schema.py: 400 naming the field; at most max_inputs inputs),
+then run in a worker thread (workers.py: 429 when the queue is full) by jobs.py, which calls
+model.generate / generation.run / model.embed. While it runs the handler watches for the client
+going away and for the request's deadline: either cancels the job, whose decoding stops within a
+step and gives its arena memory back. Every failure is OpenAI's error object (errors.py), also
+for unknown paths, wrong methods, refused hosts and bugs; the server stays up.
 
 With an API key, /v1/* requests need `Authorization: Bearer KEY` (compared in constant time);
 /health and /metrics stay open for load balancers and scrapers. CORS headers only for the origins
-given.
+given. With a host list (`allowed_hosts`; `serve` sets one when bound to a loopback address),
+a request whose Host header names another host gets 421: a page whose own name an attacker's
+DNS re-points at 127.0.0.1 (DNS rebinding) still sends that name.
+
+Every request answered is counted once in minfer_requests_total, by endpoint and status (a
+stream by how its events ended). On SIGTERM (`drain`): requests waiting for a worker get a 503
+"shutting down" at once, requests running finish within the grace period, then `cancel_running`
+stops what is left (a 503, or a last error event in a stream); each such request logs one line.
 """
 
 from __future__ import annotations
@@ -26,10 +35,11 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -42,8 +52,8 @@ from starlette.routing import Route
 from ..errors import Cancelled, InputError, MinferError
 from ..generation.batcher import batcher_of
 from . import jobs, responses
-from .errors import APIError, from_exception
-from .limits import Limits
+from .errors import APIError, from_exception, shutting_down
+from .limits import Limits, clean_api_key
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import (GenerationRequest, chat_request, check_model, completion_request,
                      embedding_request, field_of, parse_body, settle)
@@ -51,6 +61,13 @@ from .workers import Workers
 
 log = logging.getLogger("minfer.serve")
 CLIENT_GONE = 499   # the status metrics record for a request whose client left (nginx's)
+OUTCOME = "minfer.outcome"   # scope key: the status a streamed response's events reached
+
+# the `endpoint` label of minfer_requests_total, by path (anything else: "other", so that the
+# label's values stay few whatever paths clients ask for)
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions",
+             "/v1/embeddings": "embeddings", "/v1/models": "models", "/health": "health",
+             "/metrics": "metrics"}
 
 
 class _ClientGone(Exception):
@@ -62,7 +79,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 class Service:
-    """What the routes share: the model, its name, the limits, the workers, the metrics."""
+    """What the routes share: the model, its name, the limits, the workers, the metrics, the
+    jobs in flight, the hosts allowed (None: any) and whether the server is draining."""
 
     def __init__(self, model: Any, name: str, limits: Limits):
         self.model, self.name, self.limits = model, name, limits
@@ -71,6 +89,35 @@ class Service:
                                self.workers.waiting)
         self.created = int(time.time())
         self.ready = threading.Event()
+        self.allowed_hosts: frozenset[str] | None = None
+        self.draining = False
+        self._jobs: set[jobs.Job] = set()
+
+    def restrict_hosts(self, names: Iterable[str] = ()) -> None:
+        """From now on only Host headers naming a loopback address or one of `names` ("*":
+        any) are served; others get 421."""
+        self.allowed_hosts = (self.allowed_hosts or frozenset()) | host_names(names)
+
+    def job(self, deadline: float) -> jobs.Job:
+        """A new request's job, known to `cancel_running` until `finished(job)`."""
+        job = jobs.Job(self.model, deadline, self.timed_out())
+        self._jobs.add(job)
+        return job
+
+    def finished(self, job: jobs.Job) -> None:
+        self._jobs.discard(job)
+
+    def drain(self) -> None:
+        """SIGTERM: no new work; requests waiting for a worker get 503 now (their futures are
+        dropped); those running go on."""
+        self.draining = True
+        self.workers.shutdown()
+
+    def cancel_running(self) -> None:
+        """The grace period is over: stop every request still running (503, or a last error
+        event in a stream), within a step."""
+        for job in list(self._jobs):
+            job.cancel(shutting_down("cancelled at the end of the grace period"))
 
     def warm_up(self) -> None:
         """One short run, so that the first request does not pay for compiling or paging in."""
@@ -85,6 +132,13 @@ class Service:
             self.ready.set()
 
     async def body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object: sent as application/json (415 otherwise), at most
+        max_body_bytes (413), valid JSON (400)."""
+        given = request.headers.get("content-type")
+        if given is None or given.split(";", 1)[0].strip().lower() != "application/json":
+            shown = "none" if given is None else repr(given[:60])
+            raise APIError(415, f"the request body must be sent as Content-Type: "
+                           f"application/json (got {shown})", code="unsupported_media_type")
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -116,7 +170,7 @@ class Service:
             gone.cancel()
         if task in done:
             if task.cancelled():   # its worker's future was dropped: the pool is shut down
-                raise APIError(503, "the server is shutting down")
+                raise shutting_down("refused while waiting for a worker")
             return task.result()
         job.cancel()
         task.cancel()
@@ -137,22 +191,21 @@ async def _disconnected(request: Request) -> None:
 
 # -- generation ---------------------------------------------------------------------------------------
 async def _generation(service: Service, request: Request, chat: bool) -> Response:
-    endpoint = "chat/completions" if chat else "completions"
-    start = time.monotonic()
+    start = _arrival(request)
     deadline = start + service.limits.request_timeout
     limits = service.limits
-    status, streamed = 500, False
+    job = None
     try:
         body = await service.body(request)
         check_model(body, service.name)
         make = chat_request if chat else completion_request
-        req = settle(service.model, make(body, limits.max_tokens, limits.max_input_tokens),
-                     limits.max_tokens)
+        req = settle(service.model, make(body, limits.max_tokens, limits.max_input_tokens,
+                                         limits.max_inputs), limits.max_tokens)
         answer = responses.Answer(chat, service.name)
-        job = jobs.Job(service.model)
+        job = service.job(deadline)
         if req.stream:
             response = await _start_stream(service, request, job, req, answer, start, deadline)
-            streamed = True   # its events record the request when the stream ends
+            job = None   # the response's own now: it lets go of the job when it ends
             return response
         future = service.workers.submit(jobs.complete, job, req, service.metrics.tokens)
         results = await service.wait(request, job, asyncio.wrap_future(future), deadline)
@@ -160,27 +213,36 @@ async def _generation(service: Service, request: Request, chat: bool) -> Respons
                    for i, row in enumerate(results) for j, r in enumerate(row)]
         use = responses.usage(sum(row[0].prompt_tokens for row in results),
                               sum(r.new_tokens for row in results for r in row))
-        status = 200
         return JSONResponse(answer.whole(choices, use))
     except _ClientGone:
-        status = CLIENT_GONE
-        return Response(status_code=CLIENT_GONE)
+        return _client_gone(request)
     except Exception as e:
-        error = _api_error(e, "messages" if chat else "prompt")
-        status = error.status
-        return error_response(error)
+        return error_response(_api_error(e, "messages" if chat else "prompt"))
     finally:
-        if not streamed:
-            service.metrics.answered(endpoint, status, time.monotonic() - start)
+        if job is not None:
+            service.finished(job)
+
+
+def _arrival(request: Request) -> float:
+    """When the request arrived (time.monotonic(): set by the counting middleware)."""
+    return request.scope.get(OUTCOME, {}).get("start", time.monotonic())
+
+
+def _client_gone(request: Request) -> Response:
+    """The answer to a client that has left: nobody reads it; the metrics record 499."""
+    request.scope.get(OUTCOME, {})["status"] = CLIENT_GONE
+    return Response(status_code=CLIENT_GONE)
 
 
 def _api_error(e: BaseException, prompt_field: str = "prompt") -> APIError:
     """The client's view of a request's failure; `prompt_field` names the prompts in `param`."""
-    if isinstance(e, Cancelled):   # (only the server cancels: shutting down)
-        return APIError(503, "the server is shutting down")
+    if isinstance(e, Cancelled):   # (only the server cancels without saying why: shutting down)
+        return shutting_down()
     error = from_exception(e, field_of(str(e), prompt_field))
-    if error.status == 500:
+    if error.code == "internal_error":   # a bug: its traceback
         log.error("request failed", exc_info=e)
+    elif error.status == 500:   # known (non-finite outputs): one line
+        log.error("request failed: %s", error.message)
     return error
 
 
@@ -198,24 +260,29 @@ async def _start_stream(service: Service, request: Request, job: jobs.Job,
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:       # the loop is closed: nobody is listening any more
             job.cancel()
-    service.workers.submit(jobs.stream, job, req, emit, service.metrics.tokens)
+    def dropped(future: Any) -> None:   # (any thread) never run: the pool was shut down
+        if future.cancelled():
+            emit(jobs.Failed(shutting_down("refused while waiting for a worker")))
+    service.workers.submit(jobs.stream, job, req, emit, service.metrics.tokens) \
+        .add_done_callback(dropped)
     first = await service.wait(request, job, queue.get(), deadline)
     if isinstance(first, jobs.Failed):
         raise first.error
-    return _EventStream(service, job, req, answer, queue, start, deadline)
+    return _EventStream(service, job, req, answer, queue, start, deadline,
+                        request.scope.setdefault(OUTCOME, {}))
 
 
 class _EventStream(StreamingResponse):
     """A streamed request's response. However it ends (all sent, the client gone, cancelled at
-    shutdown, even before its first event), its job is cancelled (nothing, if it is done) and
-    the request is recorded with the status its events reached (499 until they end)."""
+    shutdown, even before its first event), its job is cancelled (nothing, if it is done), and
+    `outcome["status"]` says what its events reached (499 until they end), for the metrics."""
 
     def __init__(self, service: Service, job: jobs.Job, req: GenerationRequest,
-                 answer: responses.Answer, queue: asyncio.Queue, start: float, deadline: float):
-        self.service, self.job, self.start = service, job, start
-        self.endpoint = "chat/completions" if answer.chat else "completions"
-        self.outcome = {"status": CLIENT_GONE}
-        super().__init__(_events(service, req, answer, queue, start, deadline, self.outcome),
+                 answer: responses.Answer, queue: asyncio.Queue, start: float, deadline: float,
+                 outcome: dict):
+        self.service, self.job = service, job
+        outcome["status"] = CLIENT_GONE
+        super().__init__(_events(service, req, answer, queue, start, deadline, outcome),
                          media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -224,8 +291,7 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
-            self.service.metrics.answered(self.endpoint, self.outcome["status"],
-                                          time.monotonic() - self.start)
+            self.service.finished(self.job)
 
 
 async def _events(service: Service, req: GenerationRequest, answer: responses.Answer,
@@ -269,31 +335,28 @@ async def _events(service: Service, req: GenerationRequest, answer: responses.An
 
 # -- embeddings, models, health, metrics --------------------------------------------------------------
 async def _embeddings(service: Service, request: Request) -> Response:
-    start = time.monotonic()
-    status = 500
+    deadline = _arrival(request) + service.limits.request_timeout
+    job = None
     try:
         body = await service.body(request)
         check_model(body, service.name)
-        req = embedding_request(body)
-        job = jobs.Job(service.model)
+        req = embedding_request(body, service.limits.max_inputs)
+        job = service.job(deadline)
         future = service.workers.submit(jobs.embed, job, req, service.limits.max_input_tokens)
-        vectors, tokens = await service.wait(request, job, asyncio.wrap_future(future),
-                                             start + service.limits.request_timeout)
+        vectors, tokens = await service.wait(request, job, asyncio.wrap_future(future), deadline)
         if req.dimensions is not None and req.dimensions != vectors.shape[1]:
             raise APIError(400, f"dimensions {req.dimensions}: this model's embeddings have "
                            f"{vectors.shape[1]} (minfer does not shorten them)",
                            param="dimensions")
-        status = 200
-        return JSONResponse(responses.embeddings(vectors, service.name, tokens, req.base64))
+        return Response(responses.embeddings(vectors, service.name, tokens, req.base64),
+                        media_type="application/json")
     except _ClientGone:
-        status = CLIENT_GONE
-        return Response(status_code=CLIENT_GONE)
+        return _client_gone(request)
     except Exception as e:
-        error = _api_error(e)
-        status = error.status
-        return error_response(error)
+        return error_response(_api_error(e))
     finally:
-        service.metrics.answered("embeddings", status, time.monotonic() - start)
+        if job is not None:
+            service.finished(job)
 
 
 def _routes(service: Service) -> list[Route]:
@@ -326,21 +389,143 @@ def _routes(service: Service) -> list[Route]:
 
 
 class _RequireKey:
-    """ASGI middleware: /v1/* requests without `Authorization: Bearer KEY` get 401."""
+    """ASGI middleware: /v1/* requests without `Authorization: Bearer KEY` get 401 (the scheme
+    in any case, as HTTP's are; the key compared in constant time)."""
 
     def __init__(self, app: Any, key: str):
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode("ascii")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(given.strip(), self.expected)
+                    and scheme.lower() == b"bearer"):
                 await error_response(APIError(
                     401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                     code="invalid_api_key"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def host_names(names: Iterable[str]) -> frozenset[str]:
+    """Host names as a Host header is matched against them: lower case, no trailing dot, IPv6
+    without brackets; "*" stands for any. A name with a port, a path or spaces is refused
+    (InputError naming it): the port is never compared."""
+    out = set()
+    for name in names:
+        if not isinstance(name, str):
+            raise InputError(f"allowed host {name!r:.40} is not a string")
+        clean = name.strip().lower().rstrip(".")
+        if clean.startswith("[") and clean.endswith("]"):
+            clean = clean[1:-1]
+        bad = not clean or any(c in clean for c in "/@ \t\r\n?#")
+        if not bad and ":" in clean:   # only an IPv6 address may hold colons
+            try:
+                ipaddress.IPv6Address(clean)
+            except ValueError:
+                bad = True
+        if bad:
+            raise InputError(f"allowed host {name!r:.60} is not a host name (give the name "
+                             "alone, without scheme, port or path; '*' for any)")
+        out.add(clean)
+    return frozenset(out)
+
+
+def host_allowed(header: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a Host header (with or without a port) names a loopback address (localhost,
+    127.x.x.x, ::1) or a host in `allowed` ("*": any). No Host header (HTTP/1.0) is allowed:
+    browsers, the only clients DNS rebinding can use, always send one."""
+    if header is None or "*" in allowed:
+        return True
+    host = header.strip().lower()
+    if host.startswith("["):   # [IPv6]:port
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.split(":")[0]
+    host = host.rstrip(".")
+    if host == "localhost" or host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _CheckHost:
+    """ASGI middleware: while the service has a host list, a request whose Host header is not
+    on it (nor a loopback name) gets 421, whatever its path."""
+
+    def __init__(self, app: Any, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        allowed = self.service.allowed_hosts
+        if scope["type"] == "http" and allowed is not None:
+            raw = dict(scope["headers"]).get(b"host")
+            header = None if raw is None else raw.decode("latin-1")
+            if not host_allowed(header, allowed):
+                await error_response(APIError(
+                    421, f"this server does not answer for host {header!r:.80} (serve "
+                    "--allowed-host NAME allows it)", code="host_not_allowed"))(
+                        scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _Count:
+    """ASGI middleware, the outermost of minfer's: every HTTP request answered is counted once
+    in minfer_requests_total (endpoint, status) and timed, whoever answered it (a route, the
+    key or host check, a 404 or 405, a bug); a stream by the status its events reached. While
+    the server drains, each request logs one line. A request cancelled by the ASGI server
+    (its own shutdown timeout) still gets OpenAI's 503, or a last error event if its stream
+    had begun, instead of a traceback and a plain-text 500."""
+
+    def __init__(self, app: Any, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        outcome: dict[str, Any] = {"start": time.monotonic()}
+        scope[OUTCOME] = outcome
+        sent: dict[str, Any] = {}
+
+        async def watched(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+                sent["events"] = any(k.lower() == b"content-type" and
+                                     v.startswith(b"text/event-stream")
+                                     for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                sent["complete"] = True
+            await send(message)
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            error = shutting_down("cancelled when the server stopped")
+            outcome["status"] = error.status
+            await _answer_cancelled(error, sent, scope, receive, send)
+        finally:
+            status = outcome.get("status") or sent.get("status") or 500
+            self.service.metrics.answered(ENDPOINTS.get(scope["path"], "other"), status,
+                                          time.monotonic() - outcome["start"])
+            if self.service.draining:
+                log.warning("%s %s: %d, while shutting down", scope["method"], scope["path"],
+                            status)
+
+
+async def _answer_cancelled(error: APIError, sent: dict, scope: dict, receive: Any,
+                            send: Any) -> None:
+    """The last thing a cancelled request sends: the error, as a response or as a stream's
+    last event (nothing if its response was complete)."""
+    with contextlib.suppress(Exception):   # the connection may be gone already
+        if "status" not in sent:
+            await error_response(error)(scope, receive, send)
+        elif sent.get("events") and not sent.get("complete"):
+            await send({"type": "http.response.body", "body": responses.event(error.body()),
+                        "more_body": False})
 
 
 async def _http_error(request: Request, e: Exception) -> Response:
@@ -357,16 +542,21 @@ async def _server_error(request: Request, e: Exception) -> Response:
 
 
 def app(model: Any, *, name: str | None = None, api_key: str | None = None,
-        cors_origins: Sequence[str] = (), warmup: bool = True, **limits: Any) -> Starlette:
+        cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
+        warmup: bool = True, **limits: Any) -> Starlette:
     """The OpenAI-compatible ASGI app serving `model` (from minfer.load).
 
     name: the model name clients send and /v1/models lists (default: the name or folder it
-        was loaded from). api_key: required as `Authorization: Bearer KEY` on /v1/*.
+        was loaded from). api_key: required as `Authorization: Bearer KEY` on /v1/*
+        (surrounding whitespace stripped; empty, control or non-ASCII characters: InputError).
     cors_origins: origins allowed by CORS (none by default: no CORS headers).
+    allowed_hosts: if given, only requests whose Host header names a loopback address or one
+        of these ("*": any) are served, others get 421 (default: any host; `serve` restricts
+        an app it binds to a loopback address).
     warmup: run one short request in a background thread at once; /health answers 503 until
         it is done.
-    limits: max_running, max_waiting, max_body_bytes, max_tokens, max_input_tokens,
-        request_timeout (limits.py)."""
+    limits: max_running, max_waiting, max_body_bytes, max_tokens, max_inputs,
+        max_input_tokens, request_timeout (limits.py)."""
     if getattr(model, "tokenizer", None) is None:
         raise InputError(f"{getattr(model, 'folder', model)} has no tokenizer: the server "
                          "takes text and needs one")
@@ -374,9 +564,12 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
     unknown = sorted(set(limits) - set(known))
     if unknown:
         raise InputError(f"unknown serving limit {unknown[0]!r} (known: {', '.join(known)})")
+    api_key = clean_api_key(api_key)
     settled = Limits(**limits).checked(model)
     recipe = getattr(model, "load_recipe", None) or {}
     service = Service(model, name or str(recipe.get("model") or model.folder), settled)
+    if allowed_hosts is not None:
+        service.restrict_hosts(allowed_hosts)
     if warmup:
         threading.Thread(target=service.warm_up, name="minfer-serve-warmup", daemon=True).start()
     else:
@@ -387,7 +580,7 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
         yield
         service.workers.shutdown()
 
-    middleware = []
+    middleware = [Middleware(_Count, service=service), Middleware(_CheckHost, service=service)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST"],

@@ -31,6 +31,9 @@ from ..errors import InputError
 from ..generation.options import BATCH_OPTION_NAMES, is_integer, resolve_options, shown
 from .chat import chat_prompt
 from .errors import APIError
+from .limits import Limits
+
+DEFAULT_MAX_INPUTS = Limits.max_inputs
 
 # minfer's option -> the request field that sets it (for errors the library's checks raise)
 _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
@@ -126,8 +129,9 @@ class GenerationRequest:
     ignore_eos: bool = False
 
 
-def completion_request(body: dict, max_tokens: int, max_input_tokens: int) -> GenerationRequest:
-    """POST /v1/completions: `prompt` a string or a list of strings."""
+def completion_request(body: dict, max_tokens: int, max_input_tokens: int,
+                       max_inputs: int = DEFAULT_MAX_INPUTS) -> GenerationRequest:
+    """POST /v1/completions: `prompt` a string or a list of at most `max_inputs` strings."""
     if body.get("prompt") is None:
         raise APIError(400, "prompt is required: a string or a list of strings", param="prompt")
     prompt = body["prompt"]
@@ -136,10 +140,12 @@ def completion_request(body: dict, max_tokens: int, max_input_tokens: int) -> Ge
         raise APIError(400, "prompt: token ids are not supported here, send text",
                        param="prompt")
     prompts = _strings(body, "prompt")
-    return _generation(body, prompts, "max_tokens", max_tokens, max_input_tokens)
+    _check_count(prompts, "prompt", "prompts", max_inputs)
+    return _generation(body, prompts, "max_tokens", max_tokens, max_input_tokens, max_inputs)
 
 
-def chat_request(body: dict, max_tokens: int, max_input_tokens: int) -> GenerationRequest:
+def chat_request(body: dict, max_tokens: int, max_input_tokens: int,
+                 max_inputs: int = DEFAULT_MAX_INPUTS) -> GenerationRequest:
     """POST /v1/chat/completions: `messages` made one prompt by the chat rule (chat.py)."""
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -148,11 +154,33 @@ def chat_request(body: dict, max_tokens: int, max_input_tokens: int) -> Generati
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     return _generation(body, [chat_prompt(body.get("messages"))], limit_field, max_tokens,
-                       max_input_tokens)
+                       max_input_tokens, max_inputs)
+
+
+def _check_count(values: list, field: str, what: str, max_inputs: int) -> None:
+    """At most max_inputs of them: a request's work and its answer's size stay bounded whatever
+    its body packs into max_body_bytes (100,000 one-letter inputs fit in 0.5 MB)."""
+    if len(values) > max_inputs:
+        raise APIError(400, f"{field}: {len(values)} {what}, more than this server's limit of "
+                       f"{max_inputs} per request (serve --max-inputs)", param=field)
+
+
+def _check_sequences(prompts: int, n: int, beams: tuple[int | None, str],
+                     max_inputs: int) -> None:
+    """The sequences a request decodes at once (prompts x n, or prompts x beams: each a row
+    and, streamed, a stream) at most max_inputs; `beams` is the beam width and the field that
+    set it."""
+    num_beams, beams_field = beams
+    field, width = ("n", n) if n >= (num_beams or 1) else (beams_field, num_beams or 1)
+    if prompts * width > max_inputs:
+        count = f"{field} {width}" if prompts == 1 else \
+            f"{field} {width} x {prompts} prompts = {prompts * width}"
+        raise APIError(400, f"{count} sequences, more than this server's limit of {max_inputs} "
+                       "per request (serve --max-inputs)", param=field)
 
 
 def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: int,
-                max_input_tokens: int) -> GenerationRequest:
+                max_input_tokens: int, max_inputs: int) -> GenerationRequest:
     for name in _UNSUPPORTED:
         if body.get(name):
             raise APIError(400, f"{name} is not supported by minfer's server", param=name)
@@ -166,15 +194,18 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
                  else temperature is None or temperature > 0)
     n = _integer(body, "n", 1) or 1
     num_beams = _integer(body, "num_beams", 1)
+    beams_field = "num_beams"
     best_of = _integer(body, "best_of", 1)
     if _boolean(body, "use_beam_search"):
         num_beams = best_of if best_of is not None else n
+        beams_field = "best_of" if best_of is not None else "n"
         if num_beams < 2:
             raise APIError(400, "best_of must be greater than 1 with use_beam_search (it is the "
                            "beam width)", param="best_of")
     elif best_of is not None and best_of != n and num_beams is None:
         raise APIError(400, "best_of other than n needs use_beam_search (minfer does not rank "
                        "sampled sequences)", param="best_of")
+    _check_sequences(len(prompts), n, (num_beams, beams_field), max_inputs)
     truncate = _integer(body, "truncate_prompt_tokens", 1)
     if truncate is not None and truncate > max_input_tokens:
         raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's limit of "
@@ -245,8 +276,10 @@ class EmbeddingRequest:
     dimensions: int | None
 
 
-def embedding_request(body: dict) -> EmbeddingRequest:
-    """POST /v1/embeddings: `input` a string or a non-empty list of non-empty strings."""
+def embedding_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> EmbeddingRequest:
+    """POST /v1/embeddings: `input` a string or a non-empty list of at most `max_inputs`
+    strings. An empty string is a text like any other (model.embed, `minfer embed` and
+    sentence-transformers embed it: its special tokens alone)."""
     value = body.get("input")
     if isinstance(value, list) and value and all(is_integer(t) or isinstance(t, list)
                                                  for t in value):
@@ -254,9 +287,7 @@ def embedding_request(body: dict) -> EmbeddingRequest:
     texts = _strings(body, "input")
     if texts is None:
         raise APIError(400, "input is required: a string or a list of strings", param="input")
-    for i, text in enumerate(texts):
-        if not text:
-            raise APIError(400, f"input[{i}] is empty", param="input")
+    _check_count(texts, "input", "inputs", max_inputs)
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise APIError(400, f"encoding_format must be \"float\" or \"base64\", got {shown(fmt)}",

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..generation.batcher import batcher_of
-from .errors import APIError
+from .errors import APIError, shutting_down
 
 RETRY_AFTER_SECONDS = 1
 
@@ -29,6 +29,7 @@ class Workers:
         self._lock = threading.Lock()
         self._accepted = 0   # running or waiting for a thread
         self._active = 0     # in a thread
+        self._closed = False
 
     def running(self) -> int:
         return max(self._active - len(self._batcher.admitting), 0)
@@ -37,8 +38,11 @@ class Workers:
         return self._accepted - self.running()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run fn(*args) in a worker thread, or raise 429 at once when the queue is full."""
+        """Run fn(*args) in a worker thread, or raise 429 at once when the queue is full (503
+        once the pool is shut down)."""
         with self._lock:
+            if self._closed:
+                raise shutting_down()
             if self._accepted >= self.max_running + self.max_waiting:
                 raise APIError(429, f"the server is busy: {self.max_running} requests running "
                                f"and {self.max_waiting} waiting (serve --max-running, "
@@ -47,9 +51,9 @@ class Workers:
             self._accepted += 1
         try:
             future = self._pool.submit(self._run, fn, *args)
-        except BaseException:   # the pool is shut down
+        except RuntimeError:   # the pool was shut down meanwhile
             self._finished(None)
-            raise
+            raise shutting_down() from None
         future.add_done_callback(self._finished)   # also when cancelled before it ran
         return future
 
@@ -67,5 +71,8 @@ class Workers:
             self._accepted -= 1
 
     def shutdown(self) -> None:
-        """No new work; queued work is dropped, running work finishes (cancelled by its owner)."""
+        """No new work (503); queued work is dropped (its futures cancelled), running work
+        finishes (cancelled by its owner)."""
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
