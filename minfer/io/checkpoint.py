@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..params.formats import QUANTIZED, SCALE_SUFFIX, WeightFormat
-from .limits import MAX_NAME_CHARS, MAX_TENSORS, quoted, read_json_text
+from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
 from .torch_pickle import TorchFile
@@ -99,8 +98,11 @@ class Checkpoint:
         return found.pop() if found else None
 
     def _weight_files(self) -> list[Path]:
+        """The weight files, in the order of preference (index, single file, pytorch_model.bin).
+        A candidate that is there but is no readable file (a folder, a link that loops or leads
+        nowhere) is an error naming it, not taken for absent: that would blame the next format."""
         single, index = self.folder / WEIGHTS_NAME, self.folder / INDEX_NAME
-        if index.is_file():
+        if is_regular_file(index, CheckpointError):
             self.index = read_json(index, required=True)
             weight_map = self.index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
@@ -123,15 +125,17 @@ class Checkpoint:
             # one listing of the folder, not a stat per claimed shard
             present = {p.name for p in self.folder.iterdir()} if len(shards) > 16 else None
             missing = [s for s in shards if not (s in present if present is not None
-                                                 else (self.folder / s).is_file())]
+                                                 else is_regular_file(self.folder / s,
+                                                                      CheckpointError))]
             if missing:
                 raise CheckpointError(f"{index}: shard file {quoted(missing[0])} is missing from "
                                       f"{self.folder}")
             return [self.folder / s for s in shards]
         self.index = None
-        if single.is_file():
+        if is_regular_file(single, CheckpointError):
             return [single]
-        if (self.folder / LEGACY_WEIGHTS_NAME).is_file():   # torch.save'd, read by torch_pickle.py
+        # torch.save'd, read by torch_pickle.py
+        if is_regular_file(self.folder / LEGACY_WEIGHTS_NAME, CheckpointError):
             return [self.folder / LEGACY_WEIGHTS_NAME]
         legacy = [p.name for p in self.folder.glob("*.bin")] + [p.name for p in self.folder.glob("*.pt")]
         hint = (f" (found {legacy[0]}: only safetensors and {LEGACY_WEIGHTS_NAME} are read)"
@@ -294,15 +298,10 @@ def check_fits(values: np.ndarray, dtype: Any, what: str, first_row: int = 0) ->
 def _open_weights(path: Path) -> SafetensorsFile:
     """A weights file: safetensors, or a torch pickle file (torch_pickle.TorchFile, same interface).
     Only a regular file: opening a FIFO waits for a writer that never comes (a listing, which
-    finds the shards of a large index, does not tell a FIFO or a device from a file)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
-                else "a device or socket")
-        raise CheckpointError(f"{path}: is {kind}, not a regular file: a weights file must be one")
+    finds the shards of a large index, does not tell a FIFO, a folder or a looping link from a
+    file)."""
+    if not is_regular_file(path, CheckpointError):   # gone since the folder was listed
+        raise CheckpointError(f"{path}: file is missing")
     if path.name != LEGACY_WEIGHTS_NAME:
         return SafetensorsFile(path)
     return TorchFile(path)
@@ -311,8 +310,9 @@ def _open_weights(path: Path) -> SafetensorsFile:
 def read_json(path: Path, required: bool = False,
               error: type[Exception] = CheckpointError) -> dict | None:
     """A JSON object from `path`; None when absent and not required. Errors are one-line `error`s
-    naming the file: missing, too large, nested too deep, not JSON, not an object."""
-    if not path.is_file():
+    naming the file: missing, not a readable file (a folder, a link that loops or leads nowhere:
+    never taken for absent), too large, nested too deep, not JSON, not an object."""
+    if not is_regular_file(path, error):
         if required:
             raise error(f"{path}: file is missing")
         return None

@@ -9,8 +9,10 @@ per-tensor objects, a pickle's hash of a nested tuple) it protects.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,34 @@ def shown(value: Any, limit: int = 60) -> str:
     if is_int(value) and value.bit_length() > 64:
         return f"a {value.bit_length()}-bit integer"
     return quoted(repr(value), limit)
+
+
+def is_regular_file(path: str | os.PathLike, error: type[Exception]) -> bool:
+    """True when `path` is a regular file (a link to one counts), False when nothing is there.
+    Anything else by that name (a folder, a FIFO or device, a link to nothing or to itself, a
+    path that cannot be looked up) is a one-line `error`: the folder meant it to be that file,
+    and taking it for absent would send the reader to a wrong conclusion (another weights
+    format, "missing", a fallback file)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.islink(path):
+            return False
+        kind = "a link to nothing"
+    except NotADirectoryError:   # a file where a parent folder should be: nothing by this name
+        return False
+    except ValueError:           # a NUL in the name: no file can have it
+        return False
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise error(f"{path}: cannot read: {e.strerror or e}") from None
+        kind = "a link that loops back on itself"
+    else:
+        if stat.S_ISREG(mode):
+            return True
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device or socket")
+    raise error(f"{path}: not a readable file ({kind})")
 
 
 def json_nesting(raw: bytes, limit: int = MAX_NESTING) -> int:
