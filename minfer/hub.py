@@ -293,6 +293,7 @@ def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: boo
         partial = isinstance(e, getattr(errs, "IncompleteSnapshotError", ()))
         where = "only partly in" if partial else "not in"
         todo = "finish the download" if partial else "download it"
+        cache = _shortened(str(cache), 200)   # cache_dir= is the caller's: any length
         return ModelNotFoundError(f"{what} is {where} the local cache ({cache}) and "
                                   f"{_why_unreachable(e, errs, offline)}: connect once to {todo}, "
                                   "or pass a local folder")

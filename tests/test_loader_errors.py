@@ -5,7 +5,7 @@ import pytest
 
 from minfer import hub
 from minfer.errors import ConfigError, MinferError
-from minfer.io.limits import shown
+from minfer.io.sentence_transformers import shown
 from minfer.models.transfo_xl.spec import XLConfig
 
 LONG = 5000   # characters of a value: its message must stay a few hundred at most
@@ -65,3 +65,11 @@ def test_hub_messages_escape_control_characters(tmp_path, kw):
     with pytest.raises(MinferError) as e:
         hub.resolve_model(offline=True, cache_dir=tmp_path, **kw)
     assert "\\n" in one_short_line(e.value, 300 + len(str(tmp_path)))
+
+
+def test_a_long_cache_dir_is_cut(tmp_path):
+    # the message quoted cache_dir whole
+    cache = tmp_path / ("c" * 200) / ("d" * 200) / ("e" * 200)
+    with pytest.raises(MinferError) as e:
+        hub.resolve_model("t5-small", offline=True, cache_dir=cache)
+    assert "characters)" in one_short_line(e.value, 400)
