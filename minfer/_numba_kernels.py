@@ -730,11 +730,13 @@ def warm_up() -> None:
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
-    cache = np.zeros((1, 1, 1, 2, 4), np.float32)        # (L, B, H, N, D)
-    q, ctx = np.zeros((1, 1, 4), np.float32), np.empty((1, 1, 4), np.float32)
-    bias = np.zeros((1, 1, 4), np.float32)[:, :, 2:]      # (Bb, Hb, S): a strided view, as used
+    cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
+    q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)
+    # (Bb, Hb, S) bias: contiguous, or a strided view (the window of a longer causal table)
+    biases = (np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 4), np.float32)[:, :, 2:])
     for attend in (attend_query, attend_query_parallel):
-        attend(q, cache[0], cache[0], 2, bias, ctx)
+        for bias in biases:
+            attend(q, cache[0], cache[0], 2, bias, ctx)
     gather_rows(cache, np.zeros(1, np.int64), 1)
 
 

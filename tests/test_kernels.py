@@ -1,5 +1,6 @@
 """The compiled CPU kernels (kernels.py, _numba_kernels.py) against plain NumPy, at the edges of
 their blocking: rows that are not a multiple of the blocks, 1..17 input rows, every format."""
+import json
 import time
 
 import numpy as np
@@ -455,3 +456,28 @@ def test_int4_widening_kernel_equals_numpy_for_whole_and_partial_blocks(K):
     k.widen_i4(q, got)
     np.testing.assert_array_equal(got, want)
     assert np.abs(want).max() <= 8 and (want == np.rint(want)).all()
+
+
+def test_a_cold_cache_compiles_in_a_child_process_not_in_this_one(tmp_path):
+    """The first run of an installation compiles the kernels in a child process that fills
+    numba's cache (LLVM's compiler would otherwise add ~60 MiB to this process's peak, outside
+    any arena), saying so on stderr; this process only loads them. A second run is silent."""
+    import os
+    import subprocess
+    import sys
+    code = ("import json, numba\n"
+            "from minfer import kernels\n"
+            "k = kernels.compiled()\n"
+            "k.warm_up()\n"
+            "kernels_ = [v for v in vars(k).values() if isinstance(v, numba.core.dispatcher.Dispatcher)]\n"
+            "print(json.dumps([sum(len(d.stats.cache_misses) for d in kernels_),\n"
+            "                  sum(len(d.stats.cache_hits) for d in kernels_)]))\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MINFER_KERNELS="numba")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=1800) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    (misses, hits), again = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert misses == 0 and hits > 10                   # every kernel came from the cache
+    assert kernels.COMPILE_NOTICE in runs[0].stderr
+    assert kernels.COMPILE_NOTICE not in runs[1].stderr and again == [0, hits]
