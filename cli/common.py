@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from dataclasses import dataclass, fields
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Mapping
 
 import click
 
@@ -142,11 +143,55 @@ def with_model_options(command):
     return run
 
 
+# load()'s arguments that a model option sets: a ConfigError that begins with one of them is
+# about that option's value (minfer.load checks them before it reads any weights)
+_LOAD_ARGUMENTS = {"device": "--device", "dtype": "--dtype", "compute": "--compute",
+                   "workspace": "--workspace", "memory_limit": "--memory-limit",
+                   "num_threads": "--threads", "revision": "--revision",
+                   "subfolder": "--subfolder", "tokenizer_subfolder": "--tokenizer-subfolder",
+                   "parts": "--parts"}
+
+
 def load_model(opts: ModelOptions) -> Any:
+    """minfer.load with the model options; a bad option value is a usage error naming its
+    flag (status 2), as click's own checks are."""
     import minfer
-    return minfer.load(opts.model, device=opts.device, dtype=opts.dtype, revision=opts.revision,
-                       workspace=opts.workspace, compute=opts.compute,
-                       memory_limit=opts.memory_limit,
-                       offline=True if opts.offline else None, num_threads=opts.threads,
-                       subfolder=opts.subfolder, tokenizer_subfolder=opts.tokenizer_subfolder,
-                       parts=opts.parts)
+    try:
+        return minfer.load(opts.model, device=opts.device, dtype=opts.dtype,
+                           revision=opts.revision, workspace=opts.workspace,
+                           compute=opts.compute, memory_limit=opts.memory_limit,
+                           offline=True if opts.offline else None, num_threads=opts.threads,
+                           subfolder=opts.subfolder,
+                           tokenizer_subfolder=opts.tokenizer_subfolder, parts=opts.parts)
+    except minfer.ConfigError as e:
+        if re.match(rf"({'|'.join(_LOAD_ARGUMENTS)})\b[ :=]", str(e)):
+            fail(with_flags(str(e), _LOAD_ARGUMENTS), EXIT_USAGE)
+        raise
+
+
+def with_flags(message: str, flags: Mapping[str, str]) -> str:
+    """A library message about options with their Python names written as the command line's
+    flags ("min_new_tokens (9) exceeds max_new_tokens (3)" -> "--min-new-tokens (9) exceeds
+    --max-new-tokens (3)"): every name with an underscore, and a plain word (task, dtype) where
+    it is the message's subject (its start) or a keyword (dtype='int8'), not where it is English
+    ("the model's prompts"). Names inside formulas (1/temperature, |length_penalty|) or quotes
+    stay as they are."""
+    message = message.replace("do_sample=False", "--greedy").replace("do_sample=True",
+                                                                     "--do-sample")
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+
+    def flag(m: re.Match) -> str:
+        name = m.group(1)
+        keyword = message.startswith("=", m.end())
+        return flags[name] if "_" in name or m.start() == 0 or keyword else name
+    return re.sub(rf"(?<![\w*|/('.-])({names})(?![\w*|'])", flag, message)
+
+
+def command_flags(**renamed: str) -> dict[str, str]:
+    """The running command's options: Python name -> its long flag; `renamed` adds the names a
+    library call gives some of them (truncation="truncate": the --truncate flag)."""
+    flags = {}
+    for param in click.get_current_context().command.params:
+        if isinstance(param, click.Option) and param.name:
+            flags[param.name] = max(param.opts, key=len)
+    return {**flags, **{name: flags[param] for name, param in renamed.items()}}

@@ -28,7 +28,8 @@ from minfer.generation.text import take_window
 from .bulk import (Bulk, Progress, RecordShape, Resumed, bulk_options, bulk_rows, bulk_settings,
                    check_resume, close_files, is_number, kept_note, open_input, open_output,
                    open_output_file, rows_to_come, skip_rows)
-from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
+from .common import (EXIT_USAGE, command_flags, emit, fail, load_model, quiet_on_closed_pipe,
+                     read_text, with_flags, with_model_options)
 
 WINDOW = 256   # rows read, embedded and written at a time in bulk mode (and at most
                # generation.text.WINDOW_CHARS characters of them)
@@ -68,11 +69,22 @@ def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path,
     m = load_model(load)
     if m.tokenizer is None:
         fail(f"{m.folder} has no tokenizer: embed needs one to read text")
+    _check_prompt(m, prompt_name, prompt)
     options = dict(prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
     if bulk is None:
         _print_embeddings(m, texts, names, options)
         return
     _run_bulk(m, bulk, npy, options)
+
+
+def _check_prompt(m: Any, prompt_name: str | None, prompt: str | None) -> None:
+    """A --prompt-name the model lacks is a usage error naming the flag (before any row runs)."""
+    from minfer.embedding import prompt_for
+    from minfer.errors import InputError
+    try:
+        prompt_for(getattr(m, "sentence_modules", None), prompt_name, prompt)
+    except InputError as e:
+        fail(with_flags(str(e).removeprefix("embed(): "), command_flags()), EXIT_USAGE)
 
 
 def _print_embeddings(m: Any, texts: tuple[str, ...], names: list[str], options: dict) -> None:

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 from typing import Any, BinaryIO, Iterable, Iterator
 
 import click
 
-from minfer.generation.options import DEFAULT_MAX_BATCH_SIZE
+from minfer.generation.options import (DEFAULT_MAX_BATCH_SIZE, MAX_BATCH_SIZE, MAX_PENALTY,
+                                       MAX_ROWS, MAX_TEMPERATURE, MIN_PENALTY)
+from minfer.io.limits import MAX_LENGTH
 
 from .bulk import (MAX_LINE_BYTES, bulk_options, bulk_settings, lines, results_in_order, run_bulk,
                    utf8)
-from .common import EXIT_USAGE, emit, fail, load_model, quiet_on_closed_pipe, read_text, with_model_options
+from .common import (EXIT_USAGE, command_flags, emit, fail, load_model, quiet_on_closed_pipe,
+                     read_text, with_flags, with_model_options)
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
@@ -47,31 +51,44 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
     return tuple(out)
 
 
+class Finite(click.FloatRange):
+    """A float in a range that is also finite: click's FloatRange lets nan and inf through."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+# Ranges are generate()'s own (minfer.generation.options), so a value it would refuse fails
+# here, before the model loads, as a usage error naming the flag.
 @click.command()
 @with_model_options
 @click.argument("prompts", nargs=-1)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--max-new-tokens", type=click.IntRange(1, MAX_LENGTH), default=None,
               help="New tokens at most  [default: the checkpoint's, else 256].")
-@click.option("--min-new-tokens", type=click.IntRange(min=0), default=None,
+@click.option("--min-new-tokens", type=click.IntRange(0, MAX_LENGTH), default=None,
               help="New tokens before eos is allowed  [default: 0].")
 @click.option("--do-sample/--greedy", default=None,
               help="Sample instead of greedy search  [default: greedy unless --temperature, "
                    "--top-k or --top-p is given].")
-@click.option("--temperature", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Sampling temperature  [default: 1.0].")
-@click.option("--top-k", type=click.IntRange(min=0), default=None,
+@click.option("--temperature", type=Finite(0, MAX_TEMPERATURE), default=None,
+              help="Sampling temperature; 0 means greedy search, as the server reads it  "
+                   "[default: 1.0].")
+@click.option("--top-k", type=click.IntRange(0, MAX_LENGTH), default=None,
               help="Sample from the k most likely tokens (0 = all)  [default: 50].")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+@click.option("--top-p", type=Finite(0, 1, min_open=True), default=None,
               help="Nucleus sampling: smallest set with this much probability  [default: 1.0].")
-@click.option("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--repetition-penalty", type=Finite(MIN_PENALTY, MAX_PENALTY), default=None,
               help="Penalty for tokens already generated  [default: 1.0].")
-@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=None,
+@click.option("--no-repeat-ngram-size", type=click.IntRange(0, MAX_LENGTH), default=None,
               help="Never repeat an n-gram of this size  [default: 0 = off].")
-@click.option("--num-beams", type=click.IntRange(min=1), default=None,
+@click.option("--num-beams", type=click.IntRange(1, MAX_ROWS), default=None,
               help="Beam search width  [default: 1 = greedy].")
-@click.option("--length-penalty", type=float, default=None,
+@click.option("--length-penalty", type=Finite(), default=None,
               help="Beam score = logprob / length**penalty  [default: 1.0].")
-@click.option("--num-return-sequences", type=click.IntRange(min=1), default=None,
+@click.option("--num-return-sequences", type=click.IntRange(1, MAX_ROWS), default=None,
               help="Results per prompt  [default: 1]. Above 1 each plain line is labelled "
                    "ROW.K and a tab (ROW: the PROMPT argument's or stdin line's number, K: the "
                    "sequence's), and --json puts them all under \"sequences\".")
@@ -88,10 +105,10 @@ def _unescape_stops(ctx: click.Context, param: click.Parameter, values: tuple[st
               help="One JSON object per prompt, in input order: text, token ids, finish reason, "
                    "token counts, and batch_seconds: the wall time of the batch it ran in, "
                    "shared by the prompts batched with it (--batch-size 1 times each alone).")
-@click.option("--batch-size", "max_batch_size", type=click.IntRange(min=1), default=None,
+@click.option("--batch-size", "max_batch_size", type=click.IntRange(1, MAX_BATCH_SIZE), default=None,
               help="Prompts per batch at most (--no-stream, --json, --input); fewer when the "
                    f"workspace cannot hold that many  [default: {DEFAULT_MAX_BATCH_SIZE}].")
-@click.option("--max-input-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--max-input-tokens", type=click.IntRange(1, MAX_LENGTH), default=None,
               help="Prompt tokens at most: a longer prompt fails as a row (or is cut, with "
                    "--truncate)  [default: no limit but the workspace].")
 @click.option("--truncate", is_flag=True,
@@ -138,6 +155,10 @@ def generate(load, prompts, max_new_tokens,
         except UnicodeEncodeError as e:
             fail(f"PROMPT {i}: not valid UTF-8 at character {e.start} "
                   f"({prompt[e.start].encode('utf-8', 'surrogateescape')!r})", EXIT_USAGE)
+    if temperature == 0:   # greedy, as the server reads temperature 0 (sampling flags aside)
+        if do_sample:
+            fail("--temperature 0 means greedy search; it cannot go with --do-sample", EXIT_USAGE)
+        do_sample, temperature = False, None
     if do_sample is None and any(v is not None for v in (temperature, top_k, top_p)):
         do_sample = True
     options = dict(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -149,6 +170,7 @@ def generate(load, prompts, max_new_tokens,
                    truncation=True if truncate else None)
     m = load_model(load)
     m.check_can_generate()   # an encoder-only model: one line, before any prompt is read
+    _check_options(m, task, options)
     if m.tokenizer is None:
         from minfer.generation.text import tokenizer_files  # the files this family would read
         fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")
@@ -161,6 +183,19 @@ def generate(load, prompts, max_new_tokens,
     if rows is None:
         rows = ((p, f"PROMPT {i}", p, i) for i, p in enumerate(prompts, 1))
     _run_batched(m, rows, as_json, task, options)
+
+
+def _check_options(m: Any, task: str | None, options: dict) -> None:
+    """The options as generate() will settle them against this model (its config, its
+    generation_config.json, the task's settings): a call's value it refuses (a pair that does
+    not go together, a task the checkpoint lacks) is a usage error naming the flags."""
+    from minfer.errors import InputError
+    from minfer.generation.options import resolve_options, split_batch_options
+    try:
+        _, rest = split_batch_options(options)
+        resolve_options(m, task, **rest)
+    except InputError as e:
+        fail(with_flags(str(e), command_flags(truncation="truncate")), EXIT_USAGE)
 
 
 def _run_streamed(m: Any, prompts: tuple[str, ...], from_stdin: bool, task: str | None,

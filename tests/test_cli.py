@@ -106,10 +106,10 @@ def test_help_documents_defaults(command):
 def test_bad_option_value(text_model_folder):
     assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--top-p", "2"), 2,
                           "--top-p")
-    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--device", "tpu"), 1,
-                          "device 'tpu'")
-    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--task", "poetry"), 1,
-                          "task 'poetry'")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--device", "tpu"), 2,
+                          "--device 'tpu'")
+    assert_one_line_error(run("generate", "-m", str(text_model_folder), "x", "--task", "poetry"), 2,
+                          "--task 'poetry'")
     assert_one_line_error(run("generate", "x"), 2, "--model")
 
 

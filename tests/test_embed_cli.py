@@ -134,4 +134,4 @@ def test_subfolder_options(tmp_path):
     assert run.returncode == 0, run.stderr
     assert len(json.loads(run.stdout)["embedding"]) == 16
     run = minfer("embed", "-m", str(repo), "--subfolder", "../x", "hello")
-    assert_one_line_error(run, "subfolder='../x': expected a folder inside")
+    assert_one_line_error(run, "--subfolder='../x': expected a folder inside", code=2)
