@@ -1,7 +1,8 @@
 """RoBERTa's byte-level BPE from vocab.json + merges.txt (minfer.tokenizers.bpe), as CodeT5 and
 CodeT5+ ship it, against transformers 4.57's RobertaTokenizerFast and RobertaTokenizer (ids and
-decoded texts committed by weights/make_byt5_bpe_fixtures.py); which source reads a vocab.json
-(select.py); bad vocab.json / merges.txt files."""
+decoded texts committed by weights/make_byt5_bpe_fixtures.py, with 5.x's where they differ: minfer
+keeps 4.57's, what CodeT5 was trained with, see its V5_DIFFERENCES); folders transformers saves;
+which source reads a vocab.json (select.py); bad vocab.json / merges.txt files."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 
 from minfer.errors import TokenizerError
 from minfer.tokenizers import BpeTokenizer, JsonTokenizer, WordTokenizer, load_tokenizer
-from tokenizer_checks import one_line_naming, stream, weights_script
+from tokenizer_checks import (hold_to_versions, one_line_naming, stream, transformers_major,
+                              weights_script)
 
 ROOT = Path(__file__).resolve().parents[1]
 BPE = ROOT / "weights" / "tokenizers" / "roberta-bpe"
@@ -35,16 +37,19 @@ def codet5():
 
 @pytest.fixture(scope="module")
 def resaved(tmp_path_factory):
-    """The codet5 folder as transformers saves it (AutoTokenizer.from_pretrained(...)
+    """The codet5 folder as transformers 4.57 saves it (AutoTokenizer.from_pretrained(...)
     .save_pretrained: a tokenizer.json beside the files, configs in the new format). Without
-    transformers, rebuilt (64 KB not committed): the tokenizer.json is the library tokenizer minfer
-    builds, which is what `tok.backend_tokenizer` is, with RoBERTa's post-processor; the config has
-    the added_tokens_decoder."""
+    transformers 4.x, rebuilt (64 KB not committed): the tokenizer.json is the library tokenizer
+    minfer builds, which is what 4.57's `tok.backend_tokenizer` is, with RoBERTa's
+    post-processor; the config has the added_tokens_decoder. (transformers 5 saves no vocab.json
+    and merges.txt, and reads the codet5 folder otherwise: test_folder_saved_by_installed_
+    transformers.)"""
     out = tmp_path_factory.mktemp("resaved")
     if importlib.util.find_spec("transformers") is not None:
         import transformers
-        transformers.AutoTokenizer.from_pretrained(str(BPE)).save_pretrained(str(out))
-        return out
+        if transformers_major(transformers) == 4:
+            transformers.AutoTokenizer.from_pretrained(str(BPE)).save_pretrained(str(out))
+            return out
     from tokenizers import processors
     tok = load_tokenizer(BPE)
     backend = tok._tok                  # a tokenizer of this fixture's own: changed, then dropped
@@ -66,25 +71,28 @@ def test_fixtures_are_current_and_small(fixtures):
     bpe = data["bpe"]
     assert bpe["variants"] == module.BPE_VARIANTS and bpe["texts"] == module.BPE_TEXTS
     assert set(bpe["expected"]["variants"]) == set(module.BPE_VARIANTS)
+    v5 = data[module.V5_SECTION]
+    assert v5["transformers"].startswith("5.") and set(v5["bpe"]) <= set(module.BPE_VARIANTS)
     assert sum(p.stat().st_size for p in BPE.iterdir()) < 24 * 1024
 
 
 @pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BPE_VARIANTS)
 def test_matches_committed_transformers(fixtures, variant, tmp_path, resaved):
     """ids (`<s> ... </s>` with add_eos, the text's own without), decoded texts: what transformers
-    4.57's AutoTokenizer (RobertaTokenizerFast) gives; the slow RobertaTokenizer gives the same
-    ids except where the fixture script lists why not (EXPECTED_SLOW_DIFFERENCES)."""
+    4.57's AutoTokenizer (RobertaTokenizerFast) gives (each field as the version minfer follows
+    for it gives it: 4.57 throughout); the slow RobertaTokenizer gives the same ids except where
+    the fixture script lists why not (EXPECTED_SLOW_DIFFERENCES)."""
     module, data = fixtures
-    expected = data["bpe"]["expected"]
-    want = expected["variants"][variant]
+    want = data["bpe"]["expected"]["variants"][variant]
+    rows = {m: module.rows_for(data, "bpe", variant, m) for m in (4, 5)}
     spec = module.BPE_VARIANTS[variant]
     tok = load_tokenizer(module.build_variant(BPE, tmp_path / variant, spec, resaved))
     assert isinstance(tok, JsonTokenizer if (tmp_path / variant / "tokenizer.json").is_file()
                       else BpeTokenizer)
     assert tok.vocab_size == want["len"]
     slow_differs = False
-    for text, index in zip(data["bpe"]["texts"], want["rows"]):
-        row = expected["rows"][index]
+    for k, text in enumerate(data["bpe"]["texts"]):
+        row = {f: rows[module.follows("bpe", f)][k][f] for f in ("ids", "plain", "decoded", "slow")}
         ids = tok.encode(text)
         assert ids == row["ids"], text
         slow_differs |= ids != row["slow"]
@@ -254,20 +262,46 @@ def test_nothing_runs_from_a_vocab_file(tmp_path):
     one_line_naming(err, tmp_path / "vocab.json")
 
 
+def _installed_transformers():
+    transformers = pytest.importorskip("transformers")
+    if transformers_major(transformers) not in (4, 5):
+        pytest.skip(f"no results recorded for transformers {transformers.__version__}")
+    return transformers
+
+
 @pytest.mark.parametrize("variant", weights_script("make_byt5_bpe_fixtures").BPE_VARIANTS)
 def test_matches_transformers_live(fixtures, variant, tmp_path, resaved):
-    """The same folders against the installed transformers, fast and slow (skipped without it)."""
-    transformers = pytest.importorskip("transformers")
+    """The same folders against the installed transformers, fast and slow (skipped without it):
+    under 4.x every field equal; under 5.x, which reads CodeT5's folder otherwise (`<mask>` keeps
+    the space before it, the sentinels are not special), transformers gives what the fixtures
+    recorded for 5.x and minfer 4.57's (tokenizer_checks.hold_to_versions). 5.x's
+    RobertaTokenizer is the fast tokenizer, so there the slow ids are the fast ones."""
+    transformers = _installed_transformers()
+    major = transformers_major(transformers)
     module, data = fixtures
     folder = module.build_variant(BPE, tmp_path / variant, module.BPE_VARIANTS[variant], resaved)
     fast = transformers.AutoTokenizer.from_pretrained(str(folder))
     slow = transformers.RobertaTokenizer.from_pretrained(str(folder))
     tok = load_tokenizer(folder)
+    rows = {m: module.rows_for(data, "bpe", variant, m) for m in (4, 5)}
+    for k, text in enumerate(data["bpe"]["texts"]):
+        theirs = module.results_row(fast, text)
+        hold_to_versions(module, "bpe", module.minfer_row(tok, text), theirs,
+                         {m: rows[m][k] for m in rows}, major, (variant, text))
+        if major >= 5 or variant not in module.EXPECTED_SLOW_DIFFERENCES:
+            assert slow(text).input_ids == theirs["ids"], text
+
+
+def test_folder_saved_by_installed_transformers(fixtures, tmp_path):
+    """The codet5 folder saved by the installed transformers (4.57: the saved-4.57 variants; 5.x:
+    tokenizer.json and tokenizer_config.json only, holding 5.x's reading of the folder, `<mask>`
+    without lstrip and the sentinels not special) is a tokenizer.json as written: minfer gives
+    what transformers gives for it, every field."""
+    transformers = _installed_transformers()
+    module, data = fixtures
+    transformers.AutoTokenizer.from_pretrained(str(BPE)).save_pretrained(str(tmp_path))
+    fast = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, JsonTokenizer)
     for text in data["bpe"]["texts"]:
-        ids = fast(text).input_ids
-        assert tok.encode(text) == ids, text
-        if variant not in module.EXPECTED_SLOW_DIFFERENCES:
-            assert slow(text).input_ids == ids, text
-        for skip in (True, False):
-            assert tok.decode(ids, skip) == fast.decode(ids, skip_special_tokens=skip,
-                                                        clean_up_tokenization_spaces=False)
+        assert module.minfer_row(tok, text) == module.results_row(fast, text), text

@@ -1,5 +1,6 @@
 """What the tokenizer tests share: the fixture scripts of weights/ (importable without
-transformers), streaming a list of ids, and the shape of a one-line error."""
+transformers), streaming a list of ids, the shape of a one-line error, and holding minfer and the
+installed transformers to the results of the transformers version minfer follows."""
 
 from __future__ import annotations
 
@@ -36,3 +37,23 @@ def one_line_naming(err: pytest.ExceptionInfo, *what) -> None:
         assert str(w) in message, message
     assert err.value.__cause__ is None
     assert err.value.__context__ is None or err.value.__suppress_context__
+
+
+def transformers_major(transformers: ModuleType) -> int:
+    return int(transformers.__version__.split(".")[0])
+
+
+def hold_to_versions(module: ModuleType, source: str, mine: dict, theirs: dict,
+                     recorded: dict[int, dict], major: int, what: object) -> None:
+    """Field by field of a row: where minfer follows the installed transformers' major version
+    (`module.follows`), minfer's value is the installed transformers'; where it follows the other
+    one (a difference `module.V5_DIFFERENCES` explains), the installed transformers gives what the
+    fixtures recorded for its version, and minfer what they recorded for the one it follows."""
+    for field, value in mine.items():
+        followed = module.follows(source, field)
+        if followed == major:
+            assert value == theirs[field], (what, field)
+        else:
+            assert theirs[field] == recorded[major][field], \
+                (what, field, f"transformers {major}.x no longer gives its recorded result")
+            assert value == recorded[followed][field], (what, field)

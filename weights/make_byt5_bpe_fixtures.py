@@ -18,9 +18,16 @@ transformers without transformers installed:
   that are not valid UTF-8 (`BYT5_DECODE`). Variants share their equal rows: each section keeps
   its distinct rows once ("rows") and each variant the index of each text's row.
 
-The oracle is transformers 4.57.6 (the pinned dev version). Rerun (deterministic, a few seconds):
+The oracle is transformers 4.57.6 (the pinned dev version). transformers 5 reads some of these
+folders differently (`V5_DIFFERENCES` says where, why, and which version minfer follows): a second
+run under transformers 5 adds its results where they differ from 4.57's (section "transformers5",
+rows in the same tables), so that the tests hold minfer, and the installed transformers, to the
+results of the version each field follows. Rerun both (deterministic, a few seconds each; the
+first run drops the second's section):
 
     pip install -e .[dev]
+    python weights/make_byt5_bpe_fixtures.py
+    pip install "transformers==5.24.*"
     python weights/make_byt5_bpe_fixtures.py
 """
 
@@ -126,6 +133,8 @@ BYT5_DECODE = [
     [259, 3 + 0xE2, 3 + 0x82],
     [259, 260, 383, 100],
     [1, 1, 0, 100, 3 + 0xF0, 3 + 0x9F, 3 + 0x98, 3 + 0x80, 1],
+    # byte 0xC3 with a continuation: "ü", except where an added token's text is chr(0xC3)
+    [100, 3 + 0xC3, 3 + 0xBC, 101],
 ]
 
 BPE_CONFIG = {"add_prefix_space": False, "bos_token": _legacy("<s>"), "cls_token": _legacy("<s>"),
@@ -170,6 +179,60 @@ BPE_TEXTS = [
     "",
     " ",
 ]
+
+# What transformers 5 (5.24) gives differently from 4.57 for these folders, per source and field
+# of a row ("decode": BYT5_DECODE's decodings): the version whose results minfer follows (the
+# behaviour the checkpoints were trained with, or the faithful one where training does not
+# decide), and why. A field not listed is the same in both; the second run checks all of it.
+V5_DIFFERENCES: dict[tuple[str, str], tuple[int, str]] = {
+    # 5.x's ByT5Tokenizer joins every token's bytes; 4.57's PreTrainedTokenizer._decode put the
+    # sentinels and other added tokens apart between spaces (`spaces_between_special_tokens`, a
+    # legacy rule v5 dropped). The ids are bytes: decoding them adds none (decode(encode(text)) is
+    # the text again, as for the original ByT5 vocabulary and minfer's other sources). Ids and
+    # which ids are special are the same in both.
+    ("byt5", "decoded"): (5, "no spaces put around added tokens when decoding"),
+    ("byt5", "decode"): (5, "no spaces put around added tokens when decoding"),
+    # 5.x's RobertaTokenizer, reading a folder without tokenizer.json (CodeT5's), no longer makes
+    # `<mask>` swallow the whitespace before it (4.x's RobertaTokenizer(Fast).__init__ did, for a
+    # plain-string mask_token, and CodeT5's own config saves lstrip true), and marks the
+    # added_tokens.json sentinels that special_tokens_map.json lists as additional special tokens
+    # not special (its legacy reader looks for `extra_special_tokens` only), so
+    # `skip_special_tokens` keeps them and `split_special_tokens` does not split them. CodeT5 was
+    # trained with 4.x's reading (RoBERTa's mask rule, the sentinels special): minfer keeps it.
+    ("bpe", "ids"): (4, "<mask> keeps the space before it; sentinels not special"),
+    ("bpe", "plain"): (4, "<mask> keeps the space before it; sentinels not special"),
+    ("bpe", "decoded"): (4, "<mask> keeps the space before it; sentinels not special"),
+    # the same, and 5.x's RobertaTokenizer is the fast one (RobertaTokenizerFast is an alias):
+    # the slow tokenizer's own add_prefix_space rule (EXPECTED_SLOW_DIFFERENCES) is gone
+    ("bpe", "slow"): (4, "as ids; and RobertaTokenizer is the fast tokenizer"),
+}
+V5_SECTION = "transformers5"
+
+
+def follows(source: str, field: str) -> int:
+    """The transformers major version whose results minfer gives for `field` of `source`."""
+    return V5_DIFFERENCES.get((source, field), (4, ""))[0]
+
+
+def rows_for(data: dict[str, Any], source: str, variant: str, major: int) -> list[dict[str, Any]]:
+    """The committed results of transformers `major` (4: 4.57, 5: the "transformers5" run) for
+    each text of `variant`: the 4.57 row, with 5.x's where it differs."""
+    expected = data[source]["expected"]
+    index = list(expected["variants"][variant]["rows"])
+    if major == 5:
+        for k, row in data[V5_SECTION][source].get(variant, {}).get("rows", {}).items():
+            index[int(k)] = row
+    return [expected["rows"][i] for i in index]
+
+
+def decodes_for(data: dict[str, Any], variant: str, major: int) -> list[Any]:
+    """BYT5_DECODE's committed decodings for `variant` under transformers `major`."""
+    decoded = list(data["byt5"]["expected"]["variants"][variant]["decode"])
+    if major == 5:
+        for k, value in data[V5_SECTION]["byt5"].get(variant, {}).get("decode", {}).items():
+            decoded[int(k)] = value
+    return decoded
+
 
 EXPECTED_SLOW_DIFFERENCES = {
     # the fast tokenizer's ByteLevel puts a space before every stretch of text after an added
@@ -286,9 +349,11 @@ def make_bpe() -> None:
 class _Rows:
     """Distinct rows, each kept once; `index(row)` is where it is."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: list[dict[str, Any]] | None = None) -> None:
         self.rows: list[dict[str, Any]] = []
         self._at: dict[str, int] = {}
+        for row in rows or []:
+            self.index(row)
 
     def index(self, row: dict[str, Any]) -> int:
         key = json.dumps(row, sort_keys=True)
@@ -298,8 +363,9 @@ class _Rows:
         return self._at[key]
 
 
-def byt5_expected(transformers: Any, work: Path) -> dict[str, Any]:
-    table, out = _Rows(), {}
+def byt5_results(transformers: Any, work: Path) -> dict[str, dict[str, Any]]:
+    """Per variant what the installed transformers gives: "end", a row per text, "decode"."""
+    out = {}
     for name, spec in BYT5_VARIANTS.items():
         hf = transformers.AutoTokenizer.from_pretrained(str(build_variant(BYT5, work / name, spec)))
         assert type(hf).__name__ == "ByT5Tokenizer", (name, type(hf))
@@ -307,32 +373,85 @@ def byt5_expected(transformers: Any, work: Path) -> dict[str, Any]:
                    if max(ids) < len(hf) else None for ids in BYT5_DECODE]   # else HF raises
         # ids 0..end-1 (len(hf) counts texts, one fewer where an added token's text is a byte's)
         end = max(hf.get_vocab().values()) + 1
-        out[name] = {"end": end, "rows": [table.index(_row(hf, t)) for t in BYT5_TEXTS],
+        out[name] = {"end": end, "rows": [results_row(hf, t) for t in BYT5_TEXTS],
                      "decode": decoded}
-    return {"rows": table.rows, "variants": out}
+    return out
 
 
-def bpe_expected(transformers: Any, work: Path) -> dict[str, Any]:
+def bpe_results(transformers: Any, work: Path, resave: bool) -> dict[str, dict[str, Any]]:
+    """Per variant what the installed transformers gives: "len", a row per text (with the slow
+    RobertaTokenizer's ids). resave: also the variants of the folder it saves (4.57's)."""
     resaved = work / "resaved"
-    transformers.AutoTokenizer.from_pretrained(str(BPE)).save_pretrained(str(resaved))
-    table, out = _Rows(), {}
+    if resave:
+        transformers.AutoTokenizer.from_pretrained(str(BPE)).save_pretrained(str(resaved))
+    out = {}
     for name, spec in BPE_VARIANTS.items():
+        if spec.get("resave") and not resave:
+            continue
         folder = build_variant(BPE, work / name, spec, resaved)
         fast = transformers.AutoTokenizer.from_pretrained(str(folder))
         slow = transformers.RobertaTokenizer.from_pretrained(str(folder))
-        assert type(fast).__name__ == "RobertaTokenizerFast", (name, type(fast))
-        rows = [{**_row(fast, text), "slow": slow(text).input_ids} for text in BPE_TEXTS]
-        differs = [r for r in rows if r["slow"] != r["ids"]]
-        assert bool(differs) == (name in EXPECTED_SLOW_DIFFERENCES), (name, differs)
-        out[name] = {"len": len(fast), "rows": [table.index(r) for r in rows]}
-    return {"rows": table.rows, "variants": out}
+        # 5.x: RobertaTokenizer is the fast tokenizer (RobertaTokenizerFast an alias of it)
+        assert type(fast).__name__ in ("RobertaTokenizerFast", "RobertaTokenizer"), name
+        rows = [{**results_row(fast, text), "slow": slow(text).input_ids} for text in BPE_TEXTS]
+        out[name] = {"len": len(fast), "rows": rows}
+    return out
 
 
-def _row(hf: Any, text: str) -> dict[str, Any]:
+def tabled(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Results with each variant's rows as indices into one table of distinct rows."""
+    table = _Rows()
+    variants = {name: {**got, "rows": [table.index(r) for r in got["rows"]]}
+                for name, got in results.items()}
+    return {"rows": table.rows, "variants": variants}
+
+
+def v5_section(data: dict[str, Any], byt5: dict[str, Any], bpe: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's results where they differ from the committed 4.57 ones: per source and
+    variant, {text index: row index} (rows added to the source's table) and, for ByT5,
+    {BYT5_DECODE index: decodings}. Every field that differs must be one V5_DIFFERENCES lists,
+    and each listed one must differ somewhere."""
+    out: dict[str, Any] = {}
+    seen: set[tuple[str, str]] = set()
+    for source, results, size in (("byt5", byt5, "end"), ("bpe", bpe, "len")):
+        # 4.57's rows come first (a rerun drops what an earlier one appended)
+        expected = data[source]["expected"]
+        table = _Rows(expected["rows"][:1 + max(i for v in expected["variants"].values()
+                                                for i in v["rows"])])
+        out[source] = {}
+        for name, got in results.items():
+            base = data[source]["expected"]["variants"][name]
+            assert got[size] == base[size], (source, name, size)
+            entry: dict[str, Any] = {}
+            for k, (new, old) in enumerate(zip(got["rows"], rows_for(data, source, name, 4))):
+                if new != old:
+                    seen |= {(source, f) for f in new if new[f] != old[f]}
+                    entry.setdefault("rows", {})[str(k)] = table.index(new)
+            for k, (new, old) in enumerate(zip(got.get("decode", []), base.get("decode", []))):
+                if new != old:
+                    seen.add((source, "decode"))
+                    entry.setdefault("decode", {})[str(k)] = new
+            if entry:
+                out[source][name] = entry
+        data[source]["expected"]["rows"] = table.rows
+    assert seen == set(V5_DIFFERENCES), ("not as V5_DIFFERENCES says", seen ^ set(V5_DIFFERENCES))
+    return out
+
+
+def results_row(hf: Any, text: str) -> dict[str, Any]:
+    """A text's row: ids with and without special tokens, the ids decoded skipping special
+    tokens and keeping them (the tests build minfer's the same way, `minfer_row`)."""
     ids = hf(text).input_ids
     return {"ids": ids, "plain": hf(text, add_special_tokens=False).input_ids,
             "decoded": [hf.decode(ids, skip_special_tokens=skip,
                                   clean_up_tokenization_spaces=False) for skip in (True, False)]}
+
+
+def minfer_row(tok: Any, text: str) -> dict[str, Any]:
+    """results_row's fields as a minfer tokenizer gives them."""
+    ids = tok.encode(text)
+    return {"ids": ids, "plain": tok.encode(text, add_eos=False),
+            "decoded": [tok.decode(ids, skip) for skip in (True, False)]}
 
 
 def main() -> None:
@@ -340,17 +459,33 @@ def main() -> None:
     import transformers
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")            # ByT5's "already has </s>"
-    if transformers.__version__ != "4.57.6":
-        sys.exit(f"transformers {transformers.__version__}: the committed ids come from 4.57.6 "
-                 "(pip install -e .[dev])")
-    make_byt5(transformers)
-    make_bpe()
-    with tempfile.TemporaryDirectory() as tmp:
-        data = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+    version = transformers.__version__
+    head = {"transformers": version, "tokenizers": tokenizers.__version__}
+    if version.startswith("5."):
+        data = json.loads(OUT.read_text(encoding="utf-8"))
+        if data["transformers"] != "4.57.6" or data["byt5"]["decode"] != BYT5_DECODE:
+            sys.exit(f"{OUT}: run this under transformers 4.57.6 first")
+        with tempfile.TemporaryDirectory() as tmp:
+            byt5 = byt5_results(transformers, Path(tmp) / "byt5")
+            bpe = bpe_results(transformers, Path(tmp) / "bpe", resave=False)
+        data[V5_SECTION] = {**head, **v5_section(data, byt5, bpe)}
+    elif version == "4.57.6":
+        make_byt5(transformers)
+        make_bpe()
+        with tempfile.TemporaryDirectory() as tmp:
+            byt5 = byt5_results(transformers, Path(tmp) / "byt5")
+            bpe = bpe_results(transformers, Path(tmp) / "bpe", resave=True)
+        for name, got in bpe.items():
+            differs = [r for r in got["rows"] if r["slow"] != r["ids"]]
+            assert bool(differs) == (name in EXPECTED_SLOW_DIFFERENCES), (name, differs)
+        data = {**head,
                 "byt5": {"variants": BYT5_VARIANTS, "texts": BYT5_TEXTS, "decode": BYT5_DECODE,
-                         "expected": byt5_expected(transformers, Path(tmp) / "byt5")},
-                "bpe": {"variants": BPE_VARIANTS, "texts": BPE_TEXTS,
-                        "expected": bpe_expected(transformers, Path(tmp) / "bpe")}}
+                         "expected": tabled(byt5)},
+                "bpe": {"variants": BPE_VARIANTS, "texts": BPE_TEXTS, "expected": tabled(bpe)}}
+        print(f"now run this under transformers 5 for the {V5_SECTION!r} section")
+    else:
+        sys.exit(f"transformers {version}: the committed results come from 4.57.6 and 5.x "
+                 "(pip install -e .[dev]; then transformers==5.24.*)")
     OUT.write_text(json.dumps(data, ensure_ascii=False, indent=None) + "\n", encoding="utf-8")
     sizes = {p.name: sum(f.stat().st_size for f in p.iterdir()) for p in (BYT5, BPE)}
     print(f"{OUT}: {OUT.stat().st_size / 1024:.1f} KB; folders {sizes}")

@@ -11,9 +11,10 @@ a decoder entry, flagged special. Where tokenizer_config.json has no `added_toke
 `from_pretrained`'s legacy path (4.57 `_from_pretrained`) fills it: special_tokens_map.json's
 values override the config's (its `additional_special_tokens` are appended to the config's list),
 and added_tokens.json's {token: id} entries become decoder entries (special when a special token
-names them). The tokenizer class completes the special tokens as its `__init__` does: a T5 class
-its `<extra_id_N>` sentinels, a RoBERTa class its defaults (`<s>`, `</s>`, `<unk>`, `<pad>`,
-`<mask>`; `<mask>` swallows the whitespace before it).
+names them; 5.x's legacy path differs, and bpe.py says where we keep 4.57's). The tokenizer
+class completes the special tokens as its `__init__` does: a T5 class its `<extra_id_N>`
+sentinels, a RoBERTa class its defaults (`<s>`, `</s>`, `<unk>`, `<pad>`, `<mask>`; `<mask>`
+swallows the whitespace before it).
 """
 
 from __future__ import annotations

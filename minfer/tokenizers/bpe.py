@@ -19,6 +19,13 @@ decoder (BPE is not rewritten here), then:
 - decoding is the fast tokenizer's (`tokenizers`' ByteLevel decoder: bytes that are not valid
   UTF-8 become U+FFFD; the config's `errors` only changes the slow tokenizer), without
   `clean_up_tokenization_spaces`.
+transformers 5 reads such a folder otherwise: its RobertaTokenizer no longer makes `<mask>`
+swallow the whitespace before it, and its legacy reader leaves the added_tokens.json sentinels
+that special_tokens_map.json lists as additional special tokens not special (kept by
+`skip_special_tokens`, not split by `split_special_tokens`). CodeT5 was trained with 4.x's reading,
+and its own tokenizer_config.json saves `<mask>` with lstrip: we keep 4.57's
+(weights/make_byt5_bpe_fixtures.py, V5_DIFFERENCES). A folder transformers 5 saved holds its
+reading in a tokenizer.json, which hf_json.py runs as written.
 """
 
 from __future__ import annotations

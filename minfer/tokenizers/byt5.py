@@ -1,8 +1,9 @@
 """ByT5's byte tokenizer: no vocabulary file, picked by the tokenizer class (`ByT5Tokenizer`) that
 tokenizer_config.json, or config.json where a repository has no tokenizer_config.json, names.
 
-transformers 4.57's ByT5Tokenizer (a slow tokenizer: there is no fast one), checked against it by
-tests/test_tokenizer_byt5.py's fixtures (weights/make_byt5_bpe_fixtures.py):
+transformers' ByT5Tokenizer (a Python tokenizer: there is no fast one), checked against 4.57 and
+5.x by tests/test_tokenizer_byt5.py's fixtures (weights/make_byt5_bpe_fixtures.py), which give the
+same ids and differ in decoding only (below):
 - a byte b of the text's UTF-8 is id b + 3; `<pad>` 0, `</s>` 1, `<unk>` 2;
 - the `extra_ids` sentinels (default 125) are added special tokens. Where no ids are saved for
   them, transformers 4.57 numbers them upwards after the bytes: `<extra_id_0>` 259 ..
@@ -17,11 +18,13 @@ tests/test_tokenizer_byt5.py's fixtures (weights/make_byt5_bpe_fixtures.py):
   `split_special_tokens: true` turns the splitting off;
 - `encode(add_eos=True)` appends `</s>` unless the ids already end with it (ByT5Tokenizer's
   `_add_eos_if_not_present`);
-- decoding joins the bytes, and the special tokens kept, as UTF-8, dropping invalid bytes
-  (`errors="ignore"`); sentinels and other added tokens past the byte values stand apart, joined
-  to their neighbours by one space (`spaces_between_special_tokens`), as `PreTrainedTokenizer.
-  _decode` does: with special tokens kept, the ids of "a", <extra_id_0>, "b" decode to
-  "a <extra_id_0> b". Ids past the vocabulary decode to nothing (transformers raises).
+- decoding joins the bytes and the texts of the tokens kept (a byte whose character is an added
+  token's text gives that text, as in transformers) and reads them as UTF-8, dropping invalid
+  bytes (`errors="ignore"`), as transformers 5 does: with special tokens kept, the ids of "a",
+  <extra_id_0>, "b" decode to "a<extra_id_0>b", the text they were encoded from. transformers
+  4.57 put sentinels and other added tokens apart between spaces ("a <extra_id_0> b", its legacy
+  `spaces_between_special_tokens`, dropped in 5.x); the ids are bytes, and decoding adds none.
+  Ids past the vocabulary decode to nothing (transformers raises).
 Streaming (`_holds`) waits while the ids end inside a UTF-8 sequence that can still complete, so
 no streamed piece is cut inside a character.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import codecs
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +70,10 @@ def _name(value: Any) -> str | None:
 
 def _token(value: Any, strip: bool = False, special: bool = False) -> _Token | None:
     """A token as the config files write it: a string (`strip`: ByT5Tokenizer makes its pad, eos
-    and unk strings swallow whitespace on both sides) or a {"content": ..., flags} object."""
+    and unk strings swallow whitespace on both sides) or a {"content": ..., flags} object; or a
+    saved _Token (copied)."""
+    if isinstance(value, _Token):
+        return replace(value, special=value.special or special)
     if isinstance(value, str) and value:
         return _Token(value, lstrip=strip, rstrip=strip, special=special)
     if isinstance(value, dict) and isinstance(value.get("content"), str) and value["content"]:
@@ -93,26 +99,29 @@ class ByteTokenizer(Tokenizer):
         # ByT5Tokenizer.__init__: its three specials first, then what the config saved, then
         # (PreTrainedTokenizer.__init__) every special token not yet added, after the vocabulary
         added: dict[int, _Token] = {}
+        by_text = {t.content: t for t in saved.values()}
         for i, key in enumerate(("pad_token", "eos_token", "unk_token")):
-            token = _token(names.get(key, _DEFAULTS[key]), strip=True)
+            value = names.get(key, _DEFAULTS[key])
+            # from_pretrained hands the class the saved token of that text, flags and all, in
+            # place of the config's (4.57 and 5.x alike): a plain string then strips nothing
+            # where the folder saved the token without lstrip/rstrip (transformers 5 saves so)
+            if key in names and _name(value) in by_text:
+                value = by_text[_name(value)]
+            token = _token(value, strip=True)
             if token is None:
                 raise TokenizerError(f"{where}: {key} must be a token, got {names.get(key)!r:.40}")
             added[i] = names[key] = token
         added.update(saved)
-        specials = _add_specials(added, names, sentinels)
+        listed = sentinels + _extra_specials(names, where)
+        specials = _add_specials(added, names, listed)
 
         self._added = added
         self._ids = {t.content: i for i, t in added.items()}
         self.vocab_size = max(BYTE_END, max(added) + 1)
-        _check_fits(folder, where, sum("<extra_id_" in _name(v) for v in sentinels),
+        _check_fits(folder, where, len({_name(v) for v in listed if "<extra_id_" in _name(v)}),
                     names.get("extra_ids", DEFAULT_EXTRA_IDS))
         self.special_ids = frozenset(i for i in map(self.token_to_id, specials) if i is not None)
         self.byte_ids = frozenset()
-        # transformers' `legacy_added_tokens`: the added tokens that are not special, and the
-        # listed special tokens past the 256 byte values; decode puts each apart, between spaces
-        listed = {_name(v) for v in sentinels}
-        self._apart = frozenset(i for t, i in self._ids.items()
-                                if t not in specials or (t in listed and i >= 256))
         by_length = sorted(self._ids, key=len, reverse=True)
         self._split = None if names.get("split_special_tokens") is True else \
             re.compile("|".join(map(re.escape, by_length)))
@@ -175,30 +184,19 @@ class ByteTokenizer(Tokenizer):
         return [p for p in pieces if p]
 
     def _decode(self, ids: list[int]) -> str:
-        parts: list[str] = []
-        run = bytearray()
-        open_run = False                      # a run of bytes started (even if it decodes to "")
+        data = bytearray()
         for i in ids:
             token = self._added.get(i)
-            if i in self._apart:
-                if open_run:
-                    text = run.decode("utf-8", "ignore")
-                    if text:
-                        parts.append(text)
-                    run.clear()
-                    open_run = False
-                parts.append(token.content)
-                continue
             if token is not None:
-                run += token.content.encode("utf-8")
+                data += token.content.encode("utf-8")
             elif OFFSET <= i < BYTE_END:
-                run.append(i - OFFSET)
-            else:                             # an id between added ones that names nothing
-                continue
-            open_run = True
-        if open_run:
-            parts.append(run.decode("utf-8", "ignore"))
-        return " ".join(parts)
+                byte = i - OFFSET
+                if self._byte_tokens and chr(byte) in self._ids:   # the added token's text
+                    data += chr(byte).encode("utf-8")
+                else:
+                    data.append(byte)
+            # else: an id between added ones that names nothing
+        return data.decode("utf-8", "ignore")
 
     def _holds(self, ids: list[int]) -> bool:
         """Whether the ids end inside a UTF-8 sequence that can still be completed."""
@@ -264,6 +262,19 @@ def _sentinels(names: dict[str, Any], where: Path) -> list[Any]:
     if extra > 0 and listed and count != extra:
         raise TokenizerError(f"{where}: extra_ids is {extra} but additional_special_tokens lists "
                              f"{count} <extra_id_N> tokens (transformers refuses this too)")
+    return listed
+
+
+def _extra_specials(names: dict[str, Any], where: Path) -> list[Any]:
+    """tokenizer_config.json's `extra_special_tokens`, special tokens too: transformers 5 saves
+    its additional special tokens (the sentinels) there, a list, with `additional_special_tokens`
+    null and `extra_ids` 0; 4.57 wrote a {name: token} object there (model-specific specials)."""
+    value = names.get("extra_special_tokens")
+    listed = list(value.values()) if isinstance(value, dict) else value
+    if listed is None:
+        return []
+    if not isinstance(listed, list) or any(_name(v) is None for v in listed):
+        raise TokenizerError(f"{where}: extra_special_tokens must be a list of tokens")
     return listed
 
 
