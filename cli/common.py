@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Iterator, Mapping
 
 import click
 
+from minfer.params.formats import INT4_GROUP
+
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
 
 
@@ -107,7 +109,7 @@ _MODEL_OPTIONS = [
     click.option("--dtype", default=None, metavar="DTYPE",
                  help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
                       "bfloat16, int8 (one scale per output channel), int4 (CPU; one scale per "
-                      "64 input channels) or auto (as the checkpoint stores them)."),
+                      f"{INT4_GROUP} input channels) or auto (as the checkpoint stores them)."),
     click.option("--compute", default=None, metavar="MODE",
                  help="What products compute in: CPU float32 (default) or int8 (int8/int4 "
                       "weights x inputs rounded to int8, on VNNI where the CPU has it); CUDA "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from minfer.params.formats import INT4_GROUP
+
 from .common import quiet_on_closed_pipe
 
 
@@ -13,8 +15,8 @@ from .common import quiet_on_closed_pipe
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16", "int8", "int4"]),
               default="float32", show_default=True,
               help="dtype of the written tensors (int8: linear matrices as int8 with one scale "
-                   "per output channel; int4: two values a byte with one scale per group of 64 "
-                   "input channels; the rest float32).")
+                   "per output channel; int4: two values a byte with one scale per group of "
+                   f"{INT4_GROUP} input channels; the rest float32).")
 @quiet_on_closed_pipe
 def convert(model, output, dtype) -> None:
     """Write a model folder (e.g. one with pytorch_model.bin) as safetensors."""

@@ -18,6 +18,16 @@ def compute_line(be) -> str:
     return f"int8 x int8 products: {int8_products()}"
 
 
+def fits_verdict(need: int, free: int) -> str:
+    """Whether a run that needs `need` arena bytes fits the `free` bytes the arena has when no
+    run is in progress (what the batch planner compares), and what to change when it does not."""
+    from minfer.arena import format_bytes
+    if need <= free:
+        return f"yes: {format_bytes(need)} of the {format_bytes(free)} free in the arena"
+    return (f"no: needs {format_bytes(need)}, the arena has {format_bytes(free)} free (raise "
+            "--workspace or --memory-limit, or lower --batch or the lengths)")
+
+
 @click.command()
 @with_model_options
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
@@ -40,6 +50,7 @@ def info(load, batch, src_len, max_new_tokens) -> None:
     parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in plan.items()
                       if k != "peak")
     need = (f"workspace for {shape}", f"{format_bytes(plan['peak'])} ({parts})")
+    free = getattr(m, "free_when_idle", m.backend.arena.available)
     files = sorted(p for p in os.listdir(m.folder) if not p.startswith("."))
     head = getattr(m, "sentence_modules", None)
     lines = [("model", m.folder), ("parts", ", ".join(m.parts)), *m.describe(),
@@ -51,6 +62,7 @@ def info(load, batch, src_len, max_new_tokens) -> None:
              *m.weight_plan.summary(),
              need,
              ("arena capacity", format_bytes(m.backend.arena.capacity)),
+             ("fits", fits_verdict(plan["peak"], free)),
              ("tokenizer", type(m.tokenizer).__name__ if m.tokenizer is not None else "none"),
              ("files", ", ".join(files))]
     width = max(len(k) for k, _ in lines)

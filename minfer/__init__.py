@@ -6,35 +6,39 @@ docs/architecture.md for how a token travels from the CLI to the logits.
 
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
-from typing import Any
+# What load() uses is imported under private names: the package's namespace holds only its
+# public surface (__all__) and its submodules.
+import functools as _functools
+import os as _os
+from pathlib import Path as _Path
+from typing import Any as _Any
 
 from . import errors
-from .backend import QUANTISED_FORMATS, option_name
-from .devices import make_backend
+from .backend import QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
+from .devices import make_backend as _make_backend
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
-                     MinferError, ModelNotFoundError, StreamingError, TokenizerError)
-from .io.checkpoint import Checkpoint, read_json
-from .kernels import set_threads
-from .models.registry import family_of
+                     MinferError, ModelNotFoundError, NonFiniteError, StreamingError,
+                     TokenizerError)
+from .io.checkpoint import Checkpoint as _Checkpoint, read_json as _read_json
+from .kernels import set_threads as _set_threads
+from .models.registry import family_of as _family_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
-from .params.formats import FORMATS
+from .params.formats import FORMATS as _FORMATS
 
-__all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError", "ConfigError", "CheckpointError",
-           "InputError", "ArenaExhausted", "ModelNotFoundError", "StreamingError", "TokenizerError",
-           "Cancelled", "errors"]
+__all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError",
+           "ConfigError", "CheckpointError", "InputError", "ArenaExhausted", "ModelNotFoundError",
+           "StreamingError", "TokenizerError", "NonFiniteError", "Cancelled", "errors"]
 __version__ = "0.1.0"
+del annotations   # the __future__ flag has done its work; the name is not ours to export
 
 
-def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: int | str | None = None,
+def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace: int | str | None = None,
          *, compute: str | None = None, memory_limit: int | str | None = None,
          num_threads: int | None = None,
          revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, parts: str | None = None, subfolder: str | None = None,
-         tokenizer_subfolder: str | None = None, **options: Any) -> T5Model | XLModel:
+         tokenizer_subfolder: str | None = None, **options: _Any) -> T5Model | XLModel:
     """Load a model by hub name or from a local folder in the Hugging Face layout.
 
     model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
@@ -44,8 +48,9 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     dtype: how the linear layers (and heads, embeddings) are stored: "float32" (CPU default;
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
         computed in float32), "bfloat16" (CPU: stored 2 bytes, computed in float32), "int8"
-        (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 64 input
-        channels) or "auto" (the checkpoint's own: int8, int4, bfloat16, float16 or float32). A
+        (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
+        channels: params/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
+        bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.
     compute: what the products compute in, apart from how weights are stored. CPU: "float32"
@@ -93,18 +98,18 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
     for _ in range(len(check_subfolder(subfolder).split("/")) if subfolder else 0):
         root = root.parent
     modules = read_sentence_modules(folder)
-    ckpt = Checkpoint(modules.transformer if modules is not None else folder)
-    family = family_of(ckpt.config, str(ckpt.folder / "config.json"))
+    ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
+    family = _family_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto" or dtype is None:
         # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
         # needs a quantised one (int8 when the file's is not)
         dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantized_format()
-        if compute is not None and option_name(compute) == "int8" and dtype not in QUANTISED_FORMATS:
+        if compute is not None and _option_name(compute) == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
-    be = make_backend(device, dtype, workspace, memory_limit, compute)
-    be.num_threads = set_threads(num_threads)
+    be = _make_backend(device, dtype, workspace, memory_limit, compute)
+    be.num_threads = _set_threads(num_threads)
     tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
-    loaded = family.load(ckpt, be, read_json(ckpt.folder / "generation_config.json"), tokenizer,
+    loaded = family.load(ckpt, be, _read_json(ckpt.folder / "generation_config.json"), tokenizer,
                          recorder, parts)
     if modules is not None:
         if not hasattr(loaded, "encode"):
@@ -116,13 +121,13 @@ def load(model: str | Path, device: str = "cpu", dtype: Any = None, workspace: i
                               f"encoder's d_model {loaded.config.d_model}")
         loaded.sentence_modules = modules
     if recorder is None:
-        loaded._reload_call = functools.partial(load, **recipe)  # what the model pickles as
+        loaded._reload_call = _functools.partial(load, **recipe)  # what the model pickles as
     else:
         loaded._no_reload_reason = "it was loaded with the private _recorder option (test events)"
     return loaded
 
 
-def _tokenizer(root: Path, subfolder: str | None, *folders: Path) -> Any:
+def _tokenizer(root: _Path, subfolder: str | None, *folders: _Path) -> _Any:
     """The tokenizer of `root / subfolder` when one is named (it must hold one), else of the
     first of `folders` that holds tokenizer files (None when none does)."""
     from .tokenizers import has_tokenizer, load_tokenizer
@@ -139,29 +144,29 @@ def _tokenizer(root: Path, subfolder: str | None, *folders: Path) -> Any:
     return None
 
 
-def _recipe(model: Any, **arguments: Any) -> dict[str, Any]:
+def _recipe(model: _Any, **arguments: _Any) -> dict[str, _Any]:
     """The arguments of `load` that rebuild this model elsewhere: the name as given, or a local
     folder as an absolute path (another process may run in another working directory); no token
     (the other side authenticates with its own HF_TOKEN)."""
-    text = os.fspath(model) if isinstance(model, (str, os.PathLike)) else model
+    text = _os.fspath(model) if isinstance(model, (str, _os.PathLike)) else model
     if isinstance(text, str) and text.strip() and _is_folder(text):
-        text = os.path.abspath(Path(text).expanduser())
+        text = _os.path.abspath(_Path(text).expanduser())
     return {"model": text, **arguments}
 
 
 def _is_folder(text: str) -> bool:
     try:
-        return Path(text).expanduser().is_dir()
+        return _Path(text).expanduser().is_dir()
     except OSError:   # a name over the file-name limit: not a folder (resolve_model says more)
         return False
 
 
-def _stored_format(ckpt: Checkpoint) -> str | None:
+def _stored_format(ckpt: _Checkpoint) -> str | None:
     """dtype="auto": the weight format the checkpoint's matrices are stored in (None: the
     device's default)."""
     quantized = ckpt.quantized_format()
     if quantized:
         return quantized
     codes = {ckpt.info(n).dtype for n in ckpt.names() if len(ckpt.info(n).shape) == 2}
-    halves = {f.file_code: name for name, f in FORMATS.items() if name in ("float16", "bfloat16")}
+    halves = {f.file_code: name for name, f in _FORMATS.items() if name in ("float16", "bfloat16")}
     return halves.get(codes.pop()) if len(codes) == 1 else None

@@ -9,6 +9,7 @@ here: `minfer info` shows the plan before loading a byte of weights.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -34,19 +35,40 @@ class WeightPlan:
         return (self.fixed + sum(self.unit_bytes[u] for u in self.resident) + 2 * self.slot_bytes
                 + self.scratch_bytes + self.workspace)
 
-    def summary(self) -> list[tuple[str, str]]:
+    def summary(self) -> "PlanSummary":
+        """(what, how much) rows for `minfer info`; printed, aligned lines. Layers are counted
+        per stack as the table places them ("encoder 6, cross 6, decoder 6": T5's cross stack
+        is each decoder layer's cross-attention k|v, placed apart from its layer)."""
         total = sum(self.unit_bytes.values())
+        resident = sum(self.unit_bytes[u] for u in self.resident)
         rows = [("memory limit", format_bytes(self.limit) if self.limit else "none"),
                 ("fixed weights", format_bytes(self.fixed)),
-                ("layer weights", f"{format_bytes(total)} in {len(self.unit_bytes)} layers"),
-                ("resident layers", f"{len(self.resident)} ({format_bytes(sum(self.unit_bytes[u] for u in self.resident))})"),
-                ("streamed layers", f"{len(self.streamed)}"
-                 + (f" through 2 slots of {format_bytes(self.slot_bytes)}" if self.streamed else "")),
+                ("layer weights", f"{format_bytes(total)} in " + _units(list(self.unit_bytes))),
+                ("resident layers", _units(self.resident, f" ({format_bytes(resident)})")),
+                ("streamed layers", _units(self.streamed, f" through 2 slots of "
+                                                          f"{format_bytes(self.slot_bytes)}")),
                 ("workspace", format_bytes(self.workspace))]
         if self.scratch_bytes:
             rows.append(("widening scratch", format_bytes(self.scratch_bytes)))
         rows.append(("planned device bytes", format_bytes(self.device_bytes)))
-        return rows
+        return PlanSummary(rows)
+
+
+class PlanSummary(list):
+    """The plan's (what, how much) rows; as text, one aligned line each (what print shows)."""
+
+    def __str__(self) -> str:
+        width = max((len(k) for k, _ in self), default=0)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in self)
+
+
+def _units(names: list[str], note: str = "") -> str:
+    """'6 units<note>: encoder 2, cross 2, decoder 2' (units are "stack.i"), or 'none'."""
+    if not names:
+        return "none"
+    stacks = Counter(name.rpartition(".")[0] or name for name in names)
+    return (f"{len(names)} unit{'s' * (len(names) != 1)}{note}: "
+            + ", ".join(f"{stack} {n}" for stack, n in stacks.items()))
 
 
 def plan_weights(unit_bytes: Mapping[str, int], fixed: int, workspace: int, limit: int | None,

@@ -443,7 +443,7 @@ def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[Decode
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
     of the self-attention caches moves, one layer at a time, through one layer's scratch (planned:
-    `spec.reorder_bytes`)."""
+    `spec.reorder_elements`)."""
     n = len(rows)
     k = ops.compiled(be.xp, buf.self_k)
     if k is not None:  # one compiled pass per cache, the layers spread over the threads

@@ -316,7 +316,7 @@ def forward_hidden(be: Any, cfg: XLConfig, params: dict, ids: np.ndarray, memory
 
 def reorder_memory(be: Any, memory: MemoryBuffers, rows: np.ndarray, M: int) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat); only the filled
-    positions move, one layer at a time (through a scratch of one layer's rows: `reorder_bytes`,
+    positions move, one layer at a time (through a scratch of one layer's rows: `reorder_scratch`,
     in a scope, so that its device work stays inside the plan)."""
     n = len(rows)
     k = ops.compiled(np, memory.states) if isinstance(memory.states, np.ndarray) else None
