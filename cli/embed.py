@@ -88,14 +88,24 @@ def _check_prompt(m: Any, prompt_name: str | None, prompt: str | None) -> None:
 
 
 def _print_embeddings(m: Any, texts: tuple[str, ...], names: list[str], options: dict) -> None:
-    """One {"text", "embedding"} line per text, in order; a text that cannot be embedded is
-    {"text", "embedding": null, "error"} (named by its argument or line) and the run goes on,
-    ending with one line naming the count and the first error, status 1."""
-    results = embed_window(m, list(texts), options)
-    failed = [f"{name}: {r}" for name, r in zip(names, results) if isinstance(r, str)]
-    for text, name, result in zip(texts, names, results):
-        record = ({"text": text, "embedding": None, "error": f"{name}: {result}"}
-                  if isinstance(result, str) else {"text": text, "embedding": result.tolist()})
+    """One {"text", "embedding"} line per text, in order. A text the library refuses as input
+    (InputError) is {"text", "embedding": null, "error"} (named by its argument or line) and the
+    run goes on, ending with one line naming the count and the first, status 1; any other
+    failure (the model's, e.g. non-finite outputs) ends the run in one line, as before."""
+    from minfer.errors import InputError
+    try:
+        results: list = list(m.embed(list(texts), **options))
+    except InputError:   # find the texts it refuses, one at a time
+        results = []
+        for text, name in zip(texts, names):
+            try:
+                results.append(m.embed([text], **options)[0])
+            except InputError as e:
+                results.append(f"{name}: {e}")
+    failed = [r for r in results if isinstance(r, str)]
+    for text, result in zip(texts, results):
+        record = ({"text": text, "embedding": None, "error": result} if isinstance(result, str)
+                  else {"text": text, "embedding": result.tolist()})
         emit(json.dumps(record, ensure_ascii=False))
     if failed:
         fail(f"{len(failed)} of {len(texts)} texts failed (first: {failed[0]})")
