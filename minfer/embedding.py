@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import kernels
 from .errors import InputError
 from .io.limits import quoted
 from .io.sentence_transformers import Dense, Normalize, Pooling, SentenceModules, listed
@@ -85,7 +86,9 @@ def _activate(x: np.ndarray, name: str) -> np.ndarray:
 
 def dense(x: np.ndarray, layer: Dense) -> np.ndarray:
     """(B, in) -> (B, out): activation(x W^T + b)."""
-    y = x @ layer.weight.T
+    product: list[np.ndarray] = []
+    kernels.on_pool(lambda: product.append(x @ layer.weight.T))   # BLAS only on the pool
+    y = product[0]
     if layer.bias is not None:
         y += layer.bias
     return _activate(y, layer.activation).astype(np.float32, copy=False)

@@ -256,20 +256,35 @@ def parts(n: int, min_part: int = 1) -> int:
     return max(1, min(_threads, n // max(min_part, 1)))
 
 
-def split(n: int, work: Callable[[int, int, int], None], count: int | None = None) -> None:
+def split(n: int, work: Callable[[int, int, int], None], count: int | None = None,
+          blas: bool = False) -> None:
     """Run work(part, start, stop) over [0, n) cut into `count` (default `parts(n)`) contiguous
     ranges: the first in the calling thread, the others on the pool; return when all are done.
     The work must release the GIL to run in parallel (BLAS products, NumPy ufuncs and the
-    `nogil` kernels do). Without the compiled kernels (or with one thread) it is one call."""
+    `nogil` kernels do). Without the compiled kernels (or with one thread) it is one call.
+
+    `blas`: the work calls BLAS, so every part runs on the pool, none in the calling thread.
+    OpenBLAS keeps a buffer for each thread that ever called it, outside any arena, for the
+    thread's life: with each server worker (or user thread) calling it, `memory_limit` grew by
+    a few MiB per thread (32 concurrent requests: +257 MiB); on the pool it is one per pool
+    thread, whatever the number of callers. A pool thread's own call runs where it is."""
     count = parts(n) if count is None else min(count, n)
-    if count <= 1:
+    if getattr(_in_pool, "yes", False):   # (no part waits on the pool from inside it)
+        bounds = [n * i // count for i in range(count + 1)] if count > 1 else [0, n]
+        for i in range(len(bounds) - 1):
+            work(i, bounds[i], bounds[i + 1])
+        return
+    if count <= 1 and not blas:
         work(0, 0, n)
         return
+    count = max(count, 1)
     bounds = [n * i // count for i in range(count + 1)]
-    pool = _get_pool(count - 1)
-    futures = [pool.submit(work, i, bounds[i], bounds[i + 1]) for i in range(1, count)]
+    first = 0 if blas else 1            # the parts the pool runs
+    pool = _get_pool(max(count - first, _threads))
+    futures = [pool.submit(work, i, bounds[i], bounds[i + 1]) for i in range(first, count)]
     try:
-        work(0, bounds[0], bounds[1])
+        if not blas:
+            work(0, bounds[0], bounds[1])
     finally:
         # every part has ended before anything is raised: a part still running could otherwise
         # write into memory that the caller hands to the next request once the error is out
@@ -278,11 +293,20 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
         f.result()   # the first failing part's error, in part order
 
 
-def _quiet_thread() -> None:
+def on_pool(call: Callable[[], Any]) -> None:
+    """Run one BLAS call on the pool (see `split`'s `blas`), waiting for it."""
+    split(1, lambda part, a, b: call(), 1, blas=True)
+
+
+_in_pool = threading.local()   # .yes in the pool's own threads
+
+
+def _pool_thread() -> None:
     """The pool's threads run parts of model calls, which check their outputs for NaN and
     infinity themselves (numerics.quiet): NumPy's warnings stay off there for good."""
     import numpy as np
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
+    _in_pool.yes = True
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
@@ -290,7 +314,7 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
             old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="minfer",
-                                                   initializer=_quiet_thread)
+                                                   initializer=_pool_thread)
             if old is not None:
                 old.shutdown(wait=False)
         return _pool

@@ -56,6 +56,8 @@ def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if isinstance(w, PackedWeight):
         w.matmul(xp, x2, o2)
+    elif xp is np:   # BLAS only from the pool's threads (kernels.split's `blas`)
+        kernels.on_pool(lambda: np.matmul(x2, w.T, out=o2))
     else:
         xp.matmul(x2, w.T, out=o2)
     return out
@@ -249,10 +251,10 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
 
 def over_heads(xp: Any, H: int, work: Callable[[int, int], None]) -> None:
     """work(h0, h1) over ranges of the H heads: on NumPy with the compiled kernels, one range per
-    thread run side by side (kernels.split: BLAS at one thread each, and the softmax's ufuncs
-    in parallel too); otherwise one call for all heads."""
-    if xp is np:
-        kernels.split(H, lambda part, h0, h1: work(h0, h1))
+    thread run side by side on the pool (kernels.split: BLAS at one thread each, and the
+    softmax's ufuncs in parallel too); otherwise one call for all heads."""
+    if xp is np:   # (BLAS only from the pool's threads: kernels.split's `blas`)
+        kernels.split(H, lambda part, h0, h1: work(h0, h1), blas=True)
     else:
         work(0, H)
 

@@ -76,3 +76,43 @@ def test_the_real_machine_refuses_a_petabyte():
     assert found is None or found[0] > 0
     with pytest.raises(ConfigError, match="1.00 PiB"):   # (from the arena where nothing says)
         make_backend("cpu", memory_limit="1024TiB")
+
+
+def test_a_memory_limit_caps_glibc_heaps_for_the_request_threads(tmp_path):
+    """Under a memory limit the process keeps at most MALLOC_ARENAS glibc heaps: each request
+    thread's freed host temporaries otherwise stayed in a heap of its own, outside the limit.
+    Counted with malloc_info after 8 threads allocate at once, in a fresh process each way."""
+    import os
+    import subprocess
+    import sys
+    from minfer import devices
+    if sys.platform != "linux":
+        pytest.skip("glibc's heaps: Linux only")
+    folder = write_t5(tmp_path / "m")
+    code = f"""
+import ctypes, sys, threading
+import minfer
+limit = sys.argv[1]
+minfer.load({str(folder)!r}, memory_limit=None if limit == "none" else limit)
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()
+    keep = [bytearray(20000) for _ in range(200)]
+ts = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in ts]; [t.join() for t in ts]
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+f = libc.fopen(sys.argv[2].encode(), b"w")
+libc.malloc_info(0, ctypes.c_void_p(f)); libc.fclose(ctypes.c_void_p(f))
+print(open(sys.argv[2]).read().count("<heap nr="))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    heaps = {}
+    for limit in ("none", "64MiB"):
+        run = subprocess.run([sys.executable, "-c", code, limit, str(tmp_path / f"{limit}.xml")],
+                             capture_output=True, text=True, env=env, timeout=300)
+        if run.returncode != 0 and "malloc_info" in run.stderr:
+            pytest.skip("no glibc malloc_info")
+        assert run.returncode == 0, run.stderr
+        heaps[limit] = int(run.stdout.split()[-1])
+    assert heaps["64MiB"] <= devices.MALLOC_ARENAS < heaps["none"]

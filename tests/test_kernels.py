@@ -163,6 +163,33 @@ def test_split_raises_a_failing_part_after_all_parts_ran(three_threads):
     assert sorted(done) == [0, 2]
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_blas_work_runs_only_on_the_pools_threads(threads):
+    """Work that calls BLAS never runs in the calling thread (OpenBLAS keeps a buffer for every
+    thread that ever called it, outside the arena): with one thread too, and a BLAS call made
+    from inside a part runs where it is (no part waits on the pool from inside it)."""
+    import threading
+    before = kernels.set_threads(None)
+    kernels.set_threads(threads)
+    try:
+        callers, inner = [], []
+
+        def work(part, a, b):
+            callers.append(threading.current_thread())
+            kernels.on_pool(lambda: inner.append(threading.current_thread()))
+
+        for n in (1, 9):
+            callers.clear(), inner.clear()
+            kernels.split(n, work, blas=True)
+            assert callers and threading.current_thread() not in callers
+            assert all(t.name.startswith("minfer") for t in callers) and inner == callers
+        x = rng.standard_normal((3, 8)).astype(np.float32)
+        w = rng.standard_normal((5, 8)).astype(np.float32)
+        np.testing.assert_allclose(ops.linear(np, x, w), x @ w.T, rtol=1e-6)  # a plain weight
+    finally:
+        kernels.set_threads(before)
+
+
 @pytest.mark.parametrize("fmt", ["float32", "float16", "bfloat16", "int8"])
 def test_large_products_split_over_threads_equal_one_product(three_threads, fmt):
     """More rows than the kernels take: each thread widens its share of the output columns into

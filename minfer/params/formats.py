@@ -234,17 +234,22 @@ class PackedWeight:
         N = self.shape[0]
         if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
             if self.plain:
-                return xp.matmul(x, self.stored.T, out=out)
-            self._widened_product(xp, x, out, 0, N, self.scratch)
+                kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out)) if xp is np \
+                    else xp.matmul(x, self.stored.T, out=out)
+                return out
+            if xp is np:   # (BLAS only from the pool's threads: kernels.split's `blas`)
+                kernels.on_pool(lambda: self._widened_product(xp, x, out, 0, N, self.scratch))
+            else:
+                self._widened_product(xp, x, out, 0, N, self.scratch)
             return out
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
         if self.plain:   # BLAS at one thread per part of the output columns
             kernels.split(N, lambda i, a, b: xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
-                          count)
+                          count, blas=True)
             return out
         size = self.scratch.size // count
         kernels.split(N, lambda i, a, b: self._widened_product(
-            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count)
+            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count, blas=True)
         return out
 
     def _int8_product(self, x: Any, out: Any) -> Any:
