@@ -182,7 +182,7 @@ def profile_minfer(model_dir: Path, ids: list[int], runs: int, threads: int) -> 
     """cProfile over `runs` minfer generate calls (after a warm-up), top entries by own time.
 
     NumPy ufuncs such as matmul are not profiled as calls of their own: their time appears as
-    the own time (tottime) of the Python function that called them, so e.g. `_lm_head`'s
+    the own time (tottime) of the Python function that called them, so e.g. `lm_head`'s
     tottime is essentially the vocabulary projection.
     """
     import cProfile

@@ -57,8 +57,8 @@ def run_cli(argv, stdin: bytes | None = None):
 
 def assert_worked_or_one_line(code, out, err):
     lines = err.strip().splitlines()
-    if code == 0:
-        assert not err.strip(), err
+    if code == 0:   # a run that worked may warn (score: mostly <unk>), never more
+        assert all(line.startswith("minfer: warning: ") for line in lines), err
         return
     assert code in (1, 2), (code, err)
     assert len(lines) == 1 and lines[0].startswith("minfer: error: "), err

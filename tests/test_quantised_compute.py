@@ -164,7 +164,7 @@ def test_cli_compute_option_and_info_say_which_products_run(tmp_path):
     assert ("VNNI" in want) == ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
                                 or "avx_vnni" in Path("/proc/cpuinfo").read_text())
     proc = run_cli("info", "--model", str(T5_DIR), "--dtype", "bfloat16", "--compute", "int8")
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1   # a bad flag: usage, exit 2
     assert "compute='int8' multiplies int8 or int4 weights" in proc.stderr
     proc = run_cli("convert", "--model", str(T5_DIR), "--output", str(tmp_path / "q4"),
                    "--dtype", "int4")
