@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple
 
 import click
 
-from .common import EXIT_USAGE, fail, writing
+from .common import EXIT_USAGE, command_flags, fail, with_flags, writing
 
 # A line longer than this is a row error, read past in pieces, never held whole (json.loads of
 # it would take ~10x its size).
@@ -84,9 +84,13 @@ def results_in_order(m: Any, rows: Iterable[tuple], task: str | None, options: d
     answered = 0
     results = run_iter(m, prompts(), task=task, on_batch=on_batch,
                        name_row=lambda i: pending[i - answered][1], **options)
+    flags = command_flags(truncation="truncate")
     for result in results:
         row = pending.popleft()
         answered += 1
+        for r in result:   # a row's error in the command line's words (--max-input-tokens ...)
+            if r.error is not None:
+                r.error = with_flags(r.error, flags)
         yield row, result, not pending   # the last row of its window: a moment to flush
 
 

@@ -136,7 +136,8 @@ def test_bad_text_rows_become_error_records_and_the_run_goes_on(text_model_folde
     assert [r.get("error") is None for r in got] == [True, False, False, False, False, True]
     assert got[0]["text"] == expected[3][0] and got[5]["text"] == expected[3][4]
     assert "line 2: empty prompt" in got[1]["error"] and "line 3: empty prompt" in got[2]["error"]
-    assert "line 4: " in got[3]["error"] and "more than max_input_tokens 12" in got[3]["error"]
+    assert "line 4: " in got[3]["error"] and "more than --max-input-tokens 12" in got[3]["error"]
+    assert "(--truncate cuts it)" in got[3]["error"]      # the flag, not the Python option
     at = source.read_bytes().index(b"\xff")                     # counted in the whole file
     assert f"line 5: not valid UTF-8 at byte {at} (b'\\xff'" in got[4]["error"]
     assert all(r["finish_reason"] == "error" and r["text"] is None for r in got[1:5])
@@ -201,7 +202,7 @@ def test_json_and_no_stream_over_stdin_batch_in_input_order(text_model_folder, t
     assert_one_line_error(proc, 1, "2 of 102 prompts failed (first: stdin: line 51: empty prompt")
     got = [json.loads(line) for line in proc.stdout.splitlines()]
     assert got[50] == {"prompt": "", "error": "stdin: line 51: empty prompt (nothing but whitespace)"}
-    assert got[51]["prompt"] == long and "more than max_input_tokens 20" in got[51]["error"]
+    assert got[51]["prompt"] == long and "more than --max-input-tokens 20" in got[51]["error"]
     del got[50:52]
     assert [r["prompt"] for r in got] == lines
     assert [r["text"] for r in got] == [expected[3][i % 8] for i in range(100)]

@@ -33,6 +33,13 @@ def test_details_report_ids_and_reasons(text_model):
     assert r.text == text_model.tokenizer.decode(r.token_ids)
 
 
+def test_a_prompt_over_max_input_tokens_is_told_in_pythons_words(text_model):
+    with pytest.raises(InputError, match=r"more than max_input_tokens 3 \(truncation=True cuts it\)$"):
+        text_model.generate("a b c d e f g", max_input_tokens=3)
+    [r] = text_model.generate("a b c d e f g", max_input_tokens=3, return_details=True)
+    assert r.error.endswith("(truncation=True cuts it)") and "--truncate" not in r.error
+
+
 def test_details_follow_the_shape_of_the_input(text_model):
     """A string in gives that prompt's list of Results (one per returned sequence), as a string
     in gives a string without details; a list gives one such list per prompt."""

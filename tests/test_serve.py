@@ -225,7 +225,10 @@ def test_limits_and_unknown_paths_are_openai_errors_and_the_server_stays_up(serv
     with server.client(headers=AUTH) as http:
         long = " ".join(["word"] * 300)
         r = http.post("/v1/completions", json={"prompt": long})
-        assert r.status_code == 400 and "max_input_tokens 100" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]   # in the request's words, not the CLI's or Python's
+        assert r.status_code == 400 and "the server's limit of 100 prompt tokens" in message
+        assert "truncate_prompt_tokens cuts it" in message
+        assert "--truncate" not in message and "truncation=True" not in message
         r = http.post("/v1/completions", json={"prompt": long, "truncate_prompt_tokens": 50,
                                                "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 50

@@ -100,6 +100,11 @@ class _RowText:
         return out
 
 
+# How a prompt over max_input_tokens is told it can run, in the library's words: the CLI and the
+# server put their own option in its place (--truncate, truncate_prompt_tokens).
+TRUNCATION_CURE = "truncation=True cuts it"
+
+
 # -- inputs -----------------------------------------------------------------------------------------
 def _normalise_inputs(inputs: Any) -> tuple[str, list]:
     """-> ("text", [str]) | ("texts", [item, ...]) | ("ids", [[id, ...], ...]). Prompts are checked
@@ -398,7 +403,7 @@ class _Call:
             return planner.too_big(limit + 1, where, more=True)
         if not self.batching.truncation:
             return InputError(f"{where}: more than {limit} tokens, more than max_input_tokens "
-                              f"{limit} (truncation=True, or --truncate, cuts it)")
+                              f"{limit} ({TRUNCATION_CURE})")
         return ids
 
     def _check(self, item: Any, i: int, where: str) -> Any:
@@ -421,7 +426,7 @@ class _Call:
         if limit is not None and len(ids) > limit:
             if not self.batching.truncation:
                 return InputError(f"{where}: {len(ids)} tokens, more than max_input_tokens {limit} "
-                                  "(truncation=True, or --truncate, cuts it)")
+                                  f"({TRUNCATION_CURE})")
             ids = self._truncate(ids, limit)
         return planner.too_big(len(ids), where) or ids
 

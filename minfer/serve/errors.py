@@ -11,9 +11,11 @@ one line).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import ArenaExhausted, InputError, NonFiniteError
+from ..generation.text import TRUNCATION_CURE
 
 # OpenAI's `type` for each status it uses (their API reference's error codes).
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
@@ -49,10 +51,17 @@ def from_exception(e: BaseException, param: str | None = None) -> APIError:
         # options out of range, prompts over max_input_tokens or too big for the arena even
         # alone, a model that cannot generate or embed: the request, not the server (a bad
         # value in the checkpoint's own files, a ConfigError, is the server's)
-        return APIError(400, str(e), param=param)
+        return APIError(400, in_request_words(str(e)), param=param)
     if isinstance(e, NonFiniteError):   # the model's weights, not the request: the server's
         return APIError(500, str(e), code="non_finite_output")
     return APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
+
+
+def in_request_words(message: str) -> str:
+    """A library message with the request's field where it names a Python option: a prompt
+    over the server's prompt limit is cut by `truncate_prompt_tokens`, not `truncation=True`."""
+    message = re.sub(r"\bmax_input_tokens (\d+)", r"the server's limit of \1 prompt tokens", message)
+    return message.replace(TRUNCATION_CURE, "truncate_prompt_tokens cuts it")
 
 
 def shutting_down(detail: str = "") -> APIError:
