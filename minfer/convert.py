@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .io.checkpoint import Checkpoint
+from .io.limits import is_regular_file
 from .io.tensors import STORAGE
 from .models.registry import family_of
 from .params.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
@@ -155,11 +156,12 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
             f.write(data.reshape(-1).view(np.uint8))
     copied = []
     for name in COPY_FILES:
-        if (ckpt.folder / name).is_file():
+        if is_regular_file(ckpt.folder / name, CheckpointError):   # a looping one: named
             written.append(out / name)
             shutil.copy(ckpt.folder / name, out / name)
             copied.append(name)
-    vocab_pickles = [n for n in PICKLED_VOCABULARIES if (ckpt.folder / n).is_file()]
+    vocab_pickles = [n for n in PICKLED_VOCABULARIES
+                     if is_regular_file(ckpt.folder / n, CheckpointError)]
     if vocab_pickles and not (out / "vocab.txt").exists() and not (out / "vocab.json").exists():
         from .tokenizers import load_tokenizer  # a word vocabulary: rewrite it without pickle
         tok = load_tokenizer(ckpt.folder)

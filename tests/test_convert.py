@@ -184,3 +184,18 @@ def test_a_value_beyond_float16_is_refused_naming_it_when_narrowing(folder, tmp_
             minfer.load(src, dtype="float16")
     convert(src, tmp_path / "outbf", "bfloat16")   # bfloat16 has float32's range
     assert minfer.load(tmp_path / "outbf").generate(IDS, max_new_tokens=2)
+
+
+def test_a_tokenizer_file_that_loops_is_named_not_left_out(text_model_folder, tmp_path):
+    """convert copies the folder's tokenizer files: a looping one was left out without a word."""
+    import shutil
+
+    from minfer.convert import convert
+    from minfer.errors import CheckpointError, TokenizerError
+    src = tmp_path / "src"
+    shutil.copytree(text_model_folder, src)
+    (src / "tokenizer_config.json").unlink()
+    (src / "tokenizer_config.json").symlink_to("tokenizer_config.json")
+    with pytest.raises((CheckpointError, TokenizerError), match="tokenizer_config.json: not a "
+                       "readable file \\(a link that loops back on itself\\)"):
+        convert(src, tmp_path / "out")

@@ -718,3 +718,30 @@ def test_hostile_json_tokenizer_files_are_one_line_errors(tmp_path, name, text):
     with pytest.raises(TokenizerError, match=name.replace(".", r"\.")) as e:
         load_tokenizer(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "spiece.model", "special_tokens_map.json"])
+@pytest.mark.parametrize("kind", ["loop", "dangling", "folder"])
+def test_a_tokenizer_file_that_is_no_readable_file_is_named_not_skipped(tmp_path, name, kind):
+    """A looping tokenizer.json beside spiece.model fell back to spiece.model without a word
+    (and every file looping: 'has no tokenizer'); a file that is there but cannot be read is
+    named, in one line, by the reader and by `minfer convert`."""
+    from minfer.tokenizers import has_tokenizer, load_tokenizer
+    folder = tmp_path / "tok"
+    shutil.copytree(TINY, folder)
+    path = folder / name
+    path.unlink()
+    if kind == "loop":
+        path.symlink_to(path.name)
+    elif kind == "dangling":
+        path.symlink_to("nowhere")
+    else:
+        path.mkdir()
+    want = {"loop": "a link that loops back on itself", "dangling": "a link to nothing",
+            "folder": "a folder"}[kind]
+    with pytest.raises(TokenizerError) as e:
+        load_tokenizer(folder)
+    assert str(e.value) == f"{path}: not a readable file ({want})"
+    if name == "tokenizer.json":   # the first file has_tokenizer looks for
+        with pytest.raises(TokenizerError, match="not a readable file"):
+            has_tokenizer(folder)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import InputError, TokenizerError
-from ..io.limits import read_json_text as _read_json
+from ..io.limits import is_regular_file, read_json_text as _read_json
 from . import window
 
 SPECIAL_KEYS = ("eos_token", "pad_token", "unk_token")
@@ -47,7 +47,7 @@ def read_json_text(path: Path) -> tuple[Any, str]:
 
 def read_object(path: Path) -> dict[str, Any]:
     """A JSON object file, or {} if there is no such file."""
-    if not path.is_file():
+    if not is_regular_file(path, TokenizerError):   # (a folder or a looping link: named)
         return {}
     data, _ = read_json_text(path)
     if not isinstance(data, dict):

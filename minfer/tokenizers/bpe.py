@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TokenizerError
-from ..io.limits import MAX_JSON_BYTES, is_int, quoted
+from ..io.limits import MAX_JSON_BYTES, is_int, is_regular_file, quoted
 from .added import config_tokens
 from .base import read_json_text, read_lines, read_object, token_name
 from .library import LibraryTokenizer, import_library
@@ -104,7 +104,7 @@ def read_merges(path: Path, vocab: dict[str, int]) -> list[tuple[str, str]]:
     """merges.txt as RobertaTokenizer reads it (`text.split("\\n")[1:-1]`, each line split at
     whitespace), every line two tokens of the vocabulary whose join is one too (the `tokenizers`
     BPE refuses anything else, without saying which line)."""
-    if not path.is_file():
+    if not is_regular_file(path, TokenizerError):
         raise TokenizerError(f"{path.parent / 'vocab.json'}: a byte-level BPE vocabulary needs "
                              f"merges.txt beside it, and {path.parent} has none")
     lines = read_lines(path, MAX_JSON_BYTES).split("\n")[1:-1]

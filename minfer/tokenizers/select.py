@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from ..errors import TokenizerError
+from ..io.limits import is_regular_file
 from .added import ROBERTA_CLASSES, declared_class, model_type
 from .base import MissingLibrary, Tokenizer, read_settings
 from .bpe import BpeTokenizer
@@ -45,10 +46,17 @@ _XL_TYPES = (None, "transfo-xl")
 _XL_CLASSES = (None, "TransfoXLTokenizer")
 
 
+def _present(path: Path) -> bool:
+    """A tokenizer file is there: a regular file; a folder, a FIFO or a link to nothing or to
+    itself by its name is a one-line error, never taken for absent (a looping tokenizer.json
+    would otherwise fall back to spiece.model without a word)."""
+    return is_regular_file(path, TokenizerError)
+
+
 def has_tokenizer(folder: str | os.PathLike) -> bool:
     """Whether `load_tokenizer(folder)` has something to read."""
     folder = Path(folder)
-    return any((folder / f).is_file() for f in VOCABULARY_FILES) or \
+    return any(_present(folder / f) for f in VOCABULARY_FILES) or \
         declared_class(folder) == BYT5_CLASS
 
 
@@ -85,9 +93,9 @@ def _candidates(folder: Path, named: str | None) -> list[tuple[Path, type[Tokeni
     out: list[tuple[Path, type[Tokenizer]]] = [
         (folder / name, source) for name, source in (("tokenizer.json", JsonTokenizer),
                                                      ("spiece.model", SentencePieceTokenizer))
-        if (folder / name).is_file()]
+        if _present(folder / name)]
     vocab_json = folder / "vocab.json"
-    if vocab_json.is_file() and (folder / "merges.txt").is_file():   # never a word vocabulary
+    if _present(vocab_json) and _present(folder / "merges.txt"):   # never a word vocabulary
         if named in (None, *ROBERTA_CLASSES):
             out.append((vocab_json, BpeTokenizer))
         elif not out:
@@ -95,7 +103,7 @@ def _candidates(folder: Path, named: str | None) -> list[tuple[Path, type[Tokeni
                                  f"which RobertaTokenizer reads; tokenizer_class {named} is not "
                                  "supported")
         return out
-    words = [folder / name for name in _WORD_FILES if (folder / name).is_file()]
+    words = [folder / name for name in _WORD_FILES if _present(folder / name)]
     if not words:
         return out
     if model_type(folder) in _XL_TYPES and named in _XL_CLASSES:
@@ -103,7 +111,7 @@ def _candidates(folder: Path, named: str | None) -> list[tuple[Path, type[Tokeni
     if out:                     # a word file beside the folder's own vocabulary: not read
         return out
     kind = f"tokenizer_class {named}" if named else f"model_type {model_type(folder)}"
-    if vocab_json.is_file():
+    if _present(vocab_json):
         raise TokenizerError(f"{vocab_json}: no merges.txt beside it; in this folder ({kind}) a "
                              "vocab.json is a byte-level BPE vocabulary, which needs merges.txt "
                              "(word vocabularies are Transformer-XL's)")
