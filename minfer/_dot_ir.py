@@ -53,25 +53,31 @@ def _target_features() -> set[str]:
     return {name for name, on in ll.get_host_cpu_features().items() if on}
 
 
+# Each build of the tiles, best first, with the CPU features it needs.
+NEEDS = {"avx512vnni": {"avx512vnni", "avx512bw", "avx512vl"}, "avxvnni": {"avxvnni"},
+         "avx512bw": {"avx512bw"}, "avx2": {"avx2"}, "generic": set()}
+
+
+def runnable(features: set[str]) -> list[str]:
+    """The builds of the tiles a CPU with `features` can run, best first."""
+    return [isa for isa, needs in NEEDS.items() if needs <= features]
+
+
 def detect_isa(features: set[str]) -> str:
     """The best instruction set for the tiles among the CPU's `features`."""
-    if {"avx512vnni", "avx512bw", "avx512vl"} <= features:
-        return "avx512vnni"
-    if "avxvnni" in features:
-        return "avxvnni"
-    return fallback_isa(features)
+    return runnable(features)[0]
 
 
 def fallback_isa(features: set[str]) -> str:
     """The best one without VNNI: vpmaddubsw + vpmaddwd (AVX-512 BW, AVX2), else generic IR."""
-    return "avx512bw" if "avx512bw" in features else "avx2" if "avx2" in features else "generic"
+    return next(isa for isa in runnable(features) if isa not in _VNNI)
 
 
+_VNNI = ("avx512vnni", "avxvnni")
 _FEATURES = _target_features()
 ISA = detect_isa(_FEATURES)              # what the kernels use
 FALLBACK = fallback_isa(_FEATURES)       # what they use on CPUs without VNNI (and in tests here)
 _WIDTH = {"avx512vnni": 64, "avxvnni": 32, "avx512bw": 64, "avx2": 32, "generic": 32}
-_VNNI = ("avx512vnni", "avxvnni")
 
 
 def width(isa: str) -> int:

@@ -392,9 +392,9 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     included (an int8 file may hold -128; the quantiser never writes -128 activations)."""
     from numba import njit
     from minfer import _dot_ir
-    have = {_dot_ir.ISA, _dot_ir.FALLBACK, "generic"}
-    if isa not in have:
-        pytest.skip(f"{isa} is not available on this CPU")
+    if isa not in _dot_ir.runnable(_dot_ir._FEATURES):
+        pytest.skip(f"{isa} is not available on this CPU (it lacks "
+                    f"{', '.join(sorted(_dot_ir.NEEDS[isa] - _dot_ir._FEATURES))})")
     tile = _dot_ir.make_tile({True: isa, False: isa})
     I8, I4 = _dot_ir.INT8, _dot_ir.INT4
 
