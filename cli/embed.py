@@ -88,19 +88,21 @@ def _check_prompt(m: Any, prompt_name: str | None, prompt: str | None) -> None:
 
 
 def _print_embeddings(m: Any, texts: tuple[str, ...], names: list[str], options: dict) -> None:
-    """One {"text", "embedding"} line per text, in order. A text the library refuses as input
-    (InputError) is {"text", "embedding": null, "error"} (named by its argument or line) and the
-    run goes on, ending with one line naming the count and the first, status 1; any other
-    failure (the model's, e.g. non-finite outputs) ends the run in one line, as before."""
-    from minfer.errors import InputError
+    """One {"text", "embedding"} line per text, in order. A text that cannot be embedded (the
+    library refuses it as input, or its vector holds NaN or infinity) is {"text", "embedding":
+    null, "error"} (named by its argument or line) and the run goes on, ending with one line
+    naming the count and the first, status 1, as bulk mode and generate do; any other failure
+    ends the run in one line."""
+    from minfer.errors import InputError, NonFiniteError
+    row_errors = (InputError, NonFiniteError)
     try:
         results: list = list(m.embed(list(texts), **options))
-    except InputError:   # find the texts it refuses, one at a time
+    except row_errors:   # find the texts that fail, one at a time
         results = []
         for text, name in zip(texts, names):
             try:
                 results.append(m.embed([text], **options)[0])
-            except InputError as e:
+            except row_errors as e:
                 results.append(f"{name}: {e}")
     failed = [r for r in results if isinstance(r, str)]
     for text, result in zip(texts, results):

@@ -26,6 +26,7 @@ import numpy as np
 
 from . import kernels
 from .errors import InputError
+from .numerics import all_finite, non_finite, quiet
 from .io.limits import quoted
 from .io.sentence_transformers import Dense, Normalize, Pooling, SentenceModules, listed
 
@@ -212,7 +213,11 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
         states = model.encode(grid, mask)
         pooled_mask = mask.copy()
         pooled_mask[:, :skip] = 0
-        vectors = head(states, pooled_mask, modules)
+        with quiet():   # overflow in the head is raised below, not printed
+            vectors = head(states, pooled_mask, modules)
+        if not all_finite(np, vectors):   # the states were checked: the head's own layers
+            raise non_finite(model, "embeddings", "the sentence-transformers head (pooling, "
+                             "Dense layers, normalisation)")
         if out is None:
             out = np.empty((len(ids), vectors.shape[1]), np.float32)
         out[rows] = vectors

@@ -259,17 +259,21 @@ def parts(n: int, min_part: int = 1) -> int:
 def split(n: int, work: Callable[[int, int, int], None], count: int | None = None,
           blas: bool = False) -> None:
     """Run work(part, start, stop) over [0, n) cut into `count` (default `parts(n)`) contiguous
-    ranges: the first in the calling thread, the others on the pool; return when all are done.
-    The work must release the GIL to run in parallel (BLAS products, NumPy ufuncs and the
-    `nogil` kernels do). Without the compiled kernels (or with one thread) it is one call.
+    ranges: the first in the calling thread, the others on the pool; return when all are done
+    (and only then raise the first part's error). The work must release the GIL to run in
+    parallel (BLAS products, NumPy ufuncs and the `nogil` kernels do). Without the compiled
+    kernels (or with one thread) it is one call.
 
-    `blas`: the work calls BLAS, so every part runs on the pool, none in the calling thread.
-    OpenBLAS keeps a buffer for each thread that ever called it, outside any arena, for the
-    thread's life: with each server worker (or user thread) calling it, `memory_limit` grew by
-    a few MiB per thread (32 concurrent requests: +257 MiB); on the pool it is one per pool
-    thread, whatever the number of callers. A pool thread's own call runs where it is."""
+    `blas`: the work calls BLAS, so with the compiled kernels every part runs on the pool, none
+    in the calling thread: OpenBLAS keeps a buffer for each thread that ever called it, outside
+    any arena, for the thread's life; on the pool that is one per pool thread, whatever the
+    number of request threads. (In the NumPy mode BLAS runs its own threads from the caller's,
+    as before.) A pool thread's own call runs where it is: no part waits on the pool from
+    inside it."""
+    if compiled() is None:
+        blas = False
     count = parts(n) if count is None else min(count, n)
-    if getattr(_in_pool, "yes", False):   # (no part waits on the pool from inside it)
+    if getattr(_in_pool, "yes", False):
         bounds = [n * i // count for i in range(count + 1)] if count > 1 else [0, n]
         for i in range(len(bounds) - 1):
             work(i, bounds[i], bounds[i + 1])
@@ -281,8 +285,9 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
     bounds = [n * i // count for i in range(count + 1)]
     first = 0 if blas else 1            # the parts the pool runs
     pool = _get_pool(max(count - first, _threads))
-    futures = [pool.submit(work, i, bounds[i], bounds[i + 1]) for i in range(first, count)]
-    try:
+    futures = []
+    try:   # (a failed submit too waits for the parts already running)
+        futures.extend(pool.submit(work, i, bounds[i], bounds[i + 1]) for i in range(first, count))
         if not blas:
             work(0, bounds[0], bounds[1])
     finally:
@@ -313,10 +318,10 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            old, _pool = _pool, ThreadPoolExecutor(workers, thread_name_prefix="minfer",
-                                                   initializer=_pool_thread)
-            if old is not None:
-                old.shutdown(wait=False)
+            # a larger pool replaces it; the old one is not shut down (a caller that holds it
+            # may still submit): its idle threads end once nothing refers to it
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="minfer",
+                                       initializer=_pool_thread)
         return _pool
 
 

@@ -3,11 +3,13 @@ back, and how the layer where they began is found.
 
 Weights can load and still overflow (a float16 copy of a checkpoint trained in bfloat16, a
 corrupted scale): the outputs then hold NaN or infinity, which NumPy only warns about and JSON
-cannot carry. minfer checks each call's outputs once (one reduction over them: far less than the
-call's own work) and, when they are not finite, raises `NonFiniteError` naming the model and the
-first layer whose output was not finite. Finding that layer is only done on the failing path:
-a pure pass (the encoder) is run again with a probe after every layer; a decode step reads its
-own KV caches, which hold each layer's projection of that layer's input.
+cannot carry. minfer checks each call's outputs once, on the host copy it hands back (one
+reduction over them: far less than the call's own work, and no extra device sync) and, when they
+are not finite, raises `NonFiniteError` naming the model and the first layer whose output was
+not finite. Finding that layer is only done on the failing path: a pure pass (the encoder) is
+run again with a probe after every layer; a decode step reads its own KV caches, which hold
+each layer's projection of that layer's input (so a layer whose own key projection overflows
+is named with the layer before it: the message says both).
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ def all_finite(xp: Any, *arrays: Any) -> bool:
     sum of finite float32 or float16 values; NumPy and CuPy reduce in blocks, with no
     array-sized temporary."""
     for a in arrays:
-        if a is not None and a.size and not math.isfinite(float(xp.sum(a, dtype=xp.float64))):
-            return False
+        if a is None or not a.size:
+            continue
+        with quiet():   # (inf + -inf is NaN: no "invalid value" warning for what it finds)
+            total = xp.sum(a, dtype=xp.float64)
+        if not math.isfinite(float(total.get() if hasattr(total, "get") else total)):
+            return False   # (a device sum: read back with .get(), CuPy's documented sync)
     return True
 
 
@@ -65,7 +71,8 @@ def first_bad_layer(xp: Any, per_layer: Any, layers: int, stack: str = "") -> st
     finite, the last layer or the head that follows it. `stack`: "decoder " or ""."""
     for i in range(layers):
         if not all_finite(xp, per_layer[i]):
-            return f"{stack}embedding" if i == 0 else f"{stack}layer {i - 1}"
+            into = f" (or {stack}layer {i}'s key projection)"
+            return (f"{stack}embedding" if i == 0 else f"{stack}layer {i - 1}") + into
     return f"{stack}layer {layers - 1} or the output head"
 
 

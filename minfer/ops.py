@@ -56,10 +56,8 @@ def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if isinstance(w, PackedWeight):
         w.matmul(xp, x2, o2)
-    elif xp is np:   # BLAS only from the pool's threads (kernels.split's `blas`)
-        kernels.on_pool(lambda: np.matmul(x2, w.T, out=o2))
     else:
-        xp.matmul(x2, w.T, out=o2)
+        on_blas_threads(xp, lambda: xp.matmul(x2, w.T, out=o2))
     return out
 
 
@@ -247,6 +245,15 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
         xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
 
     over_heads(xp, H, heads)
+
+
+def on_blas_threads(xp: Any, call: Callable[[], Any]) -> None:
+    """A single BLAS call on the pool's threads when the array namespace is NumPy (kernels.split's
+    `blas`: the request threads never enter BLAS), as is elsewhere."""
+    if xp is np:
+        kernels.on_pool(call)
+    else:
+        call()
 
 
 def over_heads(xp: Any, H: int, work: Callable[[int, int], None]) -> None:

@@ -1,6 +1,7 @@
 """Outputs that hold NaN or infinity (numerics.py): weights that load but overflow make every
 public call fail in one line naming the model and the layer where the values began, never hand
 back NaN."""
+import json
 import shutil
 import warnings
 
@@ -82,14 +83,38 @@ def test_a_decoder_layer_that_overflows_is_named_in_steps_and_in_forward(t5_fold
         model.forward([[5, 6, 7, 1]], [[0, 3, 4]])
 
 
-def test_steps_taken_together_check_each_state(t5_folder):
-    """Two requests stepped together (step_together stacks their rows): the overflow is found
-    in the stacked step too."""
-    model = minfer.load(_scaled(t5_folder, *_ff("decoder", 2, 2)))
+def test_steps_taken_together_fail_only_the_state_whose_values_are_not_finite(t5_folder):
+    """Two requests stepped together (their rows stacked): the one whose encoder output holds
+    NaN gets its own NonFiniteError in its place; the other's logits are what it gets alone."""
+    model = minfer.load(t5_folder)
     ids, mask = np.array([[5, 6, 7, 1]]), np.ones((1, 4), np.int64)
+    with model.start_decoding(ids, mask, 4) as alone:
+        want = alone.step(alone.first_tokens).copy()
     with model.start_decoding(ids, mask, 4) as a, model.start_decoding(ids, mask, 4) as b:
-        with pytest.raises(NonFiniteError, match="decoder layer 2 or the output head"):
-            model.step_together([a, b], [a.first_tokens, b.first_tokens])
+        b.buf.cross_k[1] = np.nan                    # as if b's encoder output had overflowed
+        for pair in ([a, b], [b, a]):
+            for state in pair:
+                state.length = 0
+            out = model.step_together(pair, [s.first_tokens for s in pair])
+            got, error = (out[0], out[1]) if pair[0] is a else (out[1], out[0])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert isinstance(error, NonFiniteError) and "the encoder's output" in str(error)
+
+
+def test_beams_of_several_prompts_name_the_encoder(t5_folder, monkeypatch):
+    """With beams, each prompt's cross K/V are spread over its beams' rows before the check:
+    every row is checked (the first B rows hold only the first prompts' beams)."""
+    from minfer.models.t5 import math as t5
+    real = t5.cross_kv
+
+    def second_prompt_overflows(be, cfg, params, states, cache_k, cache_v):
+        real(be, cfg, params, states, cache_k, cache_v)
+        if cache_k.shape[1] > 1:
+            cache_k[:, 1] = np.nan                  # (L, B, H, S, D): input 1's keys
+    model = minfer.load(t5_folder)
+    monkeypatch.setattr(t5, "cross_kv", second_prompt_overflows)
+    with pytest.raises(NonFiniteError, match="encoder states .*cross-attention keys and values"):
+        model.generate([[5, 6, 7, 1], [8, 9, 10, 1]], max_new_tokens=3, num_beams=2)
 
 
 def test_a_healthy_model_is_untouched(t5_folder):
@@ -129,5 +154,22 @@ def test_embed_and_the_cli_embed_fail_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, NUMBA_NUM_THREADS="1"))
     lines = run.stderr.strip().splitlines()
-    assert run.returncode != 0 and "NaN" not in run.stdout and len(lines) == 1, run.stderr
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
     assert "encoder layer 1" in lines[0] and "NaN or infinity" in lines[0]
+    def no_constants(name):
+        raise AssertionError(f"{name} in the output: not JSON")
+    [record] = [json.loads(line, parse_constant=no_constants) for line in run.stdout.splitlines()]
+    assert record["embedding"] is None and "encoder layer 1" in record["error"]
+
+
+def test_a_sentence_head_that_overflows_is_named(monkeypatch):
+    """The encoder states are checked in encode; the sentence-transformers head after them
+    (pooling, Dense, normalisation) is checked on its own vectors."""
+    from minfer import embedding
+    model = minfer.load(ROOT / "weights" / "family" / "st_prompts")
+    real = embedding.head
+    monkeypatch.setattr(embedding, "head", lambda *a: real(*a) * np.float32(np.inf))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NonFiniteError, match="embeddings .*the sentence-transformers head"):
+            model.embed(["a b c", "d e"])

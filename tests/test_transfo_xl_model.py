@@ -321,8 +321,9 @@ def test_a_prompt_of_one_calls_length_runs_in_exact_segments_when_one_call_does_
     prompt = _long_recall_prompt(60)[0]
     want = model.generate(prompt, max_new_tokens=4, return_details=True)[0]
     peak = model.plan(1)["peak"]   # the memory and one 16-token segment's scratch
-    assert model.plan(1, 60)["peak"] == peak
+    assert model.plan(1, 60)["peak"] > peak   # a large arena: one call
     with minfer.load(folder, workspace=peak) as small:
+        assert small.plan(1, 60)["peak"] == peak   # a small one: segments, and so it plans
         got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
         assert got.error is None and got.token_ids == want.token_ids
 
@@ -338,11 +339,12 @@ def test_a_prompt_whose_one_call_does_not_fit_runs_in_segments_at_every_length(l
     model = minfer.load(folder)
     prompt = _long_recall_prompt(length)[0]
     peak = model.plan(1)["peak"]
-    assert model.plan(1, length)["peak"] == peak     # the memory and one segment, at any length
+    assert model.plan(1, length)["peak"] > peak or length > 512   # one call, in a large arena
     with monkeypatch.context() as patch:             # the unlimited model, made to use segments
         patch.setattr(xl_model, "prompt_call_bytes", lambda *a: 1 << 60)
         want = model.generate(prompt, max_new_tokens=4, return_details=True)[0]
     with minfer.load(folder, workspace=peak) as small:
+        assert small.plan(1, length)["peak"] == peak   # the memory and one segment, any length
         got = small.generate(prompt, max_new_tokens=4, return_details=True)[0]
     assert got.error is None and got.token_ids == want.token_ids
 

@@ -321,6 +321,9 @@ class Batcher:
         self.steps += 1          # (only the leader writes them)
         self.stepped += len(batch)
         for r, s in zip(batch, scores):
+            if isinstance(s, BaseException):   # this request's own scores failed (NonFiniteError)
+                r.error = s
+                continue
             try:
                 event = r.advance(s)
             except Exception as e:   # this request's own problem (a non-finite row, ...)

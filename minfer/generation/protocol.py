@@ -69,5 +69,6 @@ class DecodingModel(Protocol):
                       tokens: list[np.ndarray]) -> list[np.ndarray]:
         """One step for several states at once (continuous batching: requests that decode at
         the same time share each step's weight reads): per state its (b,) tokens in, its (b, V)
-        scores out. Equal to stepping each state alone, up to float rounding."""
+        scores out. Equal to stepping each state alone, up to float rounding. A state whose own
+        scores hold NaN or infinity gets its NonFiniteError in its place (the others go on)."""
         ...

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..backend import Backend
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, NonFiniteError
 from ..generation.options import is_integer, shown
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
@@ -153,9 +153,16 @@ class Model(OwnsWeights, DecodingModel):
 
     def step_together(self, states: list[Any], tokens: list[np.ndarray]) -> list[np.ndarray]:
         """One step for several decode states (see the protocol); this default steps each in
-        turn, a family that can share the products overrides it."""
+        turn, a family that can share the products overrides it. A state whose own step finds
+        NaN or infinity gets its NonFiniteError in its place (the protocol)."""
+        out: list[Any] = []
         with self.lock:
-            return [state.step(t) for state, t in zip(states, tokens)]
+            for state, t in zip(states, tokens):
+                try:
+                    out.append(state.step(t))
+                except NonFiniteError as e:
+                    out.append(e)
+        return out
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, inputs: Any, *, stream: bool = False, task: str | None = None,

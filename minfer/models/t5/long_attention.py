@@ -187,7 +187,9 @@ class LongAttention:
         for j in range(shape.groups):            # each group's members: one product per row
             a = j * width
             e = min(T, a + width)
-            part = xp.matmul(ws.membership[j, :, :, :e - a], ws.h[:, a:e], out=ws.global_part)
+            part = ws.global_part
+            ops.on_blas_threads(xp, lambda: xp.matmul(ws.membership[j, :, :, :e - a], ws.h[:, a:e],
+                                                      out=part))
             for b in range(B):                   # (B, K, C) into each row's own global range
                 lo = int(self.bases[j, b])
                 n = min(K, G - lo)

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ...errors import InputError
+from ...errors import InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
@@ -38,20 +38,27 @@ class T5DecodeState(DecodeState):
         with self.lock, quiet(), self.be.arena.scope():
             logits = t5.decode_steps(self.be, self.cfg, self.params, [(self.live, self.length)],
                                      tokens, self.live, self.live.logits)
-            self.check_finite(logits)
+            host = np.asarray(self.be.to_host(logits), np.float32)
+            error = self.non_finite(host)
             self.length += 1
-            return np.asarray(self.be.to_host(logits), np.float32)
+            if error is not None:
+                raise error
+            return host
 
-    def check_finite(self, logits: Any) -> None:
-        """This step's logits (b, V) hold no NaN or infinity, else a NonFiniteError naming the
-        decoder layer where they began (read from the caches this step wrote at its position)."""
-        xp = self.be.xp
-        if all_finite(xp, logits):
-            return
-        L = self.cfg.num_decoder_layers
-        where = first_bad_layer(xp, [self.live.self_k[i][:, :, self.length] for i in range(L)],
-                                L, "decoder ")
-        raise non_finite(self.model, "logits", where)
+    def non_finite(self, logits: np.ndarray) -> NonFiniteError | None:
+        """None when this step's host logits (b, V) are finite, else the NonFiniteError naming
+        where NaN or infinity began: the encoder's output when the cross-attention keys and
+        values hold them, else the decoder layer read from the self-attention caches this step
+        wrote at its position. Call before `length` moves on."""
+        if all_finite(np, logits):
+            return None
+        xp, L = self.be.xp, self.cfg.num_decoder_layers
+        if not all_finite(xp, self.live.cross_k, self.live.cross_v):
+            where = "the encoder's output (every decoder layer's cross-attention keys and values)"
+        else:
+            where = first_bad_layer(xp, [self.live.self_k[i][:, :, self.length] for i in range(L)],
+                                    L, "decoder ")
+        return non_finite(self.model, "logits", where)
 
     def check_room(self) -> None:
         if self.length >= self.max_len:
@@ -109,10 +116,10 @@ class T5Model(Model):
                     part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
                                           "encoder output")
                     t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
-                    if not all_finite(be.xp, part):
+                    out[a:a + step] = be.to_host(part)
+                    if not all_finite(np, out[a:a + step]):   # (the host copy: no device sync)
                         raise non_finite(self, "encoder states", self._where_encoder_fails(
                             ids[a:a + step], mask[a:a + step], part))
-                    out[a:a + step] = be.to_host(part)
         return out
 
     def _where_encoder_fails(self, ids: np.ndarray, mask: np.ndarray, out: Any) -> str | None:
@@ -230,7 +237,10 @@ class T5Model(Model):
             with self.lock, quiet(), be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
                                max_len, repeat)
-                if not all_finite(be.xp, buf.cross_k[:, :B], buf.cross_v[:, :B]):
+                # on the CPU the encoder layer is named here (every row, after the spread of
+                # beams); a device would sync for it: there the first step names the encoder
+                rows = B * repeat
+                if be.xp is np and not all_finite(np, buf.cross_k[:, :rows], buf.cross_v[:, :rows]):
                     enc = be.arena.alloc((B, S, self.config.d_model), be.dtype, "encoder output")
                     where = self._where_encoder_fails(input_ids, attention_mask, enc)
                     raise non_finite(self, "encoder states", where or
@@ -247,11 +257,14 @@ class T5Model(Model):
         plan), so a request that fits alone is never failed by the company it keeps."""
         for state in states:
             state.check_room()
-        out: list[np.ndarray] = []
+        out: list[np.ndarray | NonFiniteError] = []
         with self.lock:
             for group in self._groups_that_fit(states):
                 if len(group) == 1:
-                    out.append(states[group[0]].step(tokens[group[0]]))
+                    try:
+                        out.append(states[group[0]].step(tokens[group[0]]))
+                    except NonFiniteError as e:   # that state's own failure (see the protocol)
+                        out.append(e)
                 else:
                     out.extend(self._step_stacked([states[i] for i in group],
                                                   [tokens[i] for i in group]))
@@ -286,9 +299,9 @@ class T5Model(Model):
             bounds = np.cumsum([0] + [s.batch for s in states])
             for state, a, b in zip(states, bounds[:-1], bounds[1:]):
                 state.live.logits[:, 0] = out[a:b]
-                state.check_finite(state.live.logits)
-        results = []
-        for state in states:
+        results: list[np.ndarray | NonFiniteError] = []
+        for state in states:   # each state's rows judged alone: one bad prompt fails only itself
+            host = np.asarray(be.to_host(state.live.logits[:, 0]), np.float32)
+            results.append(state.non_finite(host) or host)
             state.length += 1
-            results.append(np.asarray(be.to_host(state.live.logits[:, 0]), np.float32))
         return results

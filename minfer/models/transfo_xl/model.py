@@ -11,14 +11,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from ...errors import InputError
+from ...errors import InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, non_finite, quiet
 from ...generation.options import resolve_options
 from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import FAMILY, MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment
+from .spec import (FAMILY, MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment,
+                   run_bytes)
 
 
 class SegmentMemory:
@@ -109,6 +110,18 @@ class XLModel(Model):
 
     spec = FAMILY
 
+    def plan(self, batch: int = 1, input_len: int | None = None,
+             max_new_tokens: int | None = None) -> dict[str, int]:
+        """Arena bytes of a run (see Model.plan), with its prompt in the segments
+        `start_decoding` will take: one call when that call and the memory fit the arena's
+        free bytes when nothing else runs, else tgt_len segments (a busy arena may make
+        `start_decoding` take segments where the plan counted one call: less, never more)."""
+        cfg, dtype = self.config, self.backend.dtype
+        whole = input_len is not None and (
+            MemoryBuffers.nbytes(cfg, batch, dtype) + prompt_call_bytes(cfg, dtype, batch, input_len)
+            <= self.free_when_idle)
+        return run_bytes(cfg, dtype, batch, input_len, max_new_tokens, whole)
+
     def check_batch(self, ids: np.ndarray, mask: np.ndarray) -> None:
         if not mask.all():
             raise InputError("input_ids: Transformer-XL batches need rows of equal length "
@@ -131,28 +144,27 @@ class XLModel(Model):
             h = xl.forward_hidden(self.backend, self.config, self.params, ids, memory.live(),
                                   memory.length)
             memory.advance(T)
-            self._check_hidden(h, memory)
-            if head == "none":
+            if head == "none":   # (a session's feed: the call that reads its output checks it)
                 return None
             h = h[:, -1] if head == "last" else h.reshape(B * T, -1)
             out = np.asarray(self.backend.to_host(
                 xl.log_probs(self.backend, self.config, self.params, h)), np.float32)
             if not all_finite(np, out):
-                raise non_finite(self, "log-probs", "the adaptive softmax")
+                raise self._non_finite(memory, T, "log-probs")
             return out
 
-    def _check_hidden(self, h: Any, memory: SegmentMemory) -> None:
-        """The last layer's output (B, T, C) of a call holds no NaN or infinity, else a
-        NonFiniteError naming the layer where they began: the memory has just taken each layer's
-        input of this call (earlier calls were checked), so the first layer whose memory is not
-        finite was fed by the layer before it."""
-        xp = self.backend.xp
-        if all_finite(xp, h):
-            return
-        L, n = self.config.n_layer, memory.length
-        where = first_bad_layer(xp, [memory.live().states[i][:, :n] for i in range(L)], L) \
+    def _non_finite(self, memory: SegmentMemory, T: int, outputs: str) -> NonFiniteError:
+        """The error of a call whose host `outputs` hold NaN or infinity, naming the layer where
+        they began: the memory has just taken each layer's input over the call's last T
+        positions, so the first layer whose memory there is not finite was fed by the layer
+        before it (every finite: the last layer or the adaptive softmax). The memory is emptied:
+        what it took is not finite, and a session goes on from nothing rather than fail again."""
+        xp, L, n = self.backend.xp, self.config.n_layer, memory.length
+        new = slice(max(0, n - T), n)
+        where = first_bad_layer(xp, [memory.live().states[i][:, new] for i in range(L)], L) \
             if n else None
-        raise non_finite(self, "hidden states", where)
+        memory.reset()
+        return non_finite(self, outputs, where)
 
     def _check_memory(self, memory: Any, batch: int) -> None:
         """A memory this model made, not yet released, for `batch` rows; else a one-line error."""
@@ -216,16 +228,15 @@ class XLModel(Model):
                 with self.lock, quiet(), be.arena.scope(temporaries):
                     h = xl.forward_hidden(be, cfg, params, seg, memory.live(), memory.length)
                     memory.advance(seg.shape[1])
-                    self._check_hidden(h, memory)
                     total += float(xl.target_log_probs(be, cfg, params, h.reshape(seg.shape[1], -1),
                                                        targets).sum())
+                    if not math.isfinite(total):
+                        raise self._non_finite(memory, seg.shape[1], "log-likelihoods")
                 if progress is not None:
                     progress(start + seg.shape[1], n)
         finally:
             if own:
                 memory.release()
-        if not math.isfinite(total):
-            raise non_finite(self, "log-likelihoods", "the adaptive softmax")
         return {"log_likelihood": total, "tokens": n, "perplexity": math.exp(-total / n),
                 "seconds": time.perf_counter() - t0}
 
@@ -260,12 +271,11 @@ class XLModel(Model):
                     part = ids[:, start:start + chunk]
                     h = xl.forward_hidden(be, cfg, params, part, memory.live(), memory.length)
                     memory.advance(part.shape[1])
-                    self._check_hidden(h, memory)
                     if start + chunk >= P:  # the last segment: its last position's log-probs
                         first = np.array(be.to_host(xl.log_probs(be, cfg, params, h[:, -1])),
                                          np.float32)                             # (B, V)
                         if not all_finite(np, first):
-                            raise non_finite(self, "log-probs", "the adaptive softmax")
+                            raise self._non_finite(memory, P, "log-probs")
             spread = np.repeat(np.arange(B), repeat)
             if repeat > 1:
                 with self.lock:
