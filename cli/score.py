@@ -47,7 +47,7 @@ def score(load, file, segment_len, as_json) -> None:
     text = read_text(file, name)
     if not text.strip():
         fail(f"{name}: no text to score", EXIT_USAGE)
-    ids = text_ids(m.tokenizer, text)
+    ids = m.text_ids(text)   # the ids score() would read the text as
     unknown = unknown_tokens(m.tokenizer, ids)
     bar = _bar()
 
@@ -74,15 +74,6 @@ def score(load, file, segment_len, as_json) -> None:
         emit(f"unknown tokens  {unknown}")
         emit(f"log-likelihood  {result['log_likelihood']:.4f}")
         emit(f"tokens/s        {tps:.1f}")
-
-
-def text_ids(tokenizer: Any, text: str) -> list[int]:
-    """The ids XLModel.score reads a text as: each line with <eos> after it (a last empty line,
-    the file's final newline, is no line)."""
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [t for line in lines for t in tokenizer.encode(line, add_eos=True)]
 
 
 def unknown_tokens(tokenizer: Any, ids: list[int]) -> int:

@@ -382,3 +382,18 @@ def test_segments_called_exact_give_what_one_call_gives(case, monkeypatch):
                 parts = np.array(state.step(state.first_tokens))
         np.testing.assert_allclose(parts, whole, atol=1e-4, err_msg=f"P={P}")
     assert exact > 0 or cfg.same_length
+
+
+def test_text_ids_is_what_score_reads_a_text_as(xl_models):
+    # one reading of a text, shared by score() and `minfer score` (which counts its <unk> ids)
+    model = xl_models("adaptive_div4_bin")
+    tok = model.tokenizer
+    text = "the game began .\n\nit was played .\n"
+    ids = model.text_ids(text)
+    lines = ["the game began .", "", "it was played ."]      # the final newline ends a line only
+    assert ids == [t for line in lines for t in tok.encode(line, add_eos=True)]
+    assert ids.count(tok.eos_id) == len(lines) and ids[-1] == tok.eos_id
+    assert model.text_ids(text.rstrip("\n")) == ids
+    assert model.score(text)["log_likelihood"] == model.score(ids)["log_likelihood"]
+    with pytest.raises(InputError, match=r"^text input requires a tokenizer, and .* has none$"):
+        xl_models("adaptive_div4").text_ids(text)

@@ -192,18 +192,23 @@ class XLModel(Model):
         B, T = ids.shape
         return self._run(ids, memory).reshape(B, T, -1), memory
 
+    def text_ids(self, text: str) -> list[int]:
+        """The ids score() reads a text as: each WT103 line with <eos> after it (a last empty
+        line, the text's final newline, is no line)."""
+        if self.tokenizer is None:
+            raise InputError(f"text input requires a tokenizer, and {self.folder} has none")
+        lines = text.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        return [t for line in lines for t in self.tokenizer.encode(line, add_eos=True)]
+
     def score(self, inputs: Any, segment_len: int | None = None, memory: SegmentMemory | None = None,
               progress: Callable[[int, int], None] | None = None) -> dict:
         """Log-likelihood of a text (str; one WT103 line per line, <eos> after each) or id list,
         processed in segments of `segment_len` (default tgt_len) with memory carried.
         Returns {"log_likelihood", "tokens" (predicted tokens = ids - 1), "perplexity", "seconds"}."""
         if isinstance(inputs, str):
-            if self.tokenizer is None:
-                raise InputError(f"text input requires a tokenizer, and {self.folder} has none")
-            lines = inputs.split("\n")
-            if lines and lines[-1] == "":
-                lines.pop()
-            ids = [t for line in lines for t in self.tokenizer.encode(line, add_eos=True)]
+            ids = self.text_ids(inputs)
         else:
             ids = self.batch([list(inputs)])[0][0].tolist()  # one row of ids, each checked
         if len(ids) < 2:
