@@ -24,6 +24,7 @@ Threads: numba's threading layer must be a fast one ("omp": GNU OpenMP, or "tbb"
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -100,8 +101,10 @@ def _compile_ahead(module: Any) -> None:
     cache_dir = getattr(getattr(module.matmul_f32, "_cache", None), "cache_path", None)
     if not cache_dir or not os.path.isdir(cache_dir):
         return
-    marker = os.path.join(cache_dir, f"minfer-kernels-{_kernel_stamp(module)}.ready")
-    if os.path.exists(marker):
+    stamp = _kernel_stamp(module)
+    marker = os.path.join(cache_dir, f"minfer-kernels-{stamp}.ready")
+    failed = os.path.join(cache_dir, f"minfer-kernels-{stamp}.failed")   # tried once: not again
+    if os.path.exists(marker) or os.path.exists(failed):
         return
     try:
         import fcntl
@@ -110,20 +113,22 @@ def _compile_ahead(module: Any) -> None:
         return
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one compiling child at a time; the others wait
-        if os.path.exists(marker):
+        if os.path.exists(marker) or os.path.exists(failed):
             return
         _log.warning(COMPILE_NOTICE)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        # the child imports the minfer this process runs: its own sys.path, set before the
+        # import (the current folder first would find another checkout)
+        path = [p or os.getcwd() for p in sys.path]
+        code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+                "from minfer import _numba_kernels as k; k.warm_up()")
         try:
-            done = subprocess.run([sys.executable, "-c", "from minfer import _numba_kernels as k; "
-                                   "k.warm_up()"], env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  timeout=1800).returncode == 0
+            done = subprocess.run([sys.executable, "-c", code, json.dumps(path)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=1800).returncode == 0
         except (OSError, subprocess.SubprocessError):
             done = False
-        if done:
-            with contextlib.suppress(OSError):
-                open(marker, "w").close()
+        with contextlib.suppress(OSError):
+            open(marker if done else failed, "w").close()
 
 
 def _kernel_stamp(module: Any) -> str:

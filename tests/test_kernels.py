@@ -508,3 +508,22 @@ def test_a_cold_cache_compiles_in_a_child_process_not_in_this_one(tmp_path):
     assert misses == 0 and hits > 10                   # every kernel came from the cache
     assert kernels.COMPILE_NOTICE in runs[0].stderr
     assert kernels.COMPILE_NOTICE not in runs[1].stderr and again == [0, hits]
+
+
+def test_a_compile_child_that_fails_is_not_tried_again(tmp_path):
+    """A child that cannot compile (here: no interpreter to run it) is tried once per cache and
+    stamp: later processes compile in themselves on first use, as before, without waiting for
+    a child first."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "sys.executable = '/bin/false'\n"
+            "from minfer import kernels\n"
+            "assert kernels.compiled() is not None\n")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MINFER_KERNELS="numba")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=600) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    assert kernels.COMPILE_NOTICE in runs[0].stderr and kernels.COMPILE_NOTICE not in runs[1].stderr
+    assert list((tmp_path / "cache").rglob("minfer-kernels-*.failed"))

@@ -173,3 +173,13 @@ def test_a_sentence_head_that_overflows_is_named(monkeypatch):
         warnings.simplefilter("error")
         with pytest.raises(NonFiniteError, match="embeddings .*the sentence-transformers head"):
             model.embed(["a b c", "d e"])
+
+
+def test_a_transformer_xl_session_goes_on_from_an_empty_memory_after_a_failure(xl_folder):
+    model = minfer.load(_scaled(xl_folder, "transformer.layers.1.pos_ff.CoreNet.0.weight",
+                                "transformer.layers.1.pos_ff.CoreNet.3.weight"))
+    with model.session() as session:
+        for _ in range(2):   # the second failure names the same layer: nothing kept from the first
+            with pytest.raises(NonFiniteError, match="beginning at layer 1"):
+                session.score([3, 4, 5, 6, 7])
+            assert session.memory.length == 0

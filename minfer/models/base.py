@@ -178,7 +178,8 @@ class Model(OwnsWeights, DecodingModel):
             "translation_en_to_de" or "summarization".
         return_details: per prompt a list of `generation.Result` (text, token_ids, finish_reason,
             prompt_tokens, new_tokens, seconds, score, error); a string in gives its own list
-            (one Result per returned sequence), a list in a list of such lists. A prompt that cannot run (empty,
+            (one Result per returned sequence), a list of prompts or token ids (one id row
+            too, as without details) a list of such lists. A prompt that cannot run (empty,
             too long, too big for the arena even alone) is then a Result with `error` set and
             the others are decoded; without return_details the first such prompt raises,
             naming it, before anything is decoded.
