@@ -344,6 +344,71 @@ def test_after_shutdown_a_request_gets_503_not_a_500(model):
     assert (e.value.status, e.value.code) == (503, "shutting_down")
 
 
+@pytest.mark.parametrize("error", [RuntimeError("can't start new thread"),
+                                   MemoryError("no room for a thread stack"),
+                                   ValueError("a bug in the pool")])
+def test_a_pool_that_refuses_work_is_a_503_and_gives_the_place_back(model, monkeypatch, error):
+    """Refused by the pool while the server is up (no thread could be started): not "shutting
+    down", and the request's place in the queue is given back (a leaked place per failure
+    would end in every request being a 429)."""
+    workers = Workers(model, max_running=1, max_waiting=0)
+    try:
+        def refuse(*args, **kwargs):
+            raise error
+        with monkeypatch.context() as patch:
+            patch.setattr(workers._pool, "submit", refuse)
+            for _ in range(3):   # more than the queue holds: a leak would make the 3rd a 429
+                with pytest.raises(APIError) as e:
+                    workers.submit(lambda: "never")
+                assert (e.value.status, e.value.code) == (503, "worker_unavailable")
+                assert "could not start a worker" in e.value.message
+                assert e.value.headers["Retry-After"] == "1"
+                assert (workers.running(), workers.waiting()) == (0, 0)
+        assert workers.submit(lambda: "ran").result(30) == "ran"
+    finally:
+        workers.shutdown()
+
+
+def test_a_pool_shut_down_while_submitting_is_a_503_shutting_down(model, monkeypatch):
+    workers = Workers(model, max_running=1, max_waiting=1)
+    real = workers._pool.submit
+
+    def shut_meanwhile(*args, **kwargs):   # SIGTERM's drain between admission and the pool
+        workers.shutdown()
+        return real(*args, **kwargs)
+    monkeypatch.setattr(workers._pool, "submit", shut_meanwhile)
+    with pytest.raises(APIError) as e:
+        workers.submit(lambda: "never")
+    assert (e.value.status, e.value.code) == (503, "shutting_down")
+    assert workers.waiting() == 0
+
+
+def test_work_refused_because_no_thread_started_never_runs_later(model, monkeypatch):
+    """The pool queues the work before it starts a thread for it: when the start fails, the
+    next thread that frees up must not run the refused request for nobody."""
+    import concurrent.futures.thread as pool_threads
+
+    class NoThread(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+    workers = Workers(model, max_running=2, max_waiting=2)
+    release, ran = threading.Event(), []
+    try:
+        first = workers.submit(release.wait, 30)        # the pool's one thread, busy
+        with monkeypatch.context() as patch:
+            patch.setattr(pool_threads.threading, "Thread", NoThread)
+            with pytest.raises(APIError) as e:
+                workers.submit(ran.append, "refused")   # needs a second thread: none starts
+        assert (e.value.status, e.value.code) == (503, "worker_unavailable")
+        release.set()
+        assert first.result(30) is True
+        workers._pool.shutdown(wait=True)   # every queued item taken by the freed thread
+        assert ran == []
+    finally:
+        release.set()
+        workers.shutdown()
+
+
 @pytest.mark.parametrize("given, want", [("k ", "k"), ("\tk-1 ", "k-1"), ("a b", "a b"),
                                          (None, None)])
 def test_api_keys_are_stripped_as_http_strips_header_values(given, want):

@@ -11,6 +11,7 @@ Running and waiting, as /metrics reports them: a request in a thread that waits 
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -19,6 +20,7 @@ from ..generation.batcher import batcher_of
 from .errors import APIError, shutting_down
 
 RETRY_AFTER_SECONDS = 1
+log = logging.getLogger("minfer.serve")
 
 
 class Workers:
@@ -39,7 +41,7 @@ class Workers:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run fn(*args) in a worker thread, or raise 429 at once when the queue is full (503
-        once the pool is shut down)."""
+        once the pool is shut down, or when no worker thread could be started)."""
         with self._lock:
             if self._closed:
                 raise shutting_down()
@@ -49,15 +51,34 @@ class Workers:
                                "--max-waiting); retry later",
                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             self._accepted += 1
+        refused = threading.Event()
         try:
-            future = self._pool.submit(self._run, fn, *args)
-        except RuntimeError:   # the pool was shut down meanwhile
+            future = self._pool.submit(self._run, refused, fn, *args)
+        except BaseException as e:   # not accepted after all: its place is given back
+            # (a thread that failed to start leaves the work queued in the pool, for the
+            # next free thread: it must not run for a client that was refused)
+            refused.set()
             self._finished(None)
-            raise shutting_down() from None
+            if not isinstance(e, Exception):   # KeyboardInterrupt and the like go on
+                raise
+            raise self._refusal(e) from None
         future.add_done_callback(self._finished)   # also when cancelled before it ran
         return future
 
-    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _refusal(self, e: Exception) -> APIError:
+        """Why the pool would not take accepted work: it was shut down meanwhile (503
+        shutting_down), or it could not start a thread (the process's thread or memory limit:
+        503 worker_unavailable, logged, as the server is out of capacity for now)."""
+        if self._closed:
+            return shutting_down()
+        log.error("could not start a worker thread: %s: %s", type(e).__name__, e)
+        return APIError(503, f"the server could not start a worker ({type(e).__name__}: {e}); "
+                        "retry later", code="worker_unavailable",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def _run(self, refused: threading.Event, fn: Callable[..., Any], *args: Any) -> Any:
+        if refused.is_set():
+            return None
         with self._lock:
             self._active += 1
         try:
