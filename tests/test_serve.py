@@ -414,6 +414,20 @@ def test_embeddings_equal_model_embed_and_the_encoder_cannot_complete():
             assert "access-control-allow-origin" not in r.headers
 
 
+def test_a_transformer_xl_server_completes_but_refuses_embeddings_in_one_line():
+    """Transformer-XL has no encoder: /v1/embeddings is the client's 400 saying so in one
+    line (model.embed's own check), and the server goes on serving completions."""
+    xl = ROOT / "weights" / "tiny-xl-recall"
+    with serving(xl) as server, server.client() as http:
+        r = http.post("/v1/embeddings", json={"input": ["a b", "c"]})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error"
+        assert "cannot embed" in error["message"] and "\n" not in error["message"]
+        assert "encoder" in error["message"] and "transfo" in error["message"].lower()
+        r = http.post("/v1/completions", json={"prompt": "f8 KEY k7 f13 ASK", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
 def test_serve_fails_in_one_line_when_the_port_is_taken():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

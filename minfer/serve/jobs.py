@@ -169,11 +169,10 @@ EMBED_WINDOW = 256
 
 def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[np.ndarray, int]:
     """The texts' embeddings and their token count; a text over max_input_tokens is refused
-    before anything is encoded."""
+    before anything is encoded (so is a model with no encoder: token_counts' check_can_embed,
+    an InputError, the client's 400)."""
     job.check()
     model = job.model
-    if not hasattr(model, "embed"):
-        raise InputError(f"{model.folder}: a {model.family} model has no encoder: it cannot embed")
     texts = request.texts
     counts = token_counts(model, texts)
     for i, n in enumerate(counts):

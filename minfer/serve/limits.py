@@ -60,12 +60,10 @@ class Limits:
 def longest_prompt(model: Any, max_tokens: int) -> int:
     """The longest prompt (tokens, at most LONGEST_DEFAULT) that the model's memory plan lets
     run alone in the arena while generating its default number of new tokens."""
-    new_tokens = 1
-    if getattr(model, "can_generate", False):
+    new_tokens = 1   # an encoder alone: one pass
+    if model.can_generate:
         new_tokens = min(resolve_options(model)[0].max_new_tokens, max_tokens)
-    room = getattr(model, "free_when_idle", None)
-    if room is None or not hasattr(model, "plan"):
-        return LONGEST_DEFAULT
+    room = model.free_when_idle
     lo, hi = 1, LONGEST_DEFAULT   # the plan grows with the length: binary search
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -122,9 +122,9 @@ class Service:
     def warm_up(self) -> None:
         """One short run, so that the first request does not pay for compiling or paging in."""
         try:
-            if getattr(self.model, "can_generate", False):
+            if self.model.can_generate:
                 self.model.generate("warm up", max_new_tokens=2)
-            elif hasattr(self.model, "embed"):
+            else:   # a model that cannot generate is an encoder alone
                 self.model.embed(["warm up"])
         except MinferError as e:   # a model that cannot run this still serves what it can
             log.warning("warm-up failed: %s", e)
