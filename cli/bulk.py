@@ -29,6 +29,11 @@ from .common import EXIT_USAGE, command_flags, fail, with_flags, writing
 # A line longer than this is a row error, read past in pieces, never held whole (json.loads of
 # it would take ~10x its size).
 MAX_LINE_BYTES = 16 << 20
+# What a record may hold beside the fields it copies from its row (generated text, an embedding,
+# an error): --resume reads a record of row k within the size of row k's copied fields plus
+# this, so a record of ours is never refused for its length (its copied fields alone may exceed
+# MAX_LINE_BYTES: json.dumps writes 9e15 as 9000000000000000.0) and no line is read unbounded.
+RESULT_BYTES = 64 << 20
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
@@ -330,13 +335,23 @@ def check_resume(bulk: Bulk, rows: Iterator[tuple], shape: RecordShape) -> Resum
         fail(f"--output {out}: cannot open: {e.strerror or e}")
     with f:
         records = end = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):
+        while True:
             number = records + 1
             row = next(rows, None)
             if row is None:
-                more = 1 + sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
-                fail(f"--resume: {out} holds {records + more} lines but {bulk.name} has only "
-                     f"{records}: it is not this input's output (remove it, or drop --resume)")
+                more = lines_left(f)
+                if more:
+                    fail(f"--resume: {out} holds {records + more} lines but {bulk.name} has only "
+                         f"{records}: it is not this input's output (remove it, or drop --resume)")
+                return Resumed(records, end, False, rows)
+            bound = _record_bytes(row[2])
+            line = f.readline(bound + 1)
+            if not line:
+                return Resumed(records, end, False, itertools.chain([row], rows))
+            if len(line) > bound:   # no newline within what we write for this row
+                fail(f"--resume: {out} line {number} is longer than the {bound:,} bytes this "
+                     f"command writes for {bulk.name} line {number}; resume only its own output "
+                     "(or write to a new file)")
             if not line.endswith(b"\n"):   # cut short by an interrupted write: the last line
                 head = shape.head(row[2])
                 if f.read(1) or line[:len(head)] != head[:len(line)]:
@@ -357,7 +372,12 @@ def check_resume(bulk: Bulk, rows: Iterator[tuple], shape: RecordShape) -> Resum
                      f"({what}); resume only this command's output for this input (or write to "
                      "a new file)")
             records, end = number, end + len(line)
-    return Resumed(records, end, False, rows)
+
+
+def _record_bytes(extra: dict) -> int:
+    """The most bytes (newline included) a record of a row with copied fields `extra` takes."""
+    copied = json.dumps(extra, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return len(copied) + RESULT_BYTES
 
 
 def skip_rows(bulk: Bulk, rows: Iterator[tuple], done: int) -> Iterator[tuple]:
@@ -406,11 +426,17 @@ GENERATE_RECORD = RecordShape("text", frozenset({*_SEQUENCE, "score", "sequences
 
 def count_lines(path: str) -> int:
     """Lines of a file (a last one without a newline counts), read in bounded chunks."""
-    lines, last = 0, b"\n"
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            lines += chunk.count(b"\n")
-            last = chunk[-1:]
+        return lines_left(f)
+
+
+def lines_left(f: BinaryIO) -> int:
+    """Lines from a binary file's position to its end (a last one without a newline counts),
+    read in bounded chunks."""
+    lines, last = 0, b"\n"
+    while chunk := f.read(1 << 20):
+        lines += chunk.count(b"\n")
+        last = chunk[-1:]
     return lines + (last != b"\n")
 
 

@@ -177,3 +177,56 @@ def test_output_onto_a_directory_or_the_input_is_a_usage_error(text_model_folder
                                   env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
         assert proc.returncode == 2 and "is the input file" in proc.stderr, proc.stderr
         assert prompts.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", ["generate", "embed"])
+def test_resume_keeps_its_own_records_longer_than_the_input_line_limit(text_model_folder, tmp_path,
+                                                                      command):
+    # a row near the input limit, copied into its record beside the result, makes a record over
+    # the limit: --resume read it as cut short and refused the file
+    from minfer_cli.bulk import MAX_LINE_BYTES
+    source = tmp_path / "in.jsonl"
+    big = json.dumps({"pad": "p" * (MAX_LINE_BYTES - 40), "text": "a b c"})
+    source.write_text(big + "\n" + json.dumps({"text": "x y"}) + "\n"
+                      + json.dumps({"text": "hello world"}) + "\n")
+    assert len(big) < MAX_LINE_BYTES
+
+    def run(out):
+        return (generate(text_model_folder, "-i", source, "-o", out, "--resume")
+                if command == "generate" else embed("-i", source, "-o", out, "--resume"))
+    full = tmp_path / "full.jsonl"
+    assert run(full)[0] == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 3 and len(lines[0]) > MAX_LINE_BYTES + 1
+    for kept in (lines[0], lines[0] + lines[1][:7]):   # complete, then one cut short after it
+        part = tmp_path / "part.jsonl"
+        part.write_bytes(kept)
+        status, _, err = run(part)
+        assert status == 0 and "after the 1 already in" in err, err
+        assert part.read_bytes() == full.read_bytes()
+
+
+def test_resume_refuses_a_line_longer_than_any_record_it_writes_unread(tmp_path, prompts,
+                                                                      monkeypatch):
+    import minfer_cli.bulk
+    monkeypatch.setattr(minfer_cli.bulk, "RESULT_BYTES", 500)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"embedding": [' + b"1.0, " * 400 + b"1.0]}\nmore\n")
+    line = one_line_error(embed("-i", prompts, "-o", out, "--resume"), 1,
+                          f"--resume: {out} line 1 is longer than the 502 bytes this command "
+                          f"writes for {prompts} line 1")
+    assert "resume only its own output" in line
+
+
+@pytest.mark.parametrize("last_newline", [True, False])
+def test_resume_counts_the_lines_of_an_output_longer_than_its_input(tmp_path, prompts, last_newline):
+    full = tmp_path / "full.jsonl"
+    assert embed("-i", prompts, "-o", full)[0] == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    longer = tmp_path / "longer.jsonl"
+    extra = b"".join(lines[:2])
+    longer.write_bytes(b"".join(lines) + (extra if last_newline else extra.rstrip(b"\n")))
+    before = longer.read_bytes()
+    one_line_error(embed("-i", prompts, "-o", longer, "--resume"), 1,
+                   f"--resume: {longer} holds 5 lines but {prompts} has only 3:")
+    assert longer.read_bytes() == before
