@@ -485,13 +485,23 @@ def test_int4_widening_kernel_equals_numpy_for_whole_and_partial_blocks(K):
     assert np.abs(want).max() <= 8 and (want == np.rint(want)).all()
 
 
+def _twice_on_a_cold_cache(tmp_path, code: str) -> list:
+    """`python -c code` run twice, one after the other, over a numba cache that starts empty."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MINFER_KERNELS="numba")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=1800) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    return runs
+
+
 def test_a_cold_cache_compiles_in_a_child_process_not_in_this_one(tmp_path):
     """The first run of an installation compiles the kernels in a child process that fills
     numba's cache (LLVM's compiler would otherwise add ~60 MiB to this process's peak, outside
     any arena), saying so on stderr; this process only loads them. A second run is silent."""
-    import os
-    import subprocess
-    import sys
     code = ("import json, numba\n"
             "from minfer import kernels\n"
             "k = kernels.compiled()\n"
@@ -499,11 +509,7 @@ def test_a_cold_cache_compiles_in_a_child_process_not_in_this_one(tmp_path):
             "kernels_ = [v for v in vars(k).values() if isinstance(v, numba.core.dispatcher.Dispatcher)]\n"
             "print(json.dumps([sum(len(d.stats.cache_misses) for d in kernels_),\n"
             "                  sum(len(d.stats.cache_hits) for d in kernels_)]))\n")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MINFER_KERNELS="numba")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=1800) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr
+    runs = _twice_on_a_cold_cache(tmp_path, code)
     (misses, hits), again = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert misses == 0 and hits > 10                   # every kernel came from the cache
     assert kernels.COMPILE_NOTICE in runs[0].stderr
@@ -514,16 +520,9 @@ def test_a_compile_child_that_fails_is_not_tried_again(tmp_path):
     """A child that cannot compile (here: no interpreter to run it) is tried once per cache and
     stamp: later processes compile in themselves on first use, as before, without waiting for
     a child first."""
-    import os
-    import subprocess
-    import sys
-    code = ("import sys\n"
-            "sys.executable = '/bin/false'\n"
-            "from minfer import kernels\n"
-            "assert kernels.compiled() is not None\n")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"), MINFER_KERNELS="numba")
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                           timeout=600) for _ in range(2)]
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr + runs[1].stderr
+    runs = _twice_on_a_cold_cache(tmp_path, "import sys\n"
+                                            "sys.executable = '/bin/false'\n"
+                                            "from minfer import kernels\n"
+                                            "assert kernels.compiled() is not None\n")
     assert kernels.COMPILE_NOTICE in runs[0].stderr and kernels.COMPILE_NOTICE not in runs[1].stderr
     assert list((tmp_path / "cache").rglob("minfer-kernels-*.failed"))

@@ -528,16 +528,20 @@ def test_variants_match_transformers_live(kind, variants, tmp_path):
             hf = transformers.AutoTokenizer.from_pretrained(str(folder))
             if v5 and kind == "tiny" and name != "generic-class":
                 _as_transformers5_builds(folder)
-            tok = load_tokenizer(folder)
-            for text in data["texts"]:
-                ids = tok.encode(text)
-                assert hf(text)["input_ids"] == ids, (name, text)
-                for skip in (True, False):
-                    assert tok.decode(ids, skip) == hf.decode(
-                        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), \
-                        (name, text)
+            _assert_same_as(hf, load_tokenizer(folder), data["texts"], name)
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def _assert_same_as(hf, tok, texts, name):
+    """minfer's tokenizer gives transformers' ids for every text, and its decoding of them with
+    and without the special tokens."""
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert tok.encode(text) == ids, (name, text)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), (name, text)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "real"])
@@ -554,14 +558,8 @@ def test_folder_saved_by_installed_transformers(kind, variants, tmp_path):
             folder = module.build_variant(src, tmp_path / name, data["variants"][name])
             saved = tmp_path / f"{name}-saved"
             transformers.AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(saved))
-            hf, tok = transformers.AutoTokenizer.from_pretrained(str(saved)), load_tokenizer(saved)
-            for text in data["texts"]:
-                ids = hf(text)["input_ids"]
-                assert tok.encode(text) == ids, (name, text)
-                for skip in (True, False):
-                    assert tok.decode(ids, skip) == hf.decode(
-                        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), \
-                        (name, text)
+            _assert_same_as(transformers.AutoTokenizer.from_pretrained(str(saved)),
+                            load_tokenizer(saved), data["texts"], name)
     finally:
         transformers.logging.set_verbosity(verbosity)
 
