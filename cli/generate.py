@@ -261,8 +261,8 @@ def _run_batched(m: Any, rows: Iterable[tuple], as_json: bool, task: str | None,
 
 
 def _sequence(r: Any) -> dict:
-    """One sequence's fields in --json. batch_seconds is the wall time of the batch the prompt
-    ran in, shared by every prompt batched with it (--batch-size 1 times each alone)."""
+    """One sequence's fields in --json: its text, token ids, finish reason, token counts and
+    score (when it has one)."""
     return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
             "prompt_tokens": r.prompt_tokens, "new_tokens": r.new_tokens,
             **({"score": r.score} if r.score is not None else {})}
@@ -270,7 +270,8 @@ def _sequence(r: Any) -> dict:
 
 def _json_record(prompt: str | None, results: list) -> dict:
     """A prompt's --json object: its first sequence, all of them under "sequences" when there
-    are several, and the batch's time; or its error."""
+    are several, and batch_seconds, the wall time of the batch the prompt ran in (shared by
+    every prompt batched with it; --batch-size 1 times each alone); or its error."""
     if results[0].error is not None:
         return {"prompt": prompt, "error": results[0].error}
     record = {"prompt": prompt, **_sequence(results[0]),
