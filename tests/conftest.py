@@ -132,6 +132,18 @@ def text_model_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def beam_model_folder(tmp_path_factory):
+    """A random text model whose generation_config.json decodes with 4 beams by default (the
+    server's per-request sequence cap must count beams the request did not ask for)."""
+    import json
+    folder = make_text_model_folder(tmp_path_factory.mktemp("beams") / "m", seed=7)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0, "num_beams": 4,
+         "max_new_tokens": 4}))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def text_model(text_model_folder):
     import minfer
     return minfer.load(text_model_folder)

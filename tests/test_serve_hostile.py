@@ -174,6 +174,21 @@ def test_inputs_prompts_and_sequences_beyond_the_cap_are_400s(server):
         assert r.status_code == 200 and len(r.json()["choices"]) == 8
 
 
+def test_a_checkpoints_default_beams_count_against_the_cap(beam_model_folder):
+    """Its generation_config.json decodes with 4 beams: 3 prompts are 12 rows, not 3."""
+    server = serve_process.Server(beam_model_folder, "--max-inputs", "8")
+    try:
+        with server.client() as http:
+            for stream in (False, True):
+                r = http.post("/v1/completions", json={"prompt": ["a"] * 3, "stream": stream})
+                assert is_openai_error(r, 400) and r.json()["error"]["param"] == "num_beams"
+                assert "num_beams 4 x 3 prompts = 12" in r.json()["error"]["message"]
+            r = http.post("/v1/completions", json={"prompt": ["a"] * 2, "max_tokens": 2})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    finally:
+        server.stop()
+
+
 def test_the_default_cap_refuses_100000_inputs_at_once():
     """0.5 MB of body once made a 259 MB answer and 1 GB more resident memory."""
     with serving() as server, server.client() as http:

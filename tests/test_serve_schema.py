@@ -168,6 +168,27 @@ def test_inputs_prompts_and_sequences_are_capped_per_request(make, over, at_limi
     make(at_limit)   # the limit itself is allowed
 
 
+def test_the_checkpoints_own_beams_count_against_the_sequence_cap(beam_model_folder):
+    """prompts x beams is capped also when the beam width is the checkpoint's default (its
+    generation_config.json), which the request's own check cannot see."""
+    model = minfer.load(beam_model_folder)
+    assert schema.settle(model, _completion({"prompt": ["a"] * 1}), 2048, 4) \
+        .options.get("num_beams") is None                     # 1 prompt x 4 beams: at the limit
+    with pytest.raises(APIError, match=r"num_beams 4 x 2 prompts = 8 sequences \(this model's "
+                       r"default num_beams.*limit of 4 per request") as e:
+        schema.settle(model, _completion({"prompt": ["a"] * 2}), 2048, 4)
+    assert (e.value.status, e.value.param) == (400, "num_beams")
+    with pytest.raises(APIError, match="num_beams 4 x 2 prompts") as e:   # n below the beams
+        schema.settle(model, _completion({"prompt": ["a"] * 2, "n": 2}), 2048, 4)
+    with pytest.raises(APIError, match="num_beams 4 x 2 prompts"):        # streamed too
+        schema.settle(model, _completion({"prompt": ["a"] * 2, "stream": True}), 2048, 4)
+    schema.settle(model, _completion({"prompt": ["a"] * 4, "num_beams": 1}), 2048, 4)
+    schema.settle(model, _completion({"prompt": ["a"] * 2}), 2048, 8)
+    with pytest.raises(APIError, match="num_beams 4 x 600 prompts"):   # the default cap
+        schema.settle(model, schema.completion_request({"prompt": ["a"] * 600}, 2048, 512),
+                      2048)
+
+
 def test_the_default_cap_is_openais_2048_inputs():
     assert Limits().max_inputs == 2048
     schema.embedding_request({"input": ["a"] * 2048})

@@ -200,7 +200,7 @@ async def _generation(service: Service, request: Request, chat: bool) -> Respons
         check_model(body, service.name)
         make = chat_request if chat else completion_request
         req = settle(service.model, make(body, limits.max_tokens, limits.max_input_tokens,
-                                         limits.max_inputs), limits.max_tokens)
+                                         limits.max_inputs), limits.max_tokens, limits.max_inputs)
         answer = responses.Answer(chat, service.name)
         job = service.job(deadline)
         if req.stream:

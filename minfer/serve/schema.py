@@ -166,17 +166,18 @@ def _check_count(values: list, field: str, what: str, max_inputs: int) -> None:
 
 
 def _check_sequences(prompts: int, n: int, beams: tuple[int | None, str],
-                     max_inputs: int) -> None:
+                     max_inputs: int, whose: str = "") -> None:
     """The sequences a request decodes at once (prompts x n, or prompts x beams: each a row
     and, streamed, a stream) at most max_inputs; `beams` is the beam width and the field that
-    set it."""
+    set it; `whose`, if the width is not the request's, says where it came from."""
     num_beams, beams_field = beams
     field, width = ("n", n) if n >= (num_beams or 1) else (beams_field, num_beams or 1)
     if prompts * width > max_inputs:
         count = f"{field} {width}" if prompts == 1 else \
             f"{field} {width} x {prompts} prompts = {prompts * width}"
-        raise APIError(400, f"{count} sequences, more than this server's limit of {max_inputs} "
-                       "per request (serve --max-inputs)", param=field)
+        raise APIError(400, f"{count} sequences{whose if field != 'n' else ''}, more than this "
+                       f"server's limit of {max_inputs} per request (serve --max-inputs)",
+                       param=field)
 
 
 def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: int,
@@ -236,10 +237,12 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
                              bool(_boolean(body, "ignore_eos")))
 
 
-def settle(model: Any, request: GenerationRequest, max_tokens: int) -> GenerationRequest:
+def settle(model: Any, request: GenerationRequest, max_tokens: int,
+           max_inputs: int = DEFAULT_MAX_INPUTS) -> GenerationRequest:
     """The options checked against the model (its defaults apply to what the request leaves
     unset; an unset max_tokens is the checkpoint's, at most the server's limit), before the
-    request is queued: a bad combination is a 400 naming the request's field."""
+    request is queued: a bad combination is a 400 naming the request's field, and so are more
+    than max_inputs sequences once the checkpoint's own beam width counts."""
     options = {k: v for k, v in request.options.items() if v is not None}
     if "max_new_tokens" not in options:
         default, _ = resolve_options(model)   # the checkpoint's own (or minfer's 256)
@@ -251,6 +254,11 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int) -> Generatio
                                                if k not in BATCH_OPTION_NAMES})
     except InputError as e:
         raise APIError(400, str(e), param=field_of(str(e))) from None
+    if "num_beams" not in options:   # the checkpoint's beam width: the request's check saw none
+        _check_sequences(len(request.prompts), settled.num_return_sequences,
+                         (settled.num_beams, "num_beams"), max_inputs,
+                         whose=" (this model's default num_beams; send num_beams 1 to decode "
+                               "one sequence per prompt)")
     if request.stream and request.n > 1 and settled.num_beams > 1:
         raise APIError(400, "stream with n > 1 and beam search is not supported (a beam search "
                        "streams its result once, at the end)", param="n")
