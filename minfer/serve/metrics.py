@@ -4,8 +4,12 @@
     minfer_requests_waiting            gauge: accepted requests waiting for a worker or for arena
                                        memory
     minfer_requests_total              counter, by endpoint and HTTP status (429s included)
-    minfer_prompt_tokens_total         counter: prompt tokens of finished generations
-    minfer_generated_tokens_total      counter: tokens generated (cancelled requests' too)
+    minfer_prompt_tokens_total         counter: prompt tokens of generations, each prompt once
+                                       (not once per sequence): a non-streamed request's when
+                                       it succeeds, a stream's however it ends (cut short,
+                                       cancelled or failed: the prompts of the streams made)
+    minfer_generated_tokens_total      counter: tokens generated, counted likewise (a stream
+                                       cut short: what it made)
     minfer_request_duration_seconds    histogram by endpoint: arrival to the last byte
     minfer_time_to_first_token_seconds histogram: arrival to the first streamed piece
     minfer_arena_used_bytes            gauge: the model's arena bytes in use (weights under a
