@@ -131,6 +131,14 @@ def text_model_folder(tmp_path_factory):
     return make_text_model_folder(tmp_path_factory.mktemp("text") / "m")
 
 
+@pytest.fixture(scope="module")
+def offline():
+    """weights/tiny-t5-dates loaded in the test's process: what the servers of it (tests/
+    serve_process.py) must answer."""
+    import minfer
+    return minfer.load(ROOT / "weights" / "tiny-t5-dates")
+
+
 @pytest.fixture(scope="session")
 def beam_model_folder(tmp_path_factory):
     """A random text model whose generation_config.json decodes with 4 beams by default (the

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -50,6 +51,11 @@ class Server:
     def client(self, **kwargs) -> "httpx.Client":
         return httpx.Client(base_url=self.url, timeout=60, **kwargs)
 
+    def openai(self, key: str) -> "openai.OpenAI":
+        """The official client (no retries: each request is one the test sees)."""
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {m.group(1): float(m.group(2))
@@ -76,3 +82,12 @@ class Server:
                 raise AssertionError(f"the server did not stop in {seconds} s:\n{self.output()}")
         return self.proc.returncode
 
+
+@contextmanager
+def serving(model, *args):
+    """A Server of `model` for the with-block, stopped however the block ends."""
+    server = Server(model, *args)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ pytest.importorskip("starlette")
 
 import minfer
 import serve_process
+from serve_process import Server, serving
 from minfer import embedding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,25 +34,6 @@ LONG = {"max_tokens": 2048, "ignore_eos": True}   # seconds of decoding on the t
 # what must outlast a deadline or a grace period: 2048 tokens take under a second on a quiet
 # machine (servers started with --max-tokens 30000)
 LONGER = {"max_tokens": 12000, "ignore_eos": True}
-
-
-class Server(serve_process.Server):
-    def openai(self, key=KEY) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-
-@contextmanager
-def serving(model, *args):
-    server = Server(model, *args)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return minfer.load(DATES)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +56,7 @@ def sse(lines) -> list:
 
 # -- answers ------------------------------------------------------------------------------------------
 def test_completions_equal_offline_generate(server, offline):
-    client = server.openai()
+    client = server.openai(KEY)
     got = client.completions.create(model="dates", prompt=PROMPTS[:8], max_tokens=30)
     want = offline.generate(PROMPTS[:8], return_details=True, max_new_tokens=30)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == \
@@ -91,7 +72,7 @@ def test_completions_equal_offline_generate(server, offline):
 
 
 def test_streamed_pieces_join_to_the_whole_text(server, offline):
-    client = server.openai()
+    client = server.openai(KEY)
     prompt = "spell: 98765"
     want = offline.generate(prompt, return_details=True)[0]
     chunks = list(client.completions.create(model="dates", prompt=prompt, stream=True,
@@ -118,7 +99,7 @@ def test_streamed_pieces_join_to_the_whole_text(server, offline):
 
 
 def test_chat_completions_follow_the_chat_rule(server, offline):
-    client = server.openai()
+    client = server.openai(KEY)
     one = client.chat.completions.create(model="dates",
                                          messages=[{"role": "user", "content": PROMPTS[4]}])
     assert one.choices[0].message.content == offline.generate(PROMPTS[4])
@@ -249,7 +230,7 @@ def test_limits_and_unknown_paths_are_openai_errors_and_the_server_stays_up(serv
 
 
 def test_models_health_and_metrics(server):
-    models = server.openai().models.list()
+    models = server.openai(KEY).models.list()
     assert [m.id for m in models.data] == ["dates"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     m = server.metrics()
@@ -292,7 +273,7 @@ def test_a_client_that_leaves_a_stream_stops_its_decoding(server, offline):
     generated = after["minfer_generated_tokens_total"] - before["minfer_generated_tokens_total"]
     assert 3 <= generated < 1000
     assert after["minfer_arena_used_bytes"] == 0
-    r = server.openai().completions.create(model="dates", prompt=PROMPTS[2])
+    r = server.openai(KEY).completions.create(model="dates", prompt=PROMPTS[2])
     assert r.choices[0].text == offline.generate(PROMPTS[2])
 
 

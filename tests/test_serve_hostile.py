@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +18,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
-import minfer
 import serve_process
+from serve_process import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "weights" / "tiny-t5-dates"
@@ -30,25 +29,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 LONGER = {"max_tokens": 12000, "ignore_eos": True}   # outlasts a grace period of seconds
 
 
-@contextmanager
-def serving(*args):
-    server = serve_process.Server(DATES, *args)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return minfer.load(DATES)
-
-
 @pytest.fixture(scope="module")
 def server():
     """A key given with a trailing space (HTTP strips it from the header clients send), few
     inputs per request, one extra host name."""
-    with serving("--api-key", KEY + " ", "--max-inputs", "8", "--allowed-host", "app.test") as s:
+    with serving(DATES, "--api-key", KEY + " ", "--max-inputs", "8",
+                 "--allowed-host", "app.test") as s:
         yield s
 
 
@@ -176,22 +162,18 @@ def test_inputs_prompts_and_sequences_beyond_the_cap_are_400s(server):
 
 def test_a_checkpoints_default_beams_count_against_the_cap(beam_model_folder):
     """Its generation_config.json decodes with 4 beams: 3 prompts are 12 rows, not 3."""
-    server = serve_process.Server(beam_model_folder, "--max-inputs", "8")
-    try:
-        with server.client() as http:
-            for stream in (False, True):
-                r = http.post("/v1/completions", json={"prompt": ["a"] * 3, "stream": stream})
-                assert is_openai_error(r, 400) and r.json()["error"]["param"] == "num_beams"
-                assert "num_beams 4 x 3 prompts = 12" in r.json()["error"]["message"]
-            r = http.post("/v1/completions", json={"prompt": ["a"] * 2, "max_tokens": 2})
-            assert r.status_code == 200 and len(r.json()["choices"]) == 2
-    finally:
-        server.stop()
+    with serving(beam_model_folder, "--max-inputs", "8") as server, server.client() as http:
+        for stream in (False, True):
+            r = http.post("/v1/completions", json={"prompt": ["a"] * 3, "stream": stream})
+            assert is_openai_error(r, 400) and r.json()["error"]["param"] == "num_beams"
+            assert "num_beams 4 x 3 prompts = 12" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": ["a"] * 2, "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_the_default_cap_refuses_100000_inputs_at_once():
     """0.5 MB of body once made a 259 MB answer and 1 GB more resident memory."""
-    with serving() as server, server.client() as http:
+    with serving(DATES) as server, server.client() as http:
         t0 = time.monotonic()
         r = http.post("/v1/embeddings", json={"input": ["a"] * 100000})
         assert is_openai_error(r, 400) and "limit of 2048" in r.json()["error"]["message"]
