@@ -6,7 +6,6 @@ import re
 import types
 from pathlib import Path
 
-import pytest
 
 from test_cli_resume import FAMILY
 from test_fuzz_inputs import run_cli

@@ -19,7 +19,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 
 import minfer
-import serve_process
 from serve_process import Server, serving
 from minfer import embedding
 

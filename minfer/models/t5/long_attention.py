@@ -39,6 +39,7 @@ G global tokens, rows = queries per chunk.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import numpy as np
@@ -188,8 +189,8 @@ class LongAttention:
             a = j * width
             e = min(T, a + width)
             part = ws.global_part
-            ops.on_blas_threads(xp, lambda: xp.matmul(ws.membership[j, :, :, :e - a], ws.h[:, a:e],
-                                                      out=part))
+            ops.on_blas_threads(xp, functools.partial(xp.matmul, ws.membership[j, :, :, :e - a],
+                                                      ws.h[:, a:e], out=part))
             for b in range(B):                   # (B, K, C) into each row's own global range
                 lo = int(self.bases[j, b])
                 n = min(K, G - lo)
