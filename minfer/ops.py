@@ -11,7 +11,7 @@ softmax of half-precision input (CUDA float16) sum in float32: float16 sums of s
 and float16 exponent sums lose the small probabilities.
 
 On the CPU in float32 the fused functions (`add_rms_norm`, `attention` of one query
-position, `activate`) run as one compiled call each (kernels.py) instead of a dozen NumPy
+position, `activate`) run as one compiled call each (minfer/kernels/) instead of a dozen NumPy
 calls; with `MINFER_KERNELS=numpy` they run the NumPy code below, which computes the same.
 """
 

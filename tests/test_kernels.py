@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (kernels.py, _numba_kernels.py) against plain NumPy, at the edges of
+"""The compiled CPU kernels (minfer/kernels/) against plain NumPy, at the edges of
 their blocking: rows that are not a multiple of the blocks, 1..17 input rows, every format."""
 import json
 import time
@@ -229,7 +229,7 @@ def test_openmp_spin_count_defaults_low_and_the_users_setting_wins(env, want):
     import os
     import subprocess
     import sys
-    code = ("import os, minfer._numba_kernels as k, numpy as np; "
+    code = ("import os; from minfer import kernels; k = kernels.compiled(); "
             "k.set_threads(1); print(os.environ.get('GOMP_SPINCOUNT'))")
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True,
@@ -391,19 +391,19 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     """Every build of the dot-product tiles gives the exact integer sums, extreme values
     included (an int8 file may hold -128; the quantiser never writes -128 activations)."""
     from numba import njit
-    from minfer import _dot_ir
-    if isa not in _dot_ir.runnable(_dot_ir._FEATURES):
+    from minfer.kernels import tiles
+    if isa not in tiles.runnable(tiles._FEATURES):
         pytest.skip(f"{isa} is not available on this CPU (it lacks "
-                    f"{', '.join(sorted(_dot_ir.NEEDS[isa] - _dot_ir._FEATURES))})")
-    tile = _dot_ir.make_tile({True: isa, False: isa})
-    I8, I4 = _dot_ir.INT8, _dot_ir.INT4
+                    f"{', '.join(sorted(tiles.NEEDS[isa] - tiles._FEATURES))})")
+    tile = tiles.make_tile({True: isa, False: isa})
+    I8, I4 = tiles.INT8, tiles.INT4
 
     @njit
     def run(w, x, n, ws, xs, xsum, off, out8, q, s, sums, groups, per, out4):
         tile(I8, R, C, True, w, ws, 1, x, xsum, 2, n, 0, xs, out8, off)
         tile(I4, R, C, True, q, s, 1, x, sums, 2, groups, per, xs, out4, 0)
 
-    W = _dot_ir.width(isa)
+    W = tiles.width(isa)
     K = 256
     w = rng.integers(-128, 128, (R + 1, K)).astype(np.int8)
     w[1, :8] = -128
@@ -417,7 +417,7 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
     G = 128
     s = rng.random((R + 1, K // G)).astype(np.float32)
     sums = x.astype(np.int32).reshape(C + 2, K // G, G).sum(-1).astype(np.int32)
-    off = _dot_ir.offset(isa)
+    off = tiles.offset(isa)
     out8, out4 = np.full((C + 2, R + 1), np.nan, np.float32), np.full((C + 2, R + 1), np.nan, np.float32)
     ones = np.ones(C + 2, np.float32)
     run(w, x, K // W, np.ones(R + 1, np.float32), ones, x.astype(np.int32).sum(1, keepdims=True).astype(np.int32),

@@ -17,12 +17,12 @@ packed layers and in files.
 What the products compute in is the backend's `compute` (backend.py): float32 by default (the
 weights are widened, the activations stay float32) or, on the CPU with int8 or int4 weights,
 "int8": each input row is rounded to int8 steps of its own (absmax / 127) and the products are
-integer dot products (`_numba_kernels.py`, on the CPU's VNNI instructions where it has them);
+integer dot products (`kernels/quantised_products.py`, on the CPU's VNNI instructions where it has them);
 without the compiled kernels the same rounding is applied and the product is taken in float32
 (`quantise_rows`), so every path computes the same function.
 
 A slot whose stored dtype is not the compute dtype becomes a `PackedWeight`: on the CPU its
-small-M products (decoding: one row per sequence) run in the compiled kernels (kernels.py), which
+small-M products (decoding: one row per sequence) run in the compiled kernels (minfer/kernels/), which
 read the stored bytes and widen them in registers; larger products (the encoder, a prompt) widen
 blocks of rows into a float scratch that stays in cache and call BLAS, so no float copy of a
 whole matrix is ever written. On the CPU a large product is cut into one part of output columns
@@ -218,7 +218,7 @@ class PackedWeight:
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
         """x (M, K) @ self.T -> out (M, N), float."""
         # (asked at every call: a process forked after the kernels' threads started must not
-        # run them, kernels.py)
+        # run them, minfer/kernels/)
         fast = self.kernel is not None and kernels.active() is not None
         if self.quantise_inputs:
             if fast and self.qkernel is not None and self.shape[1] >= KERNEL_MIN_INNER:
@@ -329,11 +329,9 @@ class WeightFormat:
     scaled: bool = False                       # int8 / int4: scales beside the matrix
     grouped: bool = False                      # int4: a scale per group of input channels
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
-    widen: Callable[[Any, Any], None] = _widen_cast
-    kernel_name: str = ""                      # the compiled product for this storage
-    widen_name: str = ""                       # the compiled widening of its rows
-    int8_kernel_name: str = ""                 # the compiled int8 x int8 product (compute="int8")
+    widen: Callable[[Any, Any], None] = _widen_cast   # the NumPy widening of its rows
     quantization: str = ""                     # how a file written in it says so (metadata)
+    # (its compiled kernels: kernels.registry.BY_FORMAT[name])
 
     def array_names(self, name: str) -> tuple[str, ...]:
         """The names of the arrays a matrix `name` is stored as."""
@@ -381,12 +379,12 @@ class WeightFormat:
              kernels: Any, int8_inputs: bool = False) -> Any:
         """The stored arrays (on the device) -> what `ops.linear` multiplies by: the array itself
         when it is already in the compute dtype (and no kernel runs it), else a PackedWeight.
-        `kernels` is the compiled-kernel module on the CPU, or None; `int8_inputs`: compute="int8"
-        (only quantised formats take it: the backend checks)."""
+        `kernels` is the compiled kernels on the CPU (`kernels.registry`), or None; `int8_inputs`:
+        compute="int8" (only quantised formats take it: the backend checks)."""
         w = arrays[name]
+        own = kernels.BY_FORMAT[self.name] if kernels is not None else None
         if np.dtype(self.storage) == np.dtype(compute_dtype) and not self.scaled:
-            return w if kernels is None else PackedWeight(w, None, _widen_cast,
-                                                          getattr(kernels, self.kernel_name), None)
+            return w if own is None else PackedWeight(w, None, _widen_cast, own.product, None)
         scale = arrays.get(name + SCALE_SUFFIX)
         shape = self.logical_shape(w.shape)
         if kernels is None:
@@ -395,10 +393,9 @@ class WeightFormat:
         bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
         # the int4 kernels take whole blocks of 64 columns per group; other sizes widen
         compiled = not self.grouped or int4_group(shape[1]) % 64 == 0
-        kernel = getattr(kernels, self.kernel_name) if compiled else None
-        qkernel = getattr(kernels, self.int8_kernel_name) if compiled and int8_inputs else None
-        return PackedWeight(w, scale, getattr(kernels, self.widen_name),
-                            kernel, scratch, bits, shape, qkernel, int8_inputs)
+        kernel = own.product if compiled else None
+        qkernel = own.int8_product if compiled and int8_inputs else None
+        return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, qkernel, int8_inputs)
 
     def slot(self, float32: bool, compute_dtype: Any) -> tuple["WeightFormat", np.dtype]:
         """(the format a slot is stored in, the dtype its product computes in): a slot marked
@@ -416,17 +413,13 @@ class WeightFormat:
 
 
 FORMATS: dict[str, WeightFormat] = {
-    "float32": WeightFormat("float32", np.float32, "F32", kernel_name="matmul_f32"),
-    "float16": WeightFormat("float16", np.float16, "F16", kernel_name="matmul_f16",
-                            widen_name="widen_f16"),
-    "bfloat16": WeightFormat("bfloat16", np.uint16, "BF16", widen=_widen_bfloat16,
-                             kernel_name="matmul_bf16", widen_name="widen_bf16"),
-    "int8": WeightFormat("int8", np.int8, "I8", scaled=True, kernel_name="matmul_i8",
-                         widen_name="widen_i8", int8_kernel_name="qmatmul_i8",
+    "float32": WeightFormat("float32", np.float32, "F32"),
+    "float16": WeightFormat("float16", np.float16, "F16"),
+    "bfloat16": WeightFormat("bfloat16", np.uint16, "BF16", widen=_widen_bfloat16),
+    "int8": WeightFormat("int8", np.int8, "I8", scaled=True,
                          quantization="int8 per output channel"),
     "int4": WeightFormat("int4", np.uint8, "U8", scaled=True, grouped=True, packed=True,
-                         widen=_widen_int4, kernel_name="matmul_i4", widen_name="widen_i4",
-                         int8_kernel_name="qmatmul_i4",
+                         widen=_widen_int4,
                          quantization=f"int4 per group of {INT4_GROUP} input channels"),
 }
 QUANTIZED = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype

@@ -1,16 +1,16 @@
-"""The CPU kernels: hand-written loops compiled with numba (LLVM), for what NumPy does slowly.
+"""The CPU kernels: hand-written loops compiled with numba (LLVM), for what NumPy does slowly, and
+the policy of running them: which are selected, their threads, the pool that splits large
+products, the first run's compilation.
 
-Decoding multiplies one row per sequence by every weight matrix: a product that only streams the
-weights from memory. BLAS reaches 50-60% of the memory bandwidth on such products and has no
-float16, bfloat16 or int8 product at all; these kernels read each weight row once, in its stored
-format, widen it in registers (float16 through the F16C conversion, bfloat16 by a shift, int8 by
-a convert) and take the dot products with every input row while the weight row is in L1. Blocks
-of output rows are spread over the threads (`prange`). Products of more rows (the encoder, a
-prompt) stay with BLAS: see `params/formats.py` for the dispatch.
-
-Fused step functions cut the rest of a decoding step: one call per sublayer instead of a dozen
-small NumPy calls (attention of one query position over a KV cache with its bias and softmax;
-a residual add with the RMS norm that follows it).
+The kernels, one module per job: `float_products` (small-M products in float32 for every
+storage format: decoding reads each weight row once, widened in registers, where BLAS reaches
+50-60% of the memory bandwidth and has no float16, bfloat16 or int8 product at all),
+`quantised_products` (compute="int8": int8 x int8 on the CPU's dot-product instructions, built
+in LLVM IR by `tiles`), `widening` (stored bits to float32, in registers and in blocks for
+BLAS), `step_ops` (fused step functions: attention of one query over a KV cache, add + RMS
+norm, relu, top-k, beam reorders). `registry` gathers them, by name and by storage format
+(`BY_FORMAT`); `environment` holds the process settings made before numba loads. Products of
+more rows (the encoder, a prompt) stay with BLAS: see `params/formats.py` for the dispatch.
 
 Everything here is optional: `MINFER_KERNELS=numpy` (or numba not importable) selects the pure
 NumPy path, which computes the same functions; the parity tests run both ways. Compiled code is
@@ -33,8 +33,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
-from .arena import align_up
-from .errors import ConfigError
+from ..arena import align_up
+from ..errors import ConfigError
 
 MODES = ("numba", "numpy")
 # The threading layers numba may be told to use (NUMBA_THREADING_LAYER), each with the layers
@@ -67,19 +67,22 @@ def mode() -> str:
 
 
 def compiled() -> Any:
-    """The module of compiled kernels when they are selected and numba can be imported, else
-    None; starts no threads (loading wraps the weights with it; see `active`)."""
+    """The compiled kernels (`kernels.registry`: every kernel by name, and BY_FORMAT) when they are
+    selected and numba can be imported, else None; starts no threads (loading wraps the weights
+    with it; see `active`)."""
     global _compiled
     if mode() != "numba" or _after_fork:
         return None
     if _compiled is None:
         try:
-            from . import _numba_kernels
+            from . import environment
+            environment.configure()   # (before numba builds its target machine)
+            from . import registry
         except ImportError:   # numba missing: the NumPy path, which computes the same things
             return None
         _check_threading_layer()
-        _compile_ahead(_numba_kernels)
-        _compiled = _numba_kernels
+        _compile_ahead(registry)
+        _compiled = registry
     return _compiled
 
 
@@ -120,7 +123,8 @@ def _compile_ahead(module: Any) -> None:
         # import (the current folder first would find another checkout)
         path = [p or os.getcwd() for p in sys.path]
         code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-                "from minfer import _numba_kernels as k; k.warm_up()")
+                "from minfer.kernels import environment; environment.configure(); "
+                "from minfer.kernels import registry; registry.warm_up()")
         try:
             done = subprocess.run([sys.executable, "-c", code, json.dumps(path)],
                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -139,9 +143,8 @@ def _kernel_stamp(module: Any) -> str:
     import numba
     from llvmlite import binding
     digest = hashlib.sha256()
-    for path in (module.__file__, module._dot_ir.__file__):
-        with open(path, "rb") as f:
-            digest.update(f.read())
+    for path in module.SOURCES:
+        digest.update(path.read_bytes())
     digest.update("|".join((numba.__version__, sys.version, binding.get_host_cpu_name(),
                             binding.get_host_cpu_features().flatten(),
                             os.environ.get("NUMBA_CPU_NAME", ""),
@@ -332,7 +335,7 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
 
 def quantised_bytes(M: int, K: int, groups: int) -> int:
     """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
-    (`_numba_kernels._carve`'s layout: the int8 rows, their int32 sums per group of columns, the
+    (`quantised_products._carve`'s layout: the int8 rows, their int32 sums per group of columns, the
     float32 row scales, each part 64-byte aligned)."""
     return align_up(M * K, 64) + align_up(M * groups * 4, 64) + align_up(M * 4, 64)
 
@@ -342,8 +345,8 @@ def int8_products() -> str:
     k = compiled()
     if k is None:
         return "no compiled kernels: inputs rounded to int8, products in float32 (NumPy)"
-    from . import _dot_ir
-    return _dot_ir.describe()
+    from . import tiles
+    return tiles.describe()
 
 
 def warm_up() -> bool:

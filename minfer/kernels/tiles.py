@@ -1,5 +1,5 @@
 """Integer dot-product tiles written in LLVM IR: the inner loops of `compute="int8"` (imported by
-_numba_kernels.py, which says what the products are for).
+quantised_products.py, which says what the products are for).
 
 A tile takes R weight rows and C quantised activation rows and writes their R x C scaled dot
 products, each row pair's sum kept in a vector register of 32-bit lanes for the whole inner loop
@@ -271,7 +271,7 @@ def _fold(builder, vectors, L, add):
     return vs
 
 
-INT8, INT4 = 3, 4          # the weight kinds a tile multiplies (_numba_kernels' I8 and I4)
+INT8, INT4 = 3, 4          # the weight kinds a tile multiplies (widening's I8, and I4)
 
 
 def _int8_codegen(R, C, isa, context, builder, a, args):

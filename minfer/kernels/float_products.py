@@ -1,0 +1,286 @@
+"""Products computed in float32 for every storage format: out (M, N) = x (M, K) @ w (N, K).T
+[* scale]. Decoding multiplies one row per sequence by every weight matrix, a product that only
+streams the weights from memory: these read each weight row once, in its stored format, widen
+it in registers (`widening.widen`) and take the dot products with every input row while the
+weight row is in L1. Blocks of output rows are spread over the threads (`prange`).
+
+Conventions: activations are float32; weights are (out, in) row-major in their stored dtype
+(float32, float16 or bfloat16 as uint16 bits, int8 with float32 scales per row, int4 two a byte
+with scales per group); outputs are written in place. `fastmath` lets LLVM reorder the dot
+products' sums so it can vectorise them (the order of a float32 sum differs from BLAS's by
+rounding, as BLAS's own does between machines). Loops index slices from 0 (`range(n)` over a
+slice rather than `range(a, b)` over the whole array), which spares the negative-index checks
+that stop LLVM vectorising. One body serves every format: `_matmul` takes the format as a
+compile-time constant (each public wrapper passes a module constant, so numba specialises the
+body); the wrappers cost nothing at run time and cache like any function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from .widening import BF16, F16, F32, I8, widen
+
+BLOCK = 32                      # output rows per parallel task
+# Up to this many input rows a product streams each weight row once and dots it with every input
+# row (4 input rows per pass over it); above it, 4 x 4 tiles over widened weight rows do fewer
+# loads per multiply-add. On a t5-small decoder step with its weights streamed from memory (2 threads,
+# AVX-512): float32 M=2 / 4 / 8: 5.6 / 6.8 / 12.0 ms against 8.0 / 8.0 / 12.7 with the tiles;
+# int8 2.5 / 2.9 / 6.2 against 4.1 / 4.8 / 7.3; at M=16 the tiles win (17.1 against 20.7).
+STREAM_MAX_ROWS = 8
+NO_SCALE = np.ones(0, np.float32)
+
+
+
+# -- small-M products: out (M, N) = x (M, K) @ w (N, K).T [* scale (N,)] -----------------------------------
+@njit(inline="always", fastmath=True)
+def _tile4x4(x0, x1, x2, x3, r0, r1, r2, r3, K):
+    """Dot products of 4 input rows with 4 weight rows: 16 accumulators, so each loaded element
+    feeds 4 multiply-adds (LLVM vectorises the k loop: 16 vector accumulators, 8 loads)."""
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+    for k in range(K):
+        w0, w1, w2, w3 = r0[k], r1[k], r2[k], r3[k]
+        v = x0[k]
+        a00 += v * w0
+        a01 += v * w1
+        a02 += v * w2
+        a03 += v * w3
+        v = x1[k]
+        a10 += v * w0
+        a11 += v * w1
+        a12 += v * w2
+        a13 += v * w3
+        v = x2[k]
+        a20 += v * w0
+        a21 += v * w1
+        a22 += v * w2
+        a23 += v * w3
+        v = x3[k]
+        a30 += v * w0
+        a31 += v * w1
+        a32 += v * w2
+        a33 += v * w3
+    return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+
+
+@njit(inline="always", fastmath=True)
+def _tile1x4(x0, r0, r1, r2, r3, K):
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(K):
+        v = x0[k]
+        a0 += v * r0[k]
+        a1 += v * r1[k]
+        a2 += v * r2[k]
+        a3 += v * r3[k]
+    return (a0, a1, a2, a3)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _matmul(x, w, scale, out, fmt, scaled):
+    M, K = x.shape
+    N = w.shape[0]
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        wb, ob = w[n0:n1], out[:, n0:n1]
+        if M == 1:                       # decoding one sequence: widen in registers, one pass
+            x0 = x[0]
+            for i in range(n1 - n0):
+                row = wb[i]
+                acc = np.float32(0.0)
+                for k in range(K):
+                    acc += x0[k] * widen(row[k], fmt)
+                ob[0, i] = acc * scale[n0 + i] if scaled else acc
+            continue
+        if M <= STREAM_MAX_ROWS:         # beams, small batches: each weight row read once
+            for i in range(n1 - n0):     # (widened in registers), dotted with every input row
+                row = wb[i]              # while it sits in L1; the inputs stay in L1 too
+                s = scale[n0 + i] if scaled else np.float32(1.0)
+                m = 0
+                while m + 4 <= M:
+                    x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for k in range(K):
+                        v = widen(row[k], fmt)
+                        a0 += x0[k] * v
+                        a1 += x1[k] * v
+                        a2 += x2[k] * v
+                        a3 += x3[k] * v
+                    ob[m, i], ob[m + 1, i], ob[m + 2, i], ob[m + 3, i] = a0 * s, a1 * s, a2 * s, a3 * s
+                    m += 4
+                while m < M:
+                    x0 = x[m]
+                    a0 = np.float32(0.0)
+                    for k in range(K):
+                        a0 += x0[k] * widen(row[k], fmt)
+                    ob[m, i] = a0 * s
+                    m += 1
+            continue
+        # more input rows: 4 weight rows at a time, widened once into float rows that stay in
+        # L1, each multiplied by every input row in 4x4 tiles (1x4 for the last M % 4 rows)
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                row = wb[i + j]
+                dst = rf[j]
+                for k in range(K):
+                    dst[k] = widen(row[k], fmt)
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            s = np.ones(4, np.float32)
+            if scaled:
+                for j in range(nr):
+                    s[j] = scale[n0 + i + j]
+            m = 0
+            while m + 4 <= M:
+                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+                for a in range(4):
+                    for j in range(nr):
+                        ob[m + a, i + j] = t[a * 4 + j] * s[j]
+                m += 4
+            while m < M:
+                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+                for j in range(nr):
+                    ob[m, i + j] = t[j] * s[j]
+                m += 1
+
+
+@njit(cache=True)
+def matmul_f32(x, w, out):
+    _matmul(x, w, NO_SCALE, out, F32, False)
+
+
+@njit(cache=True)
+def matmul_f16(x, w, out):
+    _matmul(x, w, NO_SCALE, out, F16, False)
+
+
+@njit(cache=True)
+def matmul_bf16(x, w, out):
+    _matmul(x, w, NO_SCALE, out, BF16, False)
+
+
+@njit(cache=True)
+def matmul_i8(x, w, scale, out):
+    _matmul(x, w, scale, out, I8, True)
+
+
+# -- 4-bit weights, computed in float32 ------------------------------------------------------------------
+# A row of an int4 matrix (params/formats.py) is K/2 bytes: each block of 64 columns is 32 bytes,
+# byte i holding column i in its low nibble and column 32 + i in its high one, as q + 8 (q in
+# -8..7); one float32 scale per group of G columns (G a multiple of 64 here). Up to
+# STREAM_MAX_ROWS input rows, each weight row is widened in registers and dotted with every input
+# row, the nibbles taken as they are (q + 8) and 8 x the group's input sum taken off once per
+# group; more rows widen 4 weight rows into float rows in L1 (scaled) for the 4x4 tiles.
+@njit(inline="always")
+def _widen_i4_row(row, srow, dst, K):
+    G = K // srow.shape[0]
+    for g in range(srow.shape[0]):
+        s = srow[g]
+        for blk in range(G // 64):
+            c = g * G + blk * 64
+            src, out = row[c // 2:c // 2 + 32], dst[c:c + 64]
+            for i in range(32):
+                b = np.int32(src[i])
+                out[i] = np.float32((b & 15) - 8) * s
+                out[32 + i] = np.float32((b >> 4) - 8) * s
+
+
+@intrinsic
+def _nib_lo(typingctx, b):
+    """The low nibble of a byte as a float (a zero extension LLVM vectorises; numba's own
+    integer arithmetic widens to int64 first)."""
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.and_(args[0], ir.Constant(ir.IntType(8), 15)), ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _nib_hi(typingctx, b):
+    def codegen(context, builder, signature, args):
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(ir.IntType(8), 4)), ir.FloatType())
+    return types.float32(types.uint8), codegen
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i4(x, w, scale, out):
+    M, K = x.shape
+    N = w.shape[0]
+    groups = scale.shape[1]
+    G = K // groups
+    if M <= STREAM_MAX_ROWS:
+        # (unsigned offsets: a signed index makes numba test for negative ones, which stops
+        # LLVM vectorising; slicing per block instead costs a reference count each)
+        xsum = np.empty((M, groups), np.float32)     # 8 x each is what the nibbles' + 8 adds
+        for m in range(M):
+            for g in range(groups):
+                t = np.float32(0.0)
+                for k in range(g * G, (g + 1) * G):
+                    t += x[m, k]
+                xsum[m, g] = np.float32(8.0) * t
+        for b in prange((N + BLOCK - 1) // BLOCK):
+            for n in range(b * BLOCK, min(N, (b + 1) * BLOCK)):
+                row, srow = w[n], scale[n]
+                m = 0
+                while m < M:
+                    rows = min(4, M - m)
+                    x0, x1, x2, x3 = x[m], x[m + 1 if rows > 1 else m], x[m + 2 if rows > 2 else m], \
+                        x[m + 3 if rows > 3 else m]
+                    a0 = a1 = a2 = a3 = np.float32(0.0)
+                    for g in range(groups):
+                        p0 = p1 = p2 = p3 = np.float32(0.0)
+                        for blk in range(G // 64):
+                            o = np.uint64(g * G + blk * 64)
+                            h = o // np.uint64(2)
+                            for i in range(32):
+                                bb = row[h + np.uint64(i)]
+                                lo, hi = _nib_lo(bb), _nib_hi(bb)
+                                k0, k1 = o + np.uint64(i), o + np.uint64(32 + i)
+                                p0 += x0[k0] * lo + x0[k1] * hi
+                                if rows > 1:
+                                    p1 += x1[k0] * lo + x1[k1] * hi
+                                    p2 += x2[k0] * lo + x2[k1] * hi
+                                    p3 += x3[k0] * lo + x3[k1] * hi
+                        s = srow[g]
+                        a0 += (p0 - xsum[m, g]) * s
+                        if rows > 1:
+                            a1 += (p1 - xsum[m + 1, g]) * s
+                            a2 += (p2 - xsum[m + 2 if rows > 2 else m, g]) * s
+                            a3 += (p3 - xsum[m + 3 if rows > 3 else m, g]) * s
+                    out[m, n] = a0
+                    if rows > 1:
+                        out[m + 1, n] = a1
+                    if rows > 2:
+                        out[m + 2, n] = a2
+                    if rows > 3:
+                        out[m + 3, n] = a3
+                    m += rows
+        return
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        ob = out[:, n0:n1]
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                _widen_i4_row(w[n0 + i + j], scale[n0 + i + j], rf[j], K)
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            m = 0
+            while m + 4 <= M:
+                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+                for a in range(4):
+                    for j in range(nr):
+                        ob[m + a, i + j] = t[a * 4 + j]
+                m += 4
+            while m < M:
+                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+                for j in range(nr):
+                    ob[m, i + j] = t[j]
+                m += 1

@@ -1,0 +1,89 @@
+"""The compiled kernels as one namespace (what `kernels.compiled()` returns), the registry that
+says which kernel runs each storage format's products, warm-up and numba's thread count.
+
+Importing it imports numba and compiles nothing: each kernel is compiled (or loaded from numba's
+disk cache) at its first call; `warm_up` makes those first calls on tiny arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numba
+import numpy as np
+
+from . import float_products, quantised_products, step_ops, tiles, widening
+from .float_products import matmul_bf16, matmul_f16, matmul_f32, matmul_i4, matmul_i8
+from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
+                                 qmatmul_i8_fallback)
+from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
+from .widening import widen_bf16, widen_f16, widen_i4, widen_i8
+
+# The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
+SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
+                                           step_ops, tiles))
+
+
+@dataclass(frozen=True)
+class FormatKernels:
+    """The kernels of one storage format: its float32 product (small M), the widening of its
+    rows into float32 blocks (large M, then BLAS; None: already float32) and, for the quantised
+    formats, the int8 x int8 product of compute="int8"."""
+    product: Callable
+    widen: Callable | None = None
+    int8_product: Callable | None = None
+
+
+BY_FORMAT: dict[str, FormatKernels] = {
+    "float32": FormatKernels(matmul_f32),
+    "float16": FormatKernels(matmul_f16, widen_f16),
+    "bfloat16": FormatKernels(matmul_bf16, widen_bf16),
+    "int8": FormatKernels(matmul_i8, widen_i8, qmatmul_i8),
+    "int4": FormatKernels(matmul_i4, widen_i4, qmatmul_i4),
+}
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel for the array types the models use."""
+    x, out = np.zeros((1, 4), np.float32), np.zeros((1, 2), np.float32)
+    matmul_f32(x, np.zeros((2, 4), np.float32), out)
+    matmul_f16(x, np.zeros((2, 4), np.uint16), out)
+    matmul_bf16(x, np.zeros((2, 4), np.uint16), out)
+    matmul_i8(x, np.zeros((2, 4), np.int8), np.ones(2, np.float32), out)
+    add_rms_norm(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32),
+                 np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
+    relu(np.ones((1, 4), np.float32), 2, True)
+    for widen in (widen_f16, widen_bf16):
+        widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
+    widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
+    x64, out64 = np.zeros((1, 64), np.float32), np.zeros((1, 2), np.float32)  # (a 64-column block)
+    nibbles, scales = np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32)
+    matmul_i4(x64, nibbles, scales, out64)
+    widen_i4(nibbles, np.empty((2, 64), np.float32))
+    work = np.empty(4096, np.uint8)
+    qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
+    qmatmul_i4(x64, nibbles, scales, out64, work)
+    top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
+    cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
+    q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)
+    # (Bb, Hb, S) bias: contiguous, or a strided view (the window of a longer causal table)
+    biases = (np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 4), np.float32)[:, :, 2:])
+    for attend in (attend_query, attend_query_parallel):
+        for bias in biases:
+            attend(q, cache[0], cache[0], 2, bias, ctx)
+    gather_rows(cache, np.zeros(1, np.int64), 1)
+
+
+def set_threads(n: int) -> None:
+    numba.set_num_threads(n)
+
+
+def max_threads() -> int:
+    return numba.config.NUMBA_NUM_THREADS
+
+
+__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_query",
+           "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
+           "qmatmul_i8_fallback", "relu", "set_threads", "top_k", "warm_up"]

@@ -1,0 +1,94 @@
+"""Widening stored weight bits to float32: in registers inside the products (`widen`), and whole
+blocks of rows for the large products, which BLAS then multiplies (the `widen_*` kernels).
+
+numba has no CPU float16 type: float16 and bfloat16 arrive as their uint16 bits. The storage
+formats are compile-time constants, so a kernel specialises its body per format and folds the
+branch away.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+F32, F16, BF16, I8 = 0, 1, 2, 3  # storage formats (compile-time constants)
+
+
+# -- widening stored bits to float32 (numba has no CPU float16 type) -----------------------------------
+@intrinsic
+def _f16(typingctx, bits):
+    """float16 bits (uint16) -> float32: reinterpret as LLVM half, extend (F16C on x86)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _bf16(typingctx, bits):
+    """bfloat16 bits (uint16) -> float32: they are the high half of the float32."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@njit(inline="always")
+def widen(v, fmt):
+    if fmt == F16:
+        return _f16(v)
+    if fmt == BF16:
+        return _bf16(v)
+    return np.float32(v)
+
+
+
+# -- widening blocks of stored rows (the large-M products: BLAS multiplies the float copy) ----------------
+# Serial and without the GIL: each part of a split product (kernels.split) widens its own rows on
+# its own thread, then multiplies them with BLAS.
+@njit(nogil=True, cache=True)
+def widen_rows(src, dst, fmt):
+    R, K = src.shape
+    for r in range(R):
+        srow, drow = src[r], dst[r]
+        for k in range(K):
+            drow[k] = widen(srow[k], fmt)
+
+
+@njit(nogil=True, cache=True)
+def widen_f16(src, dst):
+    widen_rows(src, dst, F16)
+
+
+@njit(nogil=True, cache=True)
+def widen_bf16(src, dst):
+    widen_rows(src, dst, BF16)
+
+
+@njit(nogil=True, cache=True)
+def widen_i8(src, dst):
+    widen_rows(src, dst, I8)
+
+
+
+@njit(nogil=True, cache=True)
+def widen_i4(src, dst):
+    """Rows of an int4 matrix -> their values q (float, unscaled): the block-widened products
+    apply the group scales after, as they apply int8's row scales."""
+    R, K = dst.shape
+    for r in range(R):
+        srow, drow = src[r], dst[r]
+        for blk in range(K // 64):
+            s, d = srow[blk * 32:blk * 32 + 32], drow[blk * 64:blk * 64 + 64]
+            for i in range(32):
+                b = np.int32(s[i])
+                d[i] = np.float32((b & 15) - 8)
+                d[32 + i] = np.float32((b >> 4) - 8)
+        tail = K % 64                    # a last partial block pairs column c with c + tail / 2
+        if tail:
+            half, c0 = tail // 2, K - tail
+            for i in range(half):
+                b = np.int32(srow[c0 // 2 + i])
+                drow[c0 + i] = np.float32((b & 15) - 8)
+                drow[c0 + half + i] = np.float32((b >> 4) - 8)
