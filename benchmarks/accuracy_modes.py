@@ -16,7 +16,7 @@ A mode is `dtype` or `dtype/compute` (`minfer.load(..., dtype=, compute=)`). For
   24-32 channels (one int4 group per row, each activation row rounded as a whole): the worst
   case for quantisation, not a prediction for trained models.
 No timing, no torch: runs anywhere the test suite does. `--int4-group` repeats the int4 modes
-with other group sizes (params/formats.py's INT4_GROUP: what the choice was measured with).
+with other group sizes (io/formats.py's INT4_GROUP: what the choice was measured with).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> int:
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args()
     import minfer
-    from minfer.params import formats
+    from minfer.io import formats
     t5_rows = read_jsonl(T5_DIR / "heldout.jsonl")
     xl_ref = minfer.load(XL_DIR)
     xl_rows = read_jsonl(XL_DIR / "heldout.jsonl")

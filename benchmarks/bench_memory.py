@@ -76,7 +76,7 @@ def write_xxl_int4_checkpoint(layers: int | None) -> Path:
 
     from minfer.convert import _header
     from minfer.io.tensors import STORAGE
-    from minfer.params.formats import FORMATS, SCALE_SUFFIX
+    from minfer.io.formats import FORMATS, SCALE_SUFFIX
     config = dict(FLAN_T5_XXL)
     if layers:
         config.update(num_layers=layers, num_decoder_layers=layers)
@@ -121,7 +121,7 @@ def write_large_checkpoint() -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from minfer.params.formats import SCALE_SUFFIX
+    from minfer.io.formats import SCALE_SUFFIX
     folder, table = new_checkpoint("flan-t5-xl-int8", FLAN_T5_XL)
     if table is None:
         return folder

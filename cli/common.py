@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Iterator, Mapping
 
 import click
 
-from minfer.params.formats import INT4_GROUP
+from minfer.io.formats import INT4_GROUP
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPT = 0, 1, 2, 130
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from minfer.params.formats import INT4_GROUP
+from minfer.io.formats import INT4_GROUP
 
 from .common import quiet_on_closed_pipe
 

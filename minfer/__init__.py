@@ -24,7 +24,7 @@ from .kernels import set_threads as _set_threads
 from .models.registry import family_of as _family_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
-from .params.formats import FORMATS as _FORMATS
+from .io.formats import FORMATS as _FORMATS
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError",
            "ConfigError", "CheckpointError", "InputError", "ArenaExhausted", "ModelNotFoundError",
@@ -49,7 +49,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
         computed in float32), "bfloat16" (CPU: stored 2 bytes, computed in float32), "int8"
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
-        channels: params/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
+        channels: io/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.

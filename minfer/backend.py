@@ -6,7 +6,7 @@ module holds the base class (the CPU backend is this class over NumPy) and the d
 only there, lazily, so a CPU install never needs it).
 
 A backend also carries the weight dtype policy (`dtype` is the dtype of activations;
-`weight_format` names how linear layers are stored, see `params/formats.py`; `compute` what the
+`weight_format` names how linear layers are stored, see `io/formats.py`; `compute` what the
 products compute in, float32 / float16 or, on the CPU, int8 x int8) and the memory budget:
 without a limit the arena is a workspace for activations and caches and weights are ordinary
 arrays; with `memory_limit` the arena *is* the budget, and weights, streaming slots and workspace
@@ -45,7 +45,7 @@ class Backend:
     device: str                   # "cpu" or "cuda:N"
     arena: Arena                  # every large activation / cache buffer comes from here
     dtype: Any                    # compute dtype of activations (and of non-linear weights)
-    weight_format: str = "float32"    # how linear layers are stored (params/formats.py)
+    weight_format: str = "float32"    # how linear layers are stored (io/formats.py)
     compute: str = "float32"          # what the products compute in ("int8": int8 x int8, CPU)
     memory_limit: int | None = None   # the whole budget (weights + workspace), or None
     workspace: int | None = None      # bytes reserved for runs under a limit (None: planned)

@@ -2,7 +2,7 @@
 weight format: float32, float16, bfloat16, or int8 / int4 matrices), copying config, generation
 config and tokenizer files alongside. A quantised file stores each matrix that feeds a linear
 slot (the family's weight table says which: layers, heads, embeddings) in its format's arrays
-(params/formats.py: int8 as I8 (out, in) beside `W_scale`, F32 one scale per output channel;
+(io/formats.py: int8 as I8 (out, in) beside `W_scale`, F32 one scale per output channel;
 int4 as U8 (out, in / 2), two values a byte, beside `W_scale`, F32 (out, in / group)), the other
 tensors as float32; `Checkpoint.read` dequantises it, so every loader reads it, and a model
 loaded in the file's own format (what `dtype=None` or "auto" picks) takes the stored bytes as
@@ -34,7 +34,7 @@ from .io.checkpoint import Checkpoint
 from .io.limits import is_regular_file
 from .io.tensors import STORAGE
 from .models.registry import family_of
-from .params.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
+from .io.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
 from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
 COPY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)

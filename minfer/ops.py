@@ -25,7 +25,7 @@ import numpy as np
 from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
-from .params.formats import PackedWeight
+from .products import PackedWeight
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
@@ -43,7 +43,7 @@ def compiled(xp: Any, x: Any) -> Any:
 
 def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
     """x (..., I) @ w.T into `out` (..., O) (allocated when None) as one 2-D product; w is a
-    linear slot (O, I), one row per output channel (params/formats.py), or a `PackedWeight`
+    linear slot (O, I), one row per output channel (io/formats.py), or a `PackedWeight`
     (another storage format, or the compiled kernels), which multiplies itself.
 
     One 2-D product: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading

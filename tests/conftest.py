@@ -76,9 +76,9 @@ def kernel_mode(request, monkeypatch):
     narrower than the kernels' shortest rows in production (KERNEL_MIN_INNER): here every
     small product goes to them."""
     from minfer import kernels
-    from minfer.params import formats
+    from minfer import products
     monkeypatch.setattr(kernels, "_mode", request.param)
-    monkeypatch.setattr(formats, "KERNEL_MIN_INNER", 1)
+    monkeypatch.setattr(products, "KERNEL_MIN_INNER", 1)
     return request.param
 
 

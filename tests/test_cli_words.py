@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_int4_help_and_docs_give_the_group_size_the_code_uses():
     import minfer
-    from minfer.params.formats import INT4_GROUP
+    from minfer.io.formats import INT4_GROUP
     for command in ("generate", "embed", "info", "convert"):
         code, out, _ = run_cli([command, "--help"])
         text = " ".join(out.split())

@@ -194,14 +194,15 @@ def test_blas_work_runs_only_on_the_pools_threads(threads):
 def test_large_products_split_over_threads_equal_one_product(three_threads, fmt):
     """More rows than the kernels take: each thread widens its share of the output columns into
     its own part of the scratch (here several blocks each) and multiplies with BLAS."""
-    from minfer.params.formats import FORMATS, KERNEL_MAX_ROWS
+    from minfer.io.formats import FORMATS
+    from minfer.products import KERNEL_MAX_ROWS, wrap
     M, N, K = KERNEL_MAX_ROWS + 7, 200, 24
     x, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
     f = FORMATS[fmt]
     arrays = f.encode("w", w)
-    dense = FORMATS[fmt].wrap("w", arrays, np.float32, np.empty(N * K, np.float32), None)
+    dense = wrap(FORMATS[fmt], "w", arrays, np.float32, np.empty(N * K, np.float32), None)
     want = ops.linear(np, x, dense)                          # the NumPy path: one pass of blocks
-    packed = f.wrap("w", arrays, np.float32, np.empty(K * 10, np.float32), k)  # 3 rows a block
+    packed = wrap(f, "w", arrays, np.float32, np.empty(K * 10, np.float32), k)  # 3 rows a block
     got = np.full((M, N), np.nan, np.float32)
     ops.linear(np, x, packed, out=got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -370,12 +371,12 @@ with mp.get_context('fork').Pool(2) as pool:
 # -- integer products: compute="int8" and int4 weights ---------------------------------------------------
 def quantised(x):
     """What the int8 kernels multiply: each row rounded to int8 steps of its own."""
-    from minfer.params.formats import quantise_rows
+    from minfer.products import quantise_rows
     return quantise_rows(np, x)
 
 
 def test_quantise_rows_rounds_each_row_to_int8_steps():
-    from minfer.params.formats import quantise_rows
+    from minfer.products import quantise_rows
     x = np.array([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, np.inf, 1.0, 0.0]],
                  np.float32)
     with np.errstate(all="raise"):                   # no warnings on inf rows either
@@ -434,7 +435,7 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 70])
 @pytest.mark.parametrize("N,K", [(37, 128), (70, 130), (9, 64), (5, 40), (64, 512)])
 def test_int8_products_equal_the_rounded_float_product(M, N, K):
-    from minfer.params.formats import quantize_int8
+    from minfer.io.formats import quantize_int8
     x = rng.standard_normal((M, K)).astype(np.float32) * rng.random((M, 1)).astype(np.float32)
     q, scale = quantize_int8(rng.standard_normal((N, K)).astype(np.float32))
     want = quantised(x) @ (q.astype(np.float32) * scale[:, None]).T
@@ -447,7 +448,7 @@ def test_int8_products_equal_the_rounded_float_product(M, N, K):
 @pytest.mark.parametrize("M", [1, 3, 4, 17, 70])
 @pytest.mark.parametrize("N,K", [(37, 128), (9, 64), (70, 192), (66, 512)])
 def test_int4_products_equal_the_float_product_with_the_stored_values(M, N, K):
-    from minfer.params.formats import FORMATS, quantize_int4
+    from minfer.io.formats import FORMATS, quantize_int4
     x = rng.standard_normal((M, K)).astype(np.float32)
     q, scale = quantize_int4(rng.standard_normal((N, K)).astype(np.float32))
     dense = FORMATS["int4"].decode(q, scale, (N, K))
@@ -462,7 +463,7 @@ def test_int4_products_equal_the_float_product_with_the_stored_values(M, N, K):
 
 
 def test_int8_products_of_non_finite_and_zero_rows():
-    from minfer.params.formats import quantize_int4, quantize_int8
+    from minfer.io.formats import quantize_int4, quantize_int8
     x = rng.standard_normal((4, 128)).astype(np.float32)
     x[1, 7], x[2], x[3, 0] = np.inf, 0.0, np.nan
     w = rng.standard_normal((8, 128)).astype(np.float32)
@@ -475,7 +476,7 @@ def test_int8_products_of_non_finite_and_zero_rows():
 
 @pytest.mark.parametrize("K", [64, 200, 72, 48, 2])
 def test_int4_widening_kernel_equals_numpy_for_whole_and_partial_blocks(K):
-    from minfer.params.formats import FORMATS, quantize_int4
+    from minfer.io.formats import FORMATS, quantize_int4
     w = rng.standard_normal((5, K)).astype(np.float32)
     q, scale = quantize_int4(w)
     want, got = np.empty((5, K), np.float32), np.empty((5, K), np.float32)

@@ -6,7 +6,8 @@ import pytest
 
 from minfer import ops
 from minfer.errors import ConfigError
-from minfer.params.formats import FORMATS, PackedWeight
+from minfer.io.formats import FORMATS
+from minfer.products import PackedWeight, wrap
 
 rng = np.random.default_rng(0)
 
@@ -96,7 +97,7 @@ def test_linear_is_one_product_over_all_leading_axes():
 def test_linear_and_embed_take_packed_weights():
     x, w = rand(2, 20, 16), rand(40, 16)
     arrays = FORMATS["int8"].encode("w", w)
-    packed = FORMATS["int8"].wrap("w", arrays, np.float32, np.empty(16 * 7, np.float32), None)
+    packed = wrap(FORMATS["int8"], "w", arrays, np.float32, np.empty(16 * 7, np.float32), None)
     assert isinstance(packed, PackedWeight)   # its 40 rows are widened 7 at a time
     stored = arrays["w"] * arrays["w_scale"][:, None]
     np.testing.assert_allclose(ops.linear(np, x, packed), x @ stored.T, rtol=1e-5, atol=1e-5)

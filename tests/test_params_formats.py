@@ -1,12 +1,12 @@
-"""Weight formats of the linear slots (params/formats.py): storage, encoding, products, lookups."""
+"""Weight formats of the linear slots (io/formats.py, products.py): storage, encoding, products, lookups."""
 import numpy as np
 import pytest
 
 from minfer import kernels
 from minfer.errors import ConfigError
-from minfer.params.formats import (FORMATS, INT4_GROUP, KERNEL_MAX_ROWS, SCALE_SUFFIX, PackedWeight,
-                                   apply_scale, int4_group, quantise_rows, quantize_int4,
-                                   quantize_int8, to_bfloat16_bits)
+from minfer.io.formats import (FORMATS, INT4_GROUP, SCALE_SUFFIX, apply_scale, int4_group,
+                               quantize_int4, quantize_int8, to_bfloat16_bits)
+from minfer.products import KERNEL_MAX_ROWS, PackedWeight, quantise_rows, wrap
 
 rng = np.random.default_rng(1)
 
@@ -51,7 +51,7 @@ def test_every_format_multiplies_and_looks_up_what_it_stores(name, K, compute, m
     for key, (shape, dtype) in fmt.stored("w", w.shape).items():
         assert arrays[key].shape == shape and arrays[key].dtype == dtype
     scratch = np.empty(K * 9, np.float32)                     # 9 rows a block: several blocks
-    packed = fmt.wrap("w", arrays, np.float32, scratch, kernels.active(),
+    packed = wrap(fmt, "w", arrays, np.float32, scratch, kernels.active(),
                       int8_inputs=compute == "int8")
     stored = np.empty_like(w)                                 # what the format really holds
     if isinstance(packed, PackedWeight):

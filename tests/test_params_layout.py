@@ -1,7 +1,8 @@
 """A layer's packed layout (params/layout.py)."""
 import numpy as np
 
-from minfer.params.formats import FORMATS, SCALE_SUFFIX, PackedWeight
+from minfer.io.formats import FORMATS, SCALE_SUFFIX
+from minfer.products import PackedWeight, wrap
 from minfer.params.layout import Layout
 
 
@@ -18,8 +19,8 @@ def test_layout_packs_aligned_round_trips_and_wraps_linear_slots():
         np.testing.assert_array_equal(views[name], a)
         assert views[name].dtype == a.dtype
     # what the math receives: the int8 slot and its scales become one product object
-    params = layout.params(views, lambda fmt, name, arrays, dtype: fmt.wrap(
-        name, arrays, np.float32, np.empty(64, np.float32), None))
+    params = layout.params(views, lambda fmt, name, arrays, dtype: wrap(
+        fmt, name, arrays, np.float32, np.empty(64, np.float32), None))
     assert set(params) == {"a", "b"} and isinstance(params["b"], PackedWeight)
     x = rng.standard_normal((4, 7)).astype(np.float32)
     out = params["b"].matmul(np, x, np.empty((4, 2), np.float32))

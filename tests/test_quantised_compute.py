@@ -90,7 +90,7 @@ def test_int4_file_holds_packed_nibbles_and_loads_as_int4(folder, tmp_path):
     from safetensors.numpy import load_file
 
     from minfer.convert import convert
-    from minfer.params.formats import INT4_GROUP
+    from minfer.io.formats import INT4_GROUP
     summary = convert(folder, tmp_path / "q4", dtype="int4")
     tensors = load_file(str(tmp_path / "q4" / "model.safetensors"))
     q = tensors["encoder.block.0.layer.1.DenseReluDense.wi.weight"]          # (d_ff, d_model)

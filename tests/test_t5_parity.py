@@ -115,7 +115,8 @@ def test_compressed_formats_compute_exactly_their_stored_weights(tmp_path, dtype
 
     from factories import write_t5
     from minfer.io.checkpoint import Checkpoint
-    from minfer.params.formats import FORMATS, PackedWeight
+    from minfer.io.formats import FORMATS
+    from minfer.products import PackedWeight, wrap
     src = write_t5(tmp_path / "src", seed=11, feed_forward_proj="gated-gelu", num_layers=3)
     ckpt, fmt = Checkpoint(src), FORMATS[dtype]
     tensors = {}
@@ -125,7 +126,7 @@ def test_compressed_formats_compute_exactly_their_stored_weights(tmp_path, dtype
             w = np.ones_like(w)
         elif w.ndim == 2 and "relative_attention_bias" not in name:
             stored = fmt.encode("w", w)
-            packed = fmt.wrap("w", stored, np.float32, np.empty(w.size, np.float32), None)
+            packed = wrap(fmt, "w", stored, np.float32, np.empty(w.size, np.float32), None)
             if isinstance(packed, PackedWeight):
                 w = packed.rows(np, np.arange(w.shape[0]), np.empty_like(w))
         tensors[name] = np.ascontiguousarray(w, np.float32)

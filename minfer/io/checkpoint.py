@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ..params.formats import QUANTIZED, SCALE_SUFFIX, WeightFormat
+from .formats import QUANTIZED, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32

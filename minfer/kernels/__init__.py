@@ -10,7 +10,7 @@ in LLVM IR by `tiles`), `widening` (stored bits to float32, in registers and in 
 BLAS), `step_ops` (fused step functions: attention of one query over a KV cache, add + RMS
 norm, relu, top-k, beam reorders). `registry` gathers them, by name and by storage format
 (`BY_FORMAT`); `environment` holds the process settings made before numba loads. Products of
-more rows (the encoder, a prompt) stay with BLAS: see `params/formats.py` for the dispatch.
+more rows (the encoder, a prompt) stay with BLAS: see `products.py` for the dispatch.
 
 Everything here is optional: `MINFER_KERNELS=numpy` (or numba not importable) selects the pure
 NumPy path, which computes the same functions; the parity tests run both ways. Compiled code is

@@ -171,7 +171,7 @@ def matmul_i8(x, w, scale, out):
 
 
 # -- 4-bit weights, computed in float32 ------------------------------------------------------------------
-# A row of an int4 matrix (params/formats.py) is K/2 bytes: each block of 64 columns is 32 bytes,
+# A row of an int4 matrix (io/formats.py) is K/2 bytes: each block of 64 columns is 32 bytes,
 # byte i holding column i in its low nibble and column 32 + i in its high one, as q + 8 (q in
 # -8..7); one float32 scale per group of G columns (G a multiple of 64 here). Up to
 # STREAM_MAX_ROWS input rows, each weight row is widened in registers and dotted with every input

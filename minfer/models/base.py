@@ -22,7 +22,7 @@ from ..errors import ConfigError, InputError, NonFiniteError
 from ..generation.options import is_integer, shown
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
-from ..params.formats import weight_format
+from ..io.formats import weight_format
 from ..params.loader import load_params, plan_placement
 from ..params.runtime import OwnsWeights, WeightRuntime
 from .family import Family

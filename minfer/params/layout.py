@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..arena import align_up
-from .formats import WeightFormat
+from ..io.formats import WeightFormat
+from ..products import scratch_bytes
 
 ArraySpec = Mapping[str, tuple[tuple[int, ...], Any]]
 
@@ -73,5 +74,5 @@ class Layout:
 
     def scratch_bytes(self, compute_dtype: Any) -> int:
         """Float scratch the layer's products need (0 for plain float layers)."""
-        return max((f.scratch_bytes(self.entries[p].shape, self.product.get(p, compute_dtype))
+        return max((scratch_bytes(f, self.entries[p].shape, self.product.get(p, compute_dtype))
                     for p, f in self.linear.items()), default=0)

@@ -22,7 +22,8 @@ import numpy as np
 from ..arena import align_up
 from ..errors import CheckpointError
 from ..io.checkpoint import Checkpoint
-from .formats import SCALE_SUFFIX, WeightFormat
+from ..io.formats import SCALE_SUFFIX, WeightFormat
+from ..products import scratch_bytes
 from .layout import Layout
 from .planner import WeightPlan, plan_weights
 from .runtime import LayerStack, WeightRuntime
@@ -107,7 +108,7 @@ def plan_placement(table: WeightTable, dtype: Any, fmt: WeightFormat, limit: int
                    workspace: int) -> WeightPlan:
     """Which layers stay resident under `limit` (nothing is read or allocated)."""
     units = {}
-    scratch = max((fmt.scratch_bytes(table.shape(e), dtype) for e in table.fixed.values()
+    scratch = max((scratch_bytes(fmt, table.shape(e), dtype) for e in table.fixed.values()
                    if isinstance(e, Linear)), default=0)
     for name, unit in table.units():
         layout = unit_layout(table, unit, dtype, fmt)

@@ -4,7 +4,7 @@ Streamed layers live outside the arena (a packed file on the CPU, pinned host me
 are copied, one ahead, into two alternating arena slots: while layer i computes from one slot,
 layer i+1 is arriving in the other. Model code sees none of this: a stack's layers are a
 `LayerStack`, and iterating it yields each layer's parameter dict (`for blk in stack: ...`),
-resident or just arrived, with linear slots wrapped by their format (params/formats.py).
+resident or just arrived, with linear slots wrapped by their format (io/formats.py).
 
 Transfers go through the backend's engine (params/transfers.py on the CPU, cuda.py on a GPU, a
 counting stand-in in tests), so the scheduling below is the same code on every device and its
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import kernels
+from .. import kernels, products
 from ..arena import Arena
 from ..errors import ConfigError, InputError
 from .layout import Layout
@@ -152,15 +152,15 @@ class WeightRuntime:
         return self.be.xp is np and self.float_dtype == np.float32
 
     def wrap(self, fmt: Any, name: str, arrays: Any, dtype: Any = None) -> Any:
-        """A placed linear slot -> what the math multiplies by (params/formats.py): on the CPU
+        """A placed linear slot -> what the math multiplies by (products.wrap): on the CPU
         with the compiled kernels when they are selected; packed forms widen blocks into the
         shared scratch (one product at a time). `dtype`: the slot's product dtype (default:
         the compute dtype)."""
         dtype = self.float_dtype if dtype is None else np.dtype(dtype)
         scratch = None if self.scratch is None else self.scratch.view(dtype)
-        return fmt.wrap(name, arrays, dtype, scratch,
-                        kernels.compiled() if self._kernel_eligible else None,
-                        int8_inputs=self.be.compute == "int8")
+        return products.wrap(fmt, name, arrays, dtype, scratch,
+                             kernels.compiled() if self._kernel_eligible else None,
+                             int8_inputs=self.be.compute == "int8")
 
     # -- running a stack --------------------------------------------------------------------------
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ and shapes, and for every parameter the math reads, an entry saying where it com
   embedding tables, by row). Built from Hugging Face (out, in) tensors fused along `out` (q|k|v,
   or a gated FF's wi_0|wi_1), optionally a range of the first source's rows, optionally from a
   source stored (in, out) (transposed once). Only linear slots take a compressed weight format
-  (params/formats.py); a slot holds exactly its sources' values, so a checkpoint already stored
+  (io/formats.py); a slot holds exactly its sources' values, so a checkpoint already stored
   in the format loads as its own bytes.
 - `Tensor`: any other array (vectors, biases, norm weights, position tables): a checkpoint tensor
   as stored, optionally a range of its rows, with tensors appended along axis 0.

@@ -1,0 +1,233 @@
+"""Weight formats of the linear slots: how a matrix is stored, encoded and decoded (the format
+table and its codecs, below every layer that multiplies: the checkpoint reader dequantises
+with them, the loader packs with them, `products.py` multiplies what they store).
+
+A family's weight table marks which matrices are *linear slots* (`spec.Linear`): every layer
+matrix, the output heads and the embedding tables. Only those take a format other than the
+compute dtype, and every format stores a slot the same way round: (out, in), one row per output
+channel, as Hugging Face stores it and as a dot-product kernel reads it fastest (one contiguous
+row per output).
+
+Formats: "float32" and "float16" (on CUDA float16 is also the compute dtype), "bfloat16" (the
+top half of a float32, stored as its uint16 bits: NumPy has no bfloat16), "int8" (symmetric, one
+float32 scale per output channel, as BMInf and CTranslate2 quantise) and "int4" (symmetric, one
+float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantize_int4`
+for the layout). A quantised matrix `w` is stored as `w` plus its scales `w` + SCALE_SUFFIX, in
+packed layers and in files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import ConfigError
+
+SCALE_SUFFIX = "_scale"         # a quantised matrix `w` travels with its float32 scales `w_scale`
+# int4: input channels per scale. 128, as GPTQ and AWQ default to: on weights/tiny-t5-dates 64,
+# 128 and 256 keep every held-out output and give the same logit error (8.4e-2 / 8.6e-2 /
+# 8.3e-2 of the largest logit, benchmarks/accuracy_modes.py: its weights are near-Gaussian; real
+# checkpoints with outlier channels favour smaller groups), while the compute="int8" products do
+# per group 3 vector instructions for each input row and weight row (the offset, a conversion,
+# a scaled add) beside one vpdpbusd per 64 columns: 3 per vpdpbusd at 64, 1.5 at 128 (benchmark
+# them with benchmarks/bench_step_overhead.py). Inner sizes that are not a multiple of it take
+# the largest multiple of 64 that divides them (one group per row when none does).
+INT4_GROUP = 128
+# Blocks of packed rows are widened here for products of more rows than the kernels take: BLAS
+# repacks the whole input for every block, so blocks must be large for large inputs (a 1 MiB
+# scratch made a 2048-row encoder pass 2.4x slower than float32); at most one matrix's worth.
+
+
+# =====================================================================================================
+# int8 and int4 quantisation and the widening of stored bits
+# =====================================================================================================
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out, in) float -> int8 (out, in) and float32 scales (out,): w ~= q * scale[:, None].
+
+    Symmetric, one scale per output channel (absmax / 127), round to nearest. A zero channel gets
+    scale 1 (its q is all zero anyway)."""
+    w = np.asarray(w, dtype=np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0 if w.shape[1] else np.ones(w.shape[0], np.float32)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32)
+
+
+def int4_group(K: int) -> int:
+    """Input channels per scale of an int4 matrix with inner size K (K is even)."""
+    g = INT4_GROUP
+    while g >= 64:
+        if K % g == 0:
+            return g
+        g //= 2
+    return K
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(out, in) float -> packed int4 (out, in / 2) uint8 and float32 scales (out, in / G).
+
+    Per group of G = `int4_group(in)` input channels: scale d = m / -8 where m is the group's
+    value of largest magnitude, q = clip(round(w / d), -8, 7) (so m itself is exact: -8), stored
+    as the unsigned nibble q + 8 (llama.cpp's q4_0 uses the same rule). Layout: columns in blocks
+    of 64, block b being 32 bytes, byte i holding column 64b + i in its low nibble and column
+    64b + 32 + i in its high one (what the kernels unpack with one mask and one shift); a last
+    partial block of r columns pairs column i with column i + r / 2. A zero group gets scale 1."""
+    w = np.asarray(w, dtype=np.float32)
+    N, K = w.shape
+    if K % 2:
+        raise ConfigError(f"int4 needs an even number of input channels, got a matrix of {K}")
+    G = int4_group(K) if K else 2
+    groups = w.reshape(N, K // G, G)
+    at = np.abs(groups).argmax(axis=2)[..., None]
+    scale = (np.take_along_axis(groups, at, axis=2)[..., 0] / -8.0).astype(np.float32)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(groups / scale[..., None]), -8, 7).astype(np.int16).reshape(N, K) + 8
+    packed = np.empty((N, K // 2), np.uint8)
+    full = K // 64 * 64
+    blocks = q[:, :full].reshape(N, -1, 2, 32)
+    packed[:, :full // 2] = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, -1)
+    half = (K - full) // 2
+    packed[:, full // 2:] = q[:, full:full + half] | (q[:, full + half:] << 4)
+    return packed, scale
+
+
+def _widen_int4(src: Any, dst: Any) -> None:
+    """Packed int4 rows (R, K / 2) -> their values q (R, K) as floats, unscaled (any array
+    namespace; see `quantize_int4` for the layout)."""
+    R, K = dst.shape
+    full = K // 64 * 64
+    if full:
+        blocks = src[:, :full // 2].reshape(R, -1, 32)
+        out = dst[:, :full].reshape(R, -1, 2, 32)
+        out[:, :, 0] = blocks & 15
+        out[:, :, 1] = blocks >> 4
+    half = (K - full) // 2
+    if half:
+        tail = src[:, full // 2:]
+        dst[:, full:full + half] = tail & 15
+        dst[:, full + half:] = tail >> 4
+    dst -= 8
+
+
+def apply_scale(w: Any, scale: Any) -> Any:
+    """Rows of widened values w (R, K) times their scales: one per row (R,), or one per group of
+    input channels (R, K / G)."""
+    if scale.ndim == 1:
+        w *= scale[:, None]
+    else:
+        R, groups = scale.shape
+        w.reshape(R, groups, -1)[...] *= scale[:, :, None]
+    return w
+
+
+def to_bfloat16_bits(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    out = ((bits + rounding) >> 16).astype(np.uint16)
+    nan = np.isnan(w)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def _widen_cast(src: Any, dst: Any) -> None:     # float16 / int8 / float32 -> float
+    dst[...] = src
+
+
+def _widen_bfloat16(src: Any, dst: Any) -> None:  # the bits are the high half of a float32
+    bits = dst.view(np.uint32)
+    bits[...] = src
+    bits <<= 16
+
+
+# =====================================================================================================
+# The formats
+# =====================================================================================================
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a linear slot (out, in) is stored: as a plain array of `storage` dtype, or quantised
+    (`scaled`: with float32 scales per output channel, or per group of input channels when
+    `grouped`; `packed`: two values a byte)."""
+    name: str
+    storage: Any                               # numpy dtype of the stored array
+    file_code: str                             # its safetensors dtype (the matrix's, if scaled)
+    scaled: bool = False                       # int8 / int4: scales beside the matrix
+    grouped: bool = False                      # int4: a scale per group of input channels
+    packed: bool = False                       # int4: two values a byte, (out, in / 2)
+    widen: Callable[[Any, Any], None] = _widen_cast   # the NumPy widening of its rows
+    quantization: str = ""                     # how a file written in it says so (metadata)
+    # (its compiled kernels: kernels.registry.BY_FORMAT[name])
+
+    def array_names(self, name: str) -> tuple[str, ...]:
+        """The names of the arrays a matrix `name` is stored as."""
+        return (name, name + SCALE_SUFFIX) if self.scaled else (name,)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored matrix's shape for a logical (out, in)."""
+        return (shape[0], shape[1] // 2) if self.packed else tuple(shape)
+
+    def logical_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """The logical (out, in) of a stored matrix's shape."""
+        return (stored[0], stored[1] * 2) if self.packed else tuple(stored)
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scales' shape for a logical (out, in) matrix."""
+        return (shape[0], shape[1] // int4_group(shape[1])) if self.grouped else (shape[0],)
+
+    def stored(self, name: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """The arrays a matrix `name` of logical `shape` (out, in) is stored as:
+        {array name: (shape, dtype)}."""
+        if self.packed and shape[1] % 2:
+            raise ConfigError(f"{self.name} needs an even number of input channels: '{name}' "
+                              f"has {shape[1]}")
+        out = {name: (self.stored_shape(shape), np.dtype(self.storage))}
+        if self.scaled:
+            out[name + SCALE_SUFFIX] = (self.scale_shape(shape), np.dtype(np.float32))
+        return out
+
+    def encode(self, name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+        """A float32 (out, in) matrix (or a block of its rows) -> its stored arrays (host)."""
+        if self.scaled:
+            q, scale = quantize_int4(w) if self.grouped else quantize_int8(w)
+            return {name: q, name + SCALE_SUFFIX: scale}
+        if self.name == "bfloat16":
+            return {name: to_bfloat16_bits(w)}
+        return {name: w.astype(self.storage, copy=False)}
+
+    def decode(self, q: np.ndarray, scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """A stored quantised matrix (or rows of it) and its scales -> float32 of `shape` (host)."""
+        out = np.empty(shape, np.float32)
+        self.widen(q, out)
+        return apply_scale(out, scale)
+
+    def slot(self, float32: bool, compute_dtype: Any) -> tuple["WeightFormat", np.dtype]:
+        """(the format a slot is stored in, the dtype its product computes in): a slot marked
+        float32 (`spec.Linear.float32`) computes in float32 when the compute dtype is half, and
+        is stored float32 unless the format is quantised (which widens into float32 instead)."""
+        if float32 and np.dtype(compute_dtype).itemsize < 4:
+            return (self if self.scaled else FORMATS["float32"]), np.dtype(np.float32)
+        return self, np.dtype(compute_dtype)
+
+
+FORMATS: dict[str, WeightFormat] = {
+    "float32": WeightFormat("float32", np.float32, "F32"),
+    "float16": WeightFormat("float16", np.float16, "F16"),
+    "bfloat16": WeightFormat("bfloat16", np.uint16, "BF16", widen=_widen_bfloat16),
+    "int8": WeightFormat("int8", np.int8, "I8", scaled=True,
+                         quantization="int8 per output channel"),
+    "int4": WeightFormat("int4", np.uint8, "U8", scaled=True, grouped=True, packed=True,
+                         widen=_widen_int4,
+                         quantization=f"int4 per group of {INT4_GROUP} input channels"),
+}
+QUANTIZED = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype
+
+
+def weight_format(name: str) -> WeightFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ConfigError(f"weight format {name!r} is not supported "
+                          f"(supported: {', '.join(FORMATS)})") from None

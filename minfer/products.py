@@ -1,0 +1,217 @@
+"""The CPU and CUDA product dispatch of the linear slots: what the math multiplies by (`wrap`:
+the stored array itself, or a `PackedWeight` that multiplies itself), and how.
+
+What the products compute in is the backend's `compute` (backend.py): float32 by default (the
+weights are widened, the activations stay float32) or, on the CPU with int8 or int4 weights,
+"int8": each input row is rounded to int8 steps of its own (absmax / 127) and the products are
+integer dot products (`kernels/quantised_products.py`, on the CPU's VNNI instructions where it
+has them); without the compiled kernels the same rounding is applied and the product is taken in
+float32 (`quantise_rows`), so every path computes the same function.
+
+A slot whose stored dtype is not the compute dtype becomes a `PackedWeight`: on the CPU its
+small-M products (decoding: one row per sequence) run in the compiled kernels (minfer/kernels/),
+which read the stored bytes and widen them in registers; larger products (the encoder, a prompt)
+widen blocks of rows into a float scratch that stays in cache and call BLAS, so no float copy of
+a whole matrix is ever written. On the CPU a large product is cut into one part of output
+columns per thread (`kernels.split`), each widening into its own share of the scratch. The
+storage formats themselves (layouts, encoding) are `io/formats.py`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import kernels
+from .arena import ALIGNMENT, align_up
+from .io.formats import SCALE_SUFFIX, WeightFormat, _widen_cast, apply_scale, int4_group
+
+WIDEN_SCRATCH_BYTES = 16 << 20
+KERNEL_MAX_ROWS = 64            # products of up to this many rows go to the compiled kernels
+                                # (they beat OpenBLAS's small-M GEMM, which packs the whole weight
+                                # at every call, up to ~64 rows on 2 cores; BLAS wins beyond)
+KERNEL_MIN_INNER = 64           # ... and an inner dimension of at least this: with short weight
+                                # rows the kernel's scattered output writes dominate (the adaptive
+                                # softmax's tail clusters, K = 8 or 32: 2-6x slower than BLAS)
+MIN_PART_COLUMNS = 64           # a large product is split over the threads in parts of at least
+                                # this many output columns (kernels.split)
+
+
+def quantise_rows(xp: Any, x: Any) -> Any:
+    """x (M, K) with each row rounded to int8 steps of its own, absmax / 127 (to nearest even):
+    what `compute="int8"` multiplies, for the products the integer kernels do not take. A row
+    holding inf or NaN comes out NaN (as from the kernels), a zero row zero."""
+    amax = xp.abs(x).max(axis=1, keepdims=True)
+    ok = xp.isfinite(amax) & (amax > 0)
+    inv = xp.where(ok, np.float32(127.0) / xp.where(ok, amax, np.float32(1.0)), np.float32(0.0))
+    q = xp.rint(xp.where(ok, x, np.float32(0.0)) * inv.astype(np.float32))
+    step = xp.where(ok | (amax == 0), amax / np.float32(127.0), np.float32(np.nan))
+    return (q * step.astype(np.float32)).astype(np.float32, copy=False)
+
+
+def takes_kernel(M: int, K: int) -> bool:
+    """Whether an (M, K) @ (K, N) product goes to the compiled kernels (else to BLAS)."""
+    return M <= KERNEL_MAX_ROWS and K >= KERNEL_MIN_INNER
+
+
+# =====================================================================================================
+# What the math multiplies by
+# =====================================================================================================
+class PackedWeight:
+    """A linear slot stored in a form `xp.matmul` cannot take as it is. `ops.linear` calls its
+    `matmul(xp, x, out)` and `ops.embed` its `rows(xp, ids, out)`.
+
+    stored: the format's stored matrix (out, in), or (out, in / 2) bytes for int4; shape: the
+    logical (out, in); scale: (out,) or (out, groups) float32, or None; widen(src, dst): rows of
+    `bits` -> float rows (unscaled); kernel(x, bits, [scale,] out): the compiled small-M product,
+    or None (off, or not on the CPU); qkernel(x, bits, scale, out, work): the compiled int8 x
+    int8 product of `compute="int8"`, or None; quantise_inputs: compute="int8" (activations
+    rounded to int8 steps before every product); bits: what the kernels read (the stored array,
+    or float16 viewed as its uint16 bits for the compiled code); scratch: the runtime's shared
+    flat float buffer (one product at a time; also where the int8 products quantise their
+    inputs), None for a slot already stored in the compute dtype (float32 on the CPU with the
+    kernels on: nothing to widen, BLAS reads it directly)."""
+
+    def __init__(self, stored: Any, scale: Any, widen: Callable[[Any, Any], None],
+                 kernel: Callable | None, scratch: Any, bits: Any = None,
+                 shape: tuple[int, int] | None = None, qkernel: Callable | None = None,
+                 quantise_inputs: bool = False):
+        self.stored, self.scale, self.widen, self.kernel = stored, scale, widen, kernel
+        self.bits = stored if bits is None else bits
+        self.scratch = scratch
+        self.shape = tuple(stored.shape) if shape is None else tuple(shape)
+        self.plain = scratch is None      # stored in the compute dtype: no widening, no scale
+        self.qkernel, self.quantise_inputs = qkernel, quantise_inputs
+        self._work = None                 # the scratch as bytes (the int8 products' inputs)
+        self._groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
+
+    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
+        """x (M, K) @ self.T -> out (M, N), float."""
+        # (asked at every call: a process forked after the kernels' threads started must not
+        # run them, minfer/kernels/)
+        fast = self.kernel is not None and kernels.active() is not None
+        if self.quantise_inputs:
+            if fast and self.qkernel is not None and self.shape[1] >= KERNEL_MIN_INNER:
+                return self._int8_product(x, out)
+            x = quantise_rows(xp, x)      # the same rounding, multiplied in float32 below
+        if fast and takes_kernel(x.shape[0], self.shape[1]):
+            x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            if self.scale is None:
+                self.kernel(x, self.bits, out)
+            else:
+                self.kernel(x, self.bits, self.scale, out)
+            return out
+        N = self.shape[0]
+        if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
+            if self.plain:
+                kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out)) if xp is np \
+                    else xp.matmul(x, self.stored.T, out=out)
+                return out
+            if xp is np:   # (BLAS only from the pool's threads: kernels.split's `blas`)
+                kernels.on_pool(lambda: self._widened_product(xp, x, out, 0, N, self.scratch))
+            else:
+                self._widened_product(xp, x, out, 0, N, self.scratch)
+            return out
+        count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
+        if self.plain:   # BLAS at one thread per part of the output columns
+            kernels.split(N, lambda i, a, b: xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
+                          count, blas=True)
+            return out
+        size = self.scratch.size // count
+        kernels.split(N, lambda i, a, b: self._widened_product(
+            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count, blas=True)
+        return out
+
+    def _int8_product(self, x: Any, out: Any) -> Any:
+        """The compiled int8 x int8 product, over as many input rows at a time as the scratch
+        holds quantised (all of a decoding step's; an encoder pass's in parts)."""
+        x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        if self._work is None:
+            self._work = self.scratch.view(np.uint8)
+        M, K = x.shape
+        if kernels.quantised_bytes(M, K, self._groups) <= self._work.size:   # (decoding)
+            self.qkernel(x, self.bits, self.scale, out, self._work)
+            return out
+        step = M
+        while step > 1 and kernels.quantised_bytes(step, K, self._groups) > self._work.size:
+            step = (step + 1) // 2
+        for a in range(0, M, step):
+            b = min(M, a + step)
+            self.qkernel(x[a:b], self.bits, self.scale, out[a:b], self._work)
+        return out
+
+    def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
+                         scratch: Any) -> None:
+        """Output columns start:stop of x @ self.T: widen blocks of stored rows into `scratch`,
+        apply their scales, and multiply each with BLAS. The scales go on the weights before
+        the product: the unscaled product (the output / scale, up to 127x the output) overflows
+        float16 (CUDA)."""
+        K = self.shape[1]
+        block = max(1, scratch.size // max(K, 1))
+        for j in range(start, stop, block):
+            e = min(stop, j + block)
+            w = scratch[:(e - j) * K].reshape(e - j, K)
+            self.widen(self.bits[j:e], w)
+            if self.scale is not None:
+                apply_scale(w, self.scale[j:e])
+            xp.matmul(x, w.T, out=out[:, j:e])
+
+    def rows(self, xp: Any, ids: Any, out: Any) -> Any:
+        """Rows `ids` (n,) as floats into out (n, K): embedding lookups. Off NumPy the stored
+        rows (and scales) are gathered through the scratch's bytes, so nothing is allocated."""
+        if self.plain:
+            return xp.take(self.stored, ids, axis=0, out=out)
+        if xp is np:
+            self.widen(self.bits[ids], out)
+            if self.scale is not None:
+                apply_scale(out, self.scale[ids])
+            return out
+        raw = self.scratch.view(np.uint8)
+        cols = self.bits.shape[1]
+        width = cols * self.bits.dtype.itemsize
+        scale_cols = 0 if self.scale is None else int(np.prod(self.scale.shape[1:], dtype=np.int64))
+        step = max(1, (raw.size - 2 * ALIGNMENT) // (width + 4 * max(scale_cols, 1)))
+        for a in range(0, ids.shape[0], step):   # rows at a time, and their scales
+            n = min(step, ids.shape[0] - a)
+            got = raw[:n * width].view(self.bits.dtype).reshape(n, cols)
+            xp.take(self.bits, ids[a:a + n], axis=0, out=got)
+            self.widen(got, out[a:a + n])
+            if self.scale is not None:
+                at = align_up(n * width)
+                scale = raw[at:at + 4 * n * max(scale_cols, 1)].view(np.float32)
+                scale = scale.reshape(n, scale_cols) if self.scale.ndim == 2 else scale
+                xp.take(self.scale, ids[a:a + n], axis=0, out=scale)
+                apply_scale(out[a:a + n], scale)
+        return out
+
+
+def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: Any, scratch: Any,
+         compiled: Any, int8_inputs: bool = False) -> Any:
+    """The stored arrays (on the device) of a slot in format `fmt` -> what `ops.linear`
+    multiplies by: the array itself when it is already in the compute dtype (and no kernel runs
+    it), else a PackedWeight. `compiled` is the compiled kernels on the CPU (`kernels.compiled()`:
+    the registry), or None; `int8_inputs`: compute="int8" (only quantised formats take it: the
+    backend checks)."""
+    w = arrays[name]
+    own = compiled.BY_FORMAT[fmt.name] if compiled is not None else None
+    if np.dtype(fmt.storage) == np.dtype(compute_dtype) and not fmt.scaled:
+        return w if own is None else PackedWeight(w, None, _widen_cast, own.product, None)
+    scale = arrays.get(name + SCALE_SUFFIX)
+    shape = fmt.logical_shape(w.shape)
+    if own is None:
+        return PackedWeight(w, scale, fmt.widen, None, scratch, shape=shape,
+                            quantise_inputs=int8_inputs)
+    bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
+    # the int4 kernels take whole blocks of 64 columns per group; other sizes widen
+    blocks = not fmt.grouped or int4_group(shape[1]) % 64 == 0
+    kernel = own.product if blocks else None
+    qkernel = own.int8_product if blocks and int8_inputs else None
+    return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, qkernel, int8_inputs)
+
+
+def scratch_bytes(fmt: WeightFormat, shape: tuple[int, int], compute_dtype: Any) -> int:
+    """Float scratch a block-widened product with this matrix needs (0 for plain arrays)."""
+    if np.dtype(fmt.storage) == np.dtype(compute_dtype) and not fmt.scaled:
+        return 0
+    return align_up(min(WIDEN_SCRATCH_BYTES, int(np.prod(shape)) * np.dtype(compute_dtype).itemsize))
