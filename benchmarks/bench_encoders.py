@@ -131,7 +131,8 @@ def write_encoder(folder: Path, config: dict) -> Path:
     (so that writing holds one layer in memory), unless already there."""
     if (folder / "model.safetensors.index.json").is_file():
         return folder
-    from minfer.models.t5.spec import T5Config, weight_table
+    from minfer.models.t5.config import T5Config
+    from minfer.models.t5.weights import weight_table
     folder.mkdir(parents=True, exist_ok=True)
     table = weight_table(T5Config.from_hf(config).with_parts((), "encoder", str(folder)))
     groups: dict[str, list[str]] = {}

@@ -62,7 +62,8 @@ def ensure_checkpoint(shape: str, attention: str) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from minfer.models.t5.spec import T5Config, weight_table
+    from minfer.models.t5.config import T5Config
+    from minfer.models.t5.weights import weight_table
     config = {**SHAPES[shape], "encoder_attention_type": attention}
     folder = b5.CHECKPOINTS / f"longt5-{attention}-{shape}"
     if (folder / "model.safetensors").is_file() and \
@@ -98,7 +99,8 @@ def worker(args) -> int:
     result: dict = {}
     if args.engine == "minfer":
         import minfer
-        from minfer.models.t5.spec import T5Config, run_bytes
+        from minfer.models.t5.buffers import run_bytes
+        from minfer.models.t5.config import T5Config
         cfg = T5Config.from_hf(config)
         result["plan"] = run_bytes(cfg, np.float32, 1, args.length, 1)["encoder_scratch"]
         model = minfer.load(args.model, workspace=result["plan"] + (64 << 20),

@@ -60,7 +60,8 @@ FLAN_T5_XXL = {**FLAN_T5_XL, "d_model": 4096, "num_heads": 64, "d_ff": 10240}
 def new_checkpoint(name: str, config: dict):
     """(folder, its T5 weight table) of a benchmark checkpoint to write, its config.json written;
     (folder, None) when its weights are there already."""
-    from minfer.models.t5.spec import T5Config, weight_table
+    from minfer.models.t5.config import T5Config
+    from minfer.models.t5.weights import weight_table
     folder = b5.CHECKPOINTS / name
     if (folder / "model.safetensors").is_file():
         return folder, None

@@ -7,7 +7,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from minfer.models.t5 import T5Config
-from minfer.models.t5.spec import weight_table
+from minfer.models.t5.weights import weight_table
 
 BASE = dict(model_type="t5", vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32,
             num_layers=2, num_decoder_layers=2, relative_attention_num_buckets=8,

@@ -79,11 +79,11 @@ def test_the_package_namespace_holds_only_its_public_names():
 
 def test_reorder_docstrings_name_what_plans_the_scratch():
     import minfer
-    from minfer.models.t5 import math as t5_math, spec as t5_spec
+    from minfer.models.t5 import buffers as t5_buffers, math as t5_math
     from minfer.models.transfo_xl import math as xl_math
     from test_cli import XL_BIN
-    assert "`spec.reorder_elements`" in t5_math.reorder_state.__doc__
-    assert callable(t5_spec.reorder_elements)
+    assert "`buffers.reorder_elements`" in t5_math.reorder_state.__doc__
+    assert callable(t5_buffers.reorder_elements)
     assert "`reorder_scratch`" in xl_math.reorder_memory.__doc__
     assert "reorder_scratch" in minfer.load(XL_BIN).plan(2, 8, 4)   # the part of XL's plan
 

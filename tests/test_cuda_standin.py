@@ -227,7 +227,7 @@ def test_t5_large_batch8_512_encode_uses_exactly_its_plan(strict_cuda):
     strict_cuda.reset(dry=True, memory=8 << 30)
     from minfer.devices import make_backend
     from minfer.models.t5 import T5Config, T5Model
-    from minfer.models.t5.spec import weight_table
+    from minfer.models.t5.weights import weight_table
     cfg = T5Config.from_hf(T5_LARGE)
     be = make_backend("cuda", "float16")
     model = T5Model.load(ZeroCheckpoint(T5_LARGE, weight_table(cfg)), be)
@@ -442,7 +442,7 @@ def test_steps_take_nothing_from_a_full_device_arena(strict_cuda, folder):
     # stepped alone; the arena now holds that pool for good
     import contextlib
 
-    from minfer.models.t5.spec import StepScratch
+    from minfer.models.t5.buffers import StepScratch
     m = minfer.load(folder, device="cuda", dtype="float32")
     be = m.backend
     ids, mask = m.batch(IDS)

@@ -12,9 +12,10 @@ from factories import write_t5
 import minfer
 from minfer.errors import CheckpointError, ConfigError
 from minfer.models.t5 import T5Config
-from minfer.models.t5 import spec as t5_spec
+from minfer.models.t5 import buffers as t5_buffers
+from minfer.models.t5.buffers import LongEncoderScratch, run_bytes
 from minfer.models.t5.long_attention import global_blocks
-from minfer.models.t5.spec import LongEncoderScratch, run_bytes, weight_table
+from minfer.models.t5.weights import weight_table
 
 FIXTURES = ROOT / "weights" / "longt5"
 CASES = sorted(p.name for p in FIXTURES.glob("*") if (p / "reference.npz").is_file())
@@ -74,8 +75,8 @@ def test_greedy_ids_match_batched_and_alone(case, models):
 def test_chunks_of_one_block_and_one_global_block_give_the_same_states(case, monkeypatch):
     """The chunk loops (queries a block at a time, global sums one block at a time) against the
     reference: every chunk boundary, the partial last block and the last global group."""
-    monkeypatch.setattr(t5_spec, "QUERY_ROWS", 1)
-    monkeypatch.setattr(t5_spec, "AGGREGATE_BLOCKS", 1)
+    monkeypatch.setattr(t5_buffers, "QUERY_ROWS", 1)
+    monkeypatch.setattr(t5_buffers, "AGGREGATE_BLOCKS", 1)
     ref = reference(case)
     got = minfer.load(FIXTURES / case).encode(ref["input_ids"], ref["attention_mask"])
     mask = ref["attention_mask"].astype(bool)

@@ -5,7 +5,7 @@ from factories import BASE, write_t5
 
 import minfer
 from minfer.models.t5 import math as t5
-from minfer.models.t5.spec import T5Config
+from minfer.models.t5.config import T5Config
 
 
 @pytest.mark.parametrize("rel,bucket", [(0, 0), (-1, 1), (-8, 8), (-16, 10), (-32, 12), (-64, 14),

@@ -108,7 +108,7 @@ def test_nullable_keys_take_their_default_and_ids_lists():
 
 
 def test_weight_table_fuses_folds_and_splits_the_cross_projections():
-    from minfer.models.t5.spec import weight_table
+    from minfer.models.t5.weights import weight_table
     from minfer.params.spec import Linear, Tensor, View
     cfg = t5.T5Config.from_hf({**BASE, "feed_forward_proj": "gated-gelu"})
     table = weight_table(cfg)
@@ -136,7 +136,7 @@ def test_weight_table_fuses_folds_and_splits_the_cross_projections():
 
 
 def test_parameter_count_is_every_checkpoint_tensor():
-    from minfer.models.t5.spec import weight_table
+    from minfer.models.t5.weights import weight_table
     cfg = t5.T5Config.from_hf(BASE)
     C, I, F, V, L = 16, 16, 32, 64, 2
     per_enc = 4 * C * I + 2 * C * F + 2 * C
@@ -147,7 +147,7 @@ def test_parameter_count_is_every_checkpoint_tensor():
 
 def test_buffer_sets_allocate_exactly_what_they_count():
     from minfer.arena import Arena, align_up
-    from minfer.models.t5.spec import DecodeBuffers, DecoderScratch, EncoderScratch, run_bytes
+    from minfer.models.t5.buffers import DecodeBuffers, DecoderScratch, EncoderScratch, run_bytes
     cfg = t5.T5Config.from_hf(BASE)
     arena = Arena("8MiB")
     for cls, args in ((EncoderScratch, (cfg, 2, 7, np.float32)),

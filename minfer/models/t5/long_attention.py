@@ -22,7 +22,7 @@ feed-forward, the decoder) is T5's, in math.py, which calls this file for the en
   in the block before position // global_block_size. The tokens after the last complete block
   join it; padding joins none.
 
-Memory stays linear in T: queries are taken in chunks of whole blocks (spec.QUERY_ROWS), so
+Memory stays linear in T: queries are taken in chunks of whole blocks (buffers.QUERY_ROWS), so
 the scores that exist at once are (B, H, rows, 3bl + G), and the global bias is gathered per
 chunk from a (H, 2G) table by distance (the reference materialises (B, H, T, G) and copies the
 global keys into every block). Cost: the local part is linear in T, the global part T * G =
@@ -46,7 +46,8 @@ import numpy as np
 
 from ... import ops
 from ...errors import InputError
-from .spec import LongEncoderScratch, LongShape, T5Config
+from .buffers import LongEncoderScratch, LongShape
+from .config import T5Config
 
 REFERENCE_MASK = -1e10  # the reference's additive mask value for LongT5's attention
 

@@ -9,7 +9,7 @@ and a tied head that sees the decoder output rescaled by d_model**-0.5.
 One block function serves every pass: the encoder (bidirectional self-attention), the teacher-
 forced decoder (causal self-attention over its own T positions, then cross-attention), and the
 incremental step (self-attention over the layer's KV cache, written at position t). Scratch
-comes from the caller's typed arena buffers (spec.py), and host inputs (ids, masks, bias tables)
+comes from the caller's typed arena buffers (buffers.py), and host inputs (ids, masks, bias tables)
 are uploaded into them: device work allocates nothing (on a GPU a temporary is arena memory the
 plan must count), and a step allocates nothing anywhere. LongT5's encoder runs the same block
 with its local / transient-global attention (long_attention.py).
@@ -33,8 +33,9 @@ import numpy as np
 
 from ... import ops
 from .long_attention import LongAttention
-from .spec import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch, PassScratch,
-                   T5Config, reorder_elements)
+from .buffers import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch,
+                      PassScratch, reorder_elements)
+from .config import T5Config
 
 FP16_MAX = float(np.finfo(np.float16).max)
 FP16_CLAMP = FP16_MAX - 1000  # HF T5's guard value, used once an inf has appeared
@@ -443,7 +444,7 @@ def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[Decode
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
     of the self-attention caches moves, one layer at a time, through one layer's scratch (planned:
-    `spec.reorder_elements`)."""
+    `buffers.reorder_elements`)."""
     n = len(rows)
     k = ops.compiled(be.xp, buf.self_k)
     if k is not None:  # one compiled pass per cache, the layers spread over the threads

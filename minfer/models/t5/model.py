@@ -13,7 +13,8 @@ from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
 from ..base import Model, as_batch
 from . import math as t5
-from .spec import FAMILY, DecodeBuffers, StepScratch
+from .buffers import DecodeBuffers, StepScratch
+from .spec import FAMILY
 
 
 class T5DecodeState(DecodeState):
