@@ -6,7 +6,7 @@ import pytest
 from minfer import hub
 from minfer.errors import ConfigError, MinferError
 from minfer.io.sentence_transformers import shown
-from minfer.models.transfo_xl.spec import XLConfig
+from minfer.models.transfo_xl.config import XLConfig
 
 LONG = 5000   # characters of a value: its message must stay a few hundred at most
 

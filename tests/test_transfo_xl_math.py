@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from minfer.models.transfo_xl import math as xl
-from minfer.models.transfo_xl.spec import XLConfig
+from minfer.models.transfo_xl.config import XLConfig
 
 
 @pytest.mark.parametrize("T,M", [(1, 0), (4, 0), (4, 3), (5, 9), (7, 2)])

@@ -9,7 +9,7 @@ from conftest import load_xl_reference as reference
 import minfer
 from minfer.errors import InputError
 from minfer.models.transfo_xl import math as xl_math
-from minfer.models.transfo_xl import spec as xl_spec
+from minfer.models.transfo_xl import weights as xl_weights
 
 TOL = 1e-4
 
@@ -57,7 +57,7 @@ def test_relative_key_table_equals_projecting_the_sinusoids(case, xl_models):
     be, cfg, params = model.backend, model.config, model.params
     no_table = {**params, **{f"r_table.{l}": params[f"r_table.{l}"][:0] for l in range(cfg.n_layer)}}
     for l, p in enumerate(params["layers"]):
-        for K in (1, cfg.mem_len + 1, xl_spec.r_table_rows(cfg), cfg.mem_len + cfg.tgt_len + 7):
+        for K in (1, cfg.mem_len + 1, xl_weights.r_table_rows(cfg), cfg.mem_len + cfg.tgt_len + 7):
             got = xl_math.relative_keys(be, cfg, params, l, p["w_r"], K)
             want = xl_math.relative_keys(be, cfg, no_table, l, p["w_r"], K)
             assert got.shape == (cfg.n_head, cfg.d_head, K)

@@ -4,7 +4,8 @@ from test_t5_spec import cases
 
 from minfer.errors import ConfigError
 from minfer.models.config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH
-from minfer.models.transfo_xl.spec import XLConfig, r_table_rows, weight_table
+from minfer.models.transfo_xl.config import XLConfig
+from minfer.models.transfo_xl.weights import r_table_rows, weight_table
 from minfer.params.spec import Linear, Tensor, View
 
 BASE = {"model_type": "transfo-xl", "vocab_size": 40, "cutoffs": [10, 20], "d_model": 8,

@@ -1,6 +1,7 @@
 """What every model family shares: the public façade, how it is loaded, and input batches.
 
-A family is a declaration plus math (models/<family>/spec.py and math.py). Its public class
+A family is a declaration plus math (models/<family>/: config.py, weights.py, buffers.py, tied
+together by spec.py's `Family`; and math.py). Its public class
 subclasses `Model`, points `spec` at the family's declaration (`family.Family`: config class,
 weight table, run sizes) and adds only what differs: `start_decoding` and the family's own API.
 Everything else is written here once: loading (check -> plan -> place, through

@@ -1,6 +1,7 @@
-"""Transformer-XL (transfo-xl-wt103): spec.py declares it, math.py computes it, model.py serves it."""
+"""Transformer-XL (transfo-xl-wt103): config.py, weights.py and buffers.py declare it (spec.py's
+Family ties them together), math.py computes it, model.py serves it."""
 
 from .model import SegmentMemory, XLDecodeState, XLModel, XLSession
-from .spec import XLConfig
+from .config import XLConfig
 
 __all__ = ["XLConfig", "XLModel", "XLSession", "SegmentMemory", "XLDecodeState"]

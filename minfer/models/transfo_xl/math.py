@@ -6,7 +6,7 @@ sinusoidal *relative* positions, score = (q+u).k + rel_shift((q+v).r) scaled by 
 post-norm (or pre-norm) residual blocks; a projected adaptive log-softmax head.
 
 The reference is time-major (T, B, C); everything here is batch-first and nothing is converted at
-run time. The segment memory is passed in as its buffers (`spec.MemoryBuffers`, the live rows)
+run time. The segment memory is passed in as its buffers (`buffers.MemoryBuffers`, the live rows)
 and its filled length: a call reads each layer's memory, then appends the layer's input to it.
 
 Shapes: B batch, T segment length, M memory length, K = M + T keys, H heads, D head dim,
@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 from ... import ops
-from .spec import LayerScratch, MemoryBuffers, XLConfig, sinusoids
+from .buffers import LayerScratch, MemoryBuffers
+from .config import XLConfig
+from .weights import sinusoids
 
 
 

@@ -18,8 +18,8 @@ from ...generation.protocol import DecodeState
 from ...generation.text import need_tokenizer, stream_tokens
 from ..base import Model
 from . import math as xl
-from .spec import (FAMILY, MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment,
-                   run_bytes)
+from .buffers import MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment, run_bytes
+from .spec import FAMILY
 
 
 class SegmentMemory:
