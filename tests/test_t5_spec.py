@@ -1,4 +1,4 @@
-"""T5's declaration (models/t5/spec.py): config parsing."""
+"""T5's declaration (models/t5/config.py, weights.py, buffers.py): config parsing."""
 import numpy as np
 import pytest
 from factories import BASE

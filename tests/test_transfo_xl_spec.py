@@ -1,4 +1,5 @@
-"""Transformer-XL's declaration (models/transfo_xl/spec.py): config checks and the weight table."""
+"""Transformer-XL's declaration (models/transfo_xl/config.py, weights.py): config checks and the
+weight table."""
 import pytest
 from test_t5_spec import cases
 
