@@ -178,7 +178,7 @@ def with_flags(message: str, flags: Mapping[str, str]) -> str:
     it is the message's subject (its start) or a keyword (dtype='int8'), not where it is English
     ("the model's prompts"). Names inside formulas (1/temperature, |length_penalty|) or quotes
     stay as they are."""
-    from minfer.generation.text import TRUNCATION_CURE
+    from minfer.generation.prompts import TRUNCATION_CURE
     message = message.replace("do_sample=False", "--greedy").replace("do_sample=True",
                                                                      "--do-sample")
     message = message.replace(TRUNCATION_CURE, "--truncate cuts it")

@@ -172,7 +172,7 @@ def generate(load, prompts, max_new_tokens,
     m.check_can_generate()   # an encoder-only model: one line, before any prompt is read
     _check_options(m, task, options)
     if m.tokenizer is None:
-        from minfer.generation.text import tokenizer_files  # the files this family would read
+        from minfer.generation.prompts import tokenizer_files  # the files this family would read
         fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")
     if bulk is not None:
         run_bulk(m, bulk, task, options)

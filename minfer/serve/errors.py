@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from ..errors import ArenaExhausted, InputError, NonFiniteError
-from ..generation.text import TRUNCATION_CURE
+from ..generation.prompts import TRUNCATION_CURE
 
 # OpenAI's `type` for each status it uses (their API reference's error codes).
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",

@@ -162,7 +162,7 @@ class T5Model(Model):
             texts = text_list(texts, "encode()")
             if attention_mask is not None:
                 raise InputError("encode(): attention_mask applies to token ids, not to text")
-            from ...generation.text import need_tokenizer
+            from ...generation.prompts import need_tokenizer
             tok = need_tokenizer(self, "encode() of text")
             if max_length is None:
                 rows = tok.encode_batch(texts)
