@@ -64,7 +64,7 @@ def lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
 
 def utf8(raw: bytes, where: str, offset: int) -> Any:
     """A line as text, or a BadRow naming the invalid byte by its offset in the stream."""
-    from minfer.generation.text import BadRow
+    from minfer.generation.planning import BadRow
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -162,7 +162,7 @@ def bulk_rows(stream: BinaryIO, bulk: Bulk) -> Iterator[tuple[Any, str, dict]]:
     first. Every line is a row (an empty one too: it fails as a row), so output line k always
     answers input line k and --resume can count."""
     from minfer.errors import InputError
-    from minfer.generation.text import BadRow
+    from minfer.generation.planning import BadRow
     from minfer.io.limits import parse_json
     for number, offset, raw in lines(stream):
         where = f"{bulk.name}: line {number}"

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import click
 import numpy as np
 
-from minfer.generation.text import take_window
+from minfer.generation.planning import take_window
 
 from .bulk import (Bulk, Progress, RecordShape, Resumed, bulk_options, bulk_rows, bulk_settings,
                    check_resume, close_files, is_number, kept_note, open_input, open_output,
@@ -32,7 +32,7 @@ from .common import (EXIT_USAGE, command_flags, emit, fail, load_model, quiet_on
                      read_text, with_flags, with_model_options)
 
 WINDOW = 256   # rows read, embedded and written at a time in bulk mode (and at most
-               # generation.text.WINDOW_CHARS characters of them)
+               # generation.planning.WINDOW_CHARS characters of them)
 NPY_HEADER = 128   # bytes of the .npy header we write: fixed, so it can be rewritten in place
 
 
@@ -117,7 +117,7 @@ def embed_window(m: Any, texts: list[Any], options: dict) -> list[np.ndarray | s
     """Each row's embedding, or its error (a BadRow's, or what embedding that row alone
     raised): one call for the rows that read well, row by row only if that call fails."""
     from minfer.errors import MinferError
-    from minfer.generation.text import BadRow
+    from minfer.generation.planning import BadRow
     good = [i for i, t in enumerate(texts) if not isinstance(t, BadRow)]
     out: list[np.ndarray | str] = [t.error if isinstance(t, BadRow) else "" for t in texts]
     try:

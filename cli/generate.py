@@ -221,7 +221,7 @@ def _stdin_prompts(stream: BinaryIO) -> Iterator[tuple[Any, str, str | None, int
     for number, offset, raw in lines(stream):
         where = f"stdin: line {number}"
         if raw is None:
-            from minfer.generation.text import BadRow
+            from minfer.generation.planning import BadRow
             yield BadRow(f"{where}: longer than {MAX_LINE_BYTES} bytes"), where, None, number
             continue
         text = utf8(raw, where, offset)

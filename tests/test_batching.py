@@ -10,7 +10,8 @@ import pytest
 import minfer
 from conftest import XL_FIXTURES, make_text_model_folder
 from minfer.errors import ArenaExhausted, InputError
-from minfer.generation.text import BadRow, plan_batches, run_iter
+from minfer.generation.planning import BadRow, plan_batches
+from minfer.generation.text import run_iter
 
 # lengths differ on purpose: sorting by length must not change which output belongs to which
 PROMPTS = ["a b c", "date: 1999 and more words here", "x", "one two three four five six seven",
@@ -187,9 +188,9 @@ def test_run_iter_reads_a_window_ahead_at_most_and_names_rows(text_model):
 
 def test_run_iter_windows_are_bounded_whatever_the_batch_size(text_model, monkeypatch):
     # a batch size of 65536 read a million prompts ahead; over an endless source nothing came out
-    from minfer.generation import text
-    monkeypatch.setattr(text, "WINDOW_ROWS", 64)
-    monkeypatch.setattr(text, "WINDOW_CHARS", 10**6)
+    from minfer.generation import planning
+    monkeypatch.setattr(planning, "WINDOW_ROWS", 64)
+    monkeypatch.setattr(planning, "WINDOW_CHARS", 10**6)
     read = []
 
     def endless(length):
@@ -199,7 +200,7 @@ def test_run_iter_windows_are_bounded_whatever_the_batch_size(text_model, monkey
 
     first = next(run_iter(text_model, endless(1), max_new_tokens=1, max_batch_size=65536))
     assert first[0].error is None and len(read) == 64            # the row bound
-    monkeypatch.setattr(text, "WINDOW_CHARS", 1000)
+    monkeypatch.setattr(planning, "WINDOW_CHARS", 1000)
     read.clear()
     out = run_iter(text_model, endless(60), max_new_tokens=1, max_batch_size=65536,
                    max_input_tokens=16, truncation=True)

@@ -4,16 +4,18 @@
 - options.py     the generation options, their checks and their precedence
 - processors.py  logits processors and the sampler (pure, vectorised)
 - search.py      greedy / sampled token loop and beam search
-- text.py        prompts in, text out, streamed; batches planned against the arena; the
-                 public `generate` and `run_iter` (any number of prompts, bounded memory)
+- prompts.py     what inputs may be; each prompt's checks; the tokenizer text input needs
+- planning.py    which prompts share a batch (memory-aware), the windows a stream is read in
+- text.py        prompts in, text out, streamed; the public `generate` and `run_iter` (any
+                 number of prompts, bounded memory)
 - batcher.py     continuous batching of requests that run at the same time
 """
 
 from .options import BatchOptions, DEFAULT_MAX_NEW_TOKENS, GenerationOptions, resolve_options
 from .protocol import DecodeState, DecodingModel, TokenIds
+from .planning import BadRow, plan_batches
 from .search import Hypothesis, beam_search, token_loop
-from .text import (BadRow, Result, StopMatcher, Stream, generate, plan_batches, run, run_iter,
-                   stream, stream_tokens)
+from .text import Result, StopMatcher, Stream, generate, run, run_iter, stream, stream_tokens
 
 __all__ = ["BatchOptions", "DEFAULT_MAX_NEW_TOKENS", "GenerationOptions", "resolve_options",
            "DecodeState", "DecodingModel", "TokenIds", "Hypothesis", "beam_search", "token_loop",
