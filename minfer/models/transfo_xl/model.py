@@ -16,7 +16,7 @@ from ...numerics import all_finite, first_bad_layer, non_finite, quiet
 from ...generation.options import resolve_options
 from ...generation.prompts import need_tokenizer
 from ...generation.protocol import DecodeState
-from ...generation.text import stream_tokens
+from ...generation.streaming import stream_tokens
 from ..base import Model
 from . import math as xl
 from .buffers import MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment, run_bytes
