@@ -7,7 +7,10 @@ weight table, run sizes) and adds only what differs: `start_decoding` and the fa
 Everything else is written here once: loading (check -> plan -> place, through
 params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the context manager,
 `batch`, `generate` and `repr`. `Model` implements generation's
-`DecodingModel` protocol explicitly, so generation never imports a model.
+`DecodingModel` protocol explicitly, so generation never imports a model. Generation calls back
+into the model because it drives the search (greedy, sampled, beam, steps of concurrent requests
+taken together) and asks the model only for each step's scores (`start_decoding`, then a state's
+`step` and `reorder`): the search is written once for every family, and no model imports it.
 """
 
 from __future__ import annotations
