@@ -45,7 +45,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -133,7 +133,8 @@ class Service:
 
     async def body(self, request: Request) -> dict[str, Any]:
         """The request's JSON object: sent as application/json (415 otherwise), at most
-        max_body_bytes (413), valid JSON (400)."""
+        max_body_bytes (413), valid JSON (400); _ClientGone if the client leaves before all
+        of it came."""
         given = request.headers.get("content-type")
         if given is None or given.split(";", 1)[0].strip().lower() != "application/json":
             shown = "none" if given is None else repr(given[:60])
@@ -145,12 +146,15 @@ class Service:
             raise APIError(413, f"the request body is {declared} bytes, more than this server's "
                            f"limit of {limit} (serve --max-body-size)")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is more than this server's limit of "
-                               f"{limit} bytes (serve --max-body-size)")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body is more than this server's limit "
+                                   f"of {limit} bytes (serve --max-body-size)")
+                chunks.append(chunk)
+        except ClientDisconnect:   # it left during the upload: as a client gone later (499)
+            raise _ClientGone() from None
         return parse_body(b"".join(chunks))
 
     async def wait(self, request: Request, job: jobs.Job, work: Awaitable[Any],

@@ -1,0 +1,57 @@
+"""`minfer serve` after a hostile test pass (issue 30's follow-ups): clients that leave during
+the upload, flag errors in the command line's words, error messages and params in the
+request's words, the warm-up, and what /metrics counts. Real server processes on 127.0.0.1 (a
+free port), bounded loops, every process stopped by its test."""
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+
+from serve_process import serving
+
+ROOT = Path(__file__).resolve().parents[1]
+DATES = ROOT / "weights" / "tiny-t5-dates"
+RECALL = ROOT / "weights" / "tiny-xl-recall"
+GENERATION = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions",
+             "/v1/embeddings": "embeddings"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving(DATES, "--max-input-tokens", "40") as s:
+        yield s
+
+
+def counted(server, endpoint: str, status: int) -> float:
+    return server.metrics().get(
+        f'minfer_requests_total{{endpoint="{endpoint}",status="{status}"}}', 0.0)
+
+
+def wait_until(condition, seconds=30):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.05)
+
+
+# -- a client that leaves during the upload ----------------------------------------------------
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+def test_a_client_leaving_during_the_upload_is_499_without_a_traceback(server, path):
+    endpoint = ENDPOINTS[path]
+    before = {status: counted(server, endpoint, status) for status in (499, 500)}
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         "application/json\r\nContent-Length: 100\r\n\r\n{\"x\":".encode())
+    wait_until(lambda: counted(server, endpoint, 499) - before[499] == 20)
+    assert counted(server, endpoint, 500) == before[500]
+    log = server.output()
+    assert "Traceback" not in log and "ClientDisconnect" not in log and "request failed" \
+        not in log, log
