@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import click
 
-from minfer.errors import InputError
-from minfer.serve.limits import Limits, clean_api_key
+from minfer.errors import ConfigError, InputError
+from minfer.serve.limits import Limits, check_grace_period, clean_api_key
 
-from .common import EXIT_USAGE, fail, load_model, with_model_options
+from .common import EXIT_USAGE, command_flags, fail, load_model, with_flags, with_model_options
 
 _DEFAULTS = Limits()
 
@@ -75,7 +75,14 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
         host_names(allowed_hosts)
     except InputError as e:
         fail(str(e).replace("allowed host", "--allowed-host"), EXIT_USAGE)
-    max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
+    try:   # every serving limit before the port and the model: a usage error naming its flag
+        max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
+        Limits(max_running=max_running, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
+               max_tokens=max_tokens, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
+               request_timeout=request_timeout).check_values()
+        check_grace_period(grace_period)
+    except (ConfigError, InputError) as e:
+        fail(with_flags(str(e), command_flags(max_body_bytes="max_body_size")), EXIT_USAGE)
     try:   # before the model loads: a taken port is said at once, not after minutes of loading
         sock = bind(host, port)
     except OSError as e:   # the address is taken, or not ours to bind

@@ -4,6 +4,8 @@ request's words, the warm-up, and what /metrics counts. Real server processes on
 free port), bounded loops, every process stopped by its test."""
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,3 +57,19 @@ def test_a_client_leaving_during_the_upload_is_499_without_a_traceback(server, p
     log = server.output()
     assert "Traceback" not in log and "ClientDisconnect" not in log and "request failed" \
         not in log, log
+
+
+# -- flag errors: exit 2, naming the flag --------------------------------------------------------
+@pytest.mark.parametrize("args, flag", [
+    (["--max-body-size", "0"], "--max-body-size"), (["--max-body-size", "0.1"], "--max-body-size"),
+    (["--max-body-size", "1ZiB"], "--max-body-size"), (["--max-body-size", "-5"], "--max-body-size"),
+    (["--request-timeout", "nan"], "--request-timeout"),
+    (["--request-timeout", "inf"], "--request-timeout"),
+    (["--grace-period", "nan"], "--grace-period"), (["--grace-period", "inf"], "--grace-period")])
+def test_a_bad_serving_flag_is_a_usage_error_naming_it_before_the_model_loads(args, flag):
+    proc = subprocess.run([sys.executable, "-m", "minfer", "serve", "-m", str(ROOT / "no-model"),
+                           "--port", "0", *args], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert flag in lines[0] and "_" not in lines[0].split(", got")[0], lines[0]
+    assert "no-model" not in lines[0]   # said before the model is looked for

@@ -41,6 +41,15 @@ class Limits:
     def checked(self, model: Any) -> "Limits":
         """Each limit a positive number (one-line InputError naming it); max_input_tokens
         settled from the model when unset."""
+        self.check_values()
+        if self.max_input_tokens is None:
+            return replace(self, max_input_tokens=longest_prompt(model, self.max_tokens))
+        return self
+
+    def check_values(self) -> None:
+        """Each limit a positive number (max_waiting: at least 0; request_timeout: finite): a
+        one-line InputError naming it. Needs no model: `serve` checks its flags before it
+        loads one."""
         for name in ("max_running", "max_waiting", "max_body_bytes", "max_tokens",
                      "max_inputs", "max_input_tokens"):
             value = getattr(self, name)
@@ -52,9 +61,14 @@ class Limits:
                 not (math.isfinite(timeout) and timeout > 0):
             raise InputError(f"request_timeout must be a positive number of seconds, got "
                              f"{timeout!r:.40}")
-        if self.max_input_tokens is None:
-            return replace(self, max_input_tokens=longest_prompt(model, self.max_tokens))
-        return self
+
+
+def check_grace_period(seconds: Any) -> None:
+    """SIGTERM's grace period: a finite number of seconds, at least 0 (one-line InputError)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not (math.isfinite(seconds) and seconds >= 0):
+        raise InputError(f"grace_period must be a finite number of seconds, at least 0, got "
+                         f"{seconds!r:.40}")
 
 
 def longest_prompt(model: Any, max_tokens: int) -> int:

@@ -63,8 +63,10 @@ def serve(application: Any, host: str = "127.0.0.1", port: int = 8000, *,
     `bind`; it is closed at the end) or else on host:port."""
     import uvicorn
 
+    from .limits import check_grace_period
     from .routes import Service, host_names
-    host_names(allowed_hosts)   # a bad name is refused before anything is bound
+    host_names(allowed_hosts)   # a bad name or grace period is refused before anything is bound
+    check_grace_period(grace_period)
     sock = sock if sock is not None else bind(host, port)
     try:
         service = getattr(getattr(application, "state", None), "service", None)
