@@ -30,7 +30,7 @@ def test_no_silent_twenty_token_cap():
 
 
 @pytest.mark.parametrize("bad,needle", [
-    ({"temperature": 0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
     ({"num_beams": 0}, "num_beams"), ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"num_return_sequences": 3, "num_beams": 2}, "num_return_sequences"),
     ({"min_new_tokens": 9, "max_new_tokens": 3}, "exceeds"), ({"colour": 1}, "unknown generation option"),
@@ -75,7 +75,6 @@ def bad_option_values():
             yield name, low - (low or 1) * 1e-3 if low else -1e-3    # just below the range
             yield name, high * 1.001 if high else 1e-3                # just above it
     yield "temperature", 1e-46                                          # float32 rounds it to 0
-    yield "temperature", 0
     yield "top_p", 0
     for v in ["no", "false", "True", 0, 1, 1.0, np.int64(1), [True]]:
         yield "do_sample", v
@@ -83,6 +82,20 @@ def bad_option_values():
         yield "early_stopping", v
     for v in [b"x", [b"x"], [1], [""], "", 5, [None], ("a", 2), {"a"}, [["a"]]]:
         yield "stop", v
+
+
+def test_temperature_zero_is_greedy_decoding_wherever_it_comes_from():
+    """OpenAI's API, the server and the CLI read temperature 0 as greedy; the library did not
+    (a call's 0 was refused, and so was a checkpoint whose generation_config.json says 0)."""
+    for model, call in ((FakeModel(), {"temperature": 0}),
+                        (FakeModel({}, {"temperature": 0.0}), {}),
+                        (FakeModel({}, {"temperature": 0, "do_sample": True}), {}),
+                        (FakeModel({}, {"do_sample": True}), {"temperature": 0})):
+        opts, _ = g.resolve_options(model, **call)
+        assert opts.do_sample is False and opts.temperature == 1.0, (model, call)
+    with pytest.raises(InputError, match="temperature 0 is greedy decoding: it does not combine "
+                                         "with do_sample=True"):
+        g.resolve_options(FakeModel(), temperature=0, do_sample=True)
 
 
 @pytest.mark.parametrize("name,value", [pytest.param(n, v, id=f"{n}={v!r:.25}")

@@ -9,7 +9,8 @@ Types are strict (a wrong type is refused, never coerced): integers are ints or 
 (not bools, not floats), numbers also take floats and NumPy floats, switches are bools (or NumPy
 bools). A bad value from a call is an `InputError` naming the option; from the checkpoint's files
 a `ConfigError` naming the file and the key. Bounds keep every score finite:
-- temperature in (0, 1e3], and not so small that float32 rounds it to 0. Plain sampling divides
+- temperature in (0, 1e3], and not so small that float32 rounds it to 0 (exactly 0 means greedy
+  decoding, as OpenAI's API reads it: `_temperature_zero_is_greedy`). Plain sampling divides
   scores shifted to a maximum of 0 (search.token_loop), so any such temperature works: a tiny one
   is greedy decoding. Sampled beam search accumulates scores scaled by 1/temperature, which must
   stay far above its -1e9 "impossible" offset: there temperature >= 1e-3.
@@ -282,6 +283,21 @@ def split_batch_options(options: dict[str, Any]) -> tuple[BatchOptions, dict[str
     return BatchOptions(**given).validate(), rest
 
 
+def _temperature_zero_is_greedy(settings: dict[str, Any], origin: dict[str, str]) -> None:
+    """temperature 0 means greedy decoding, as OpenAI's API, the server and the CLI read it and as
+    transformers treats a checkpoint's `temperature: 0` beside greedy settings: the temperature
+    is dropped and sampling is off. Only a sampling asked for in the same call conflicts."""
+    t = settings.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
+        return
+    if settings.get("do_sample") is True and "do_sample" not in origin:   # the call's own
+        raise InputError("temperature 0 is greedy decoding: it does not combine with "
+                         "do_sample=True (give a temperature above 0 to sample)")
+    settings.pop("temperature")
+    origin.pop("temperature", None)
+    settings["do_sample"] = False
+
+
 def resolve_options(model: DecodingModel, task: str | None = None, **overrides: Any) -> tuple[GenerationOptions, str]:
     """Options from (lowest first) minfer's defaults, config.json's generation keys, the checkpoint's
     generation_config.json, the task's task_specific_params, then explicit arguments (None = unset).
@@ -335,6 +351,7 @@ def resolve_options(model: DecodingModel, task: str | None = None, **overrides: 
         take(_from_hf(params, source), source)
     calls = {k: v for k, v in overrides.items() if v is not None}
     take(calls, None)
+    _temperature_zero_is_greedy(settings, origin)
     # a minimum from the checkpoint's files yields to the call's maximum (it is not an error of
     # the caller's); a call's own min > max is refused by validate()
     lo, hi = settings.get("min_new_tokens", 0), settings.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
