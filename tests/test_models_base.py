@@ -3,6 +3,7 @@ import re
 
 import numpy as np
 import pytest
+from conftest import ROOT
 from factories import write_t5
 
 import minfer
@@ -139,3 +140,34 @@ def test_attention_mask_goes_with_ids_only(tmp_path):
         model.generate([[3, 4], [5, 6]], attention_mask=np.ones((2, 3), np.int64))
     ids = model.generate([[3, 4], [5, 6]], attention_mask=np.array([[1, 1], [1, 0]]), max_new_tokens=2)
     assert len(ids) == 2
+
+
+@pytest.mark.parametrize("args", [(-1, 5, 5), ("2", 5, 5), (2.5, 5, 5), (True,), (1, 0), (1, 5, -1),
+                                  (1, 10**41)])
+def test_plan_refuses_sizes_that_are_not_integers_in_range(args):
+    """A negative batch planned negative bytes; a string batch repeated itself into a number
+    hundreds of digits long."""
+    import minfer
+    from minfer.errors import InputError
+    for folder in ("tiny-t5-dates", "tiny-xl-recall"):
+        m = minfer.load(ROOT / "weights" / folder)
+        with pytest.raises(InputError, match=r"^plan\(\): \w+ must be an integer in \["):
+            m.plan(*args)
+
+
+def test_encode_to_a_max_length_beyond_the_arena_fails_before_padding_anything():
+    """encode(padding='max_length', max_length=10**9) padded the ids first: 8 GB of ids, then a
+    (1, 10**9, C) result, before the arena said no (the process was killed at 22 GB)."""
+    import tracemalloc
+
+    import minfer
+    from minfer.errors import ArenaExhausted
+    m = minfer.load(ROOT / "weights" / "tiny-t5-dates")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArenaExhausted, match="encode\\(\\): one row of max_length 1000000000"):
+            m.encode("date: 1999", padding="max_length", max_length=10**9)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    assert m.encode("date: 1999", padding="max_length", max_length=16).shape[:2] == (1, 16)

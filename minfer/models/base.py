@@ -145,6 +145,7 @@ class Model(OwnsWeights, DecodingModel):
              max_new_tokens: int | None = None) -> dict[str, int]:
         """Arena bytes a run of this shape needs (pure: nothing is allocated): named parts and
         their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
+        check_plan_arguments(batch, input_len, max_new_tokens)
         return self.spec.run_bytes(self.config, self.backend.dtype, batch, input_len,
                                    max_new_tokens)
 
@@ -218,6 +219,21 @@ class Model(OwnsWeights, DecodingModel):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.folder!r}, {self.config.summary()}, "
                 f"device={self.backend.device!r})")
+
+
+PLAN_MAX = 1 << 40   # rows or tokens a plan is asked about, at most (byte counts stay int64)
+
+
+def check_plan_arguments(batch: Any, input_len: Any, max_new_tokens: Any) -> None:
+    """plan()'s sizes are integers in range (a negative batch planned negative bytes, a string
+    batch repeated itself into a number hundreds of digits long), or a one-line InputError."""
+    for name, value, low in (("batch", batch, 1), ("input_len", input_len, 1),
+                             ("max_new_tokens", max_new_tokens, 0)):
+        if value is None and name != "batch":
+            continue
+        if not is_integer(value) or not low <= int(value) <= PLAN_MAX:
+            raise InputError(f"plan(): {name} must be an integer in [{low}, {PLAN_MAX}], "
+                             f"got {shown(value)}")
 
 
 def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",

@@ -7,11 +7,11 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ...errors import InputError, NonFiniteError
+from ...errors import ArenaExhausted, InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
-from ..base import Model, as_batch
+from ..base import PLAN_MAX, Model, as_batch
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
 from .spec import FAMILY
@@ -130,6 +130,16 @@ class T5Model(Model):
         return first_non_finite(be.xp, lambda probe: t5.encode(be, self.config, self.params, ids,
                                                                mask, out, probe))
 
+    def _check_row_fits(self, length: int) -> None:
+        """One row of `length` tokens fits the encoder pass in the arena's free bytes when
+        nothing else runs, else ArenaExhausted now (not after ids, mask and a (B, T, C) result
+        of that length were allocated outside the arena)."""
+        need = self.plan(1, min(length, PLAN_MAX))["encoder_scratch"]
+        if need > self.free_when_idle:
+            arena = self.backend.arena
+            raise ArenaExhausted(arena.name, need, self.free_when_idle, arena.capacity,
+                                 f"encode(): one row of max_length {length} tokens")
+
     def _rows_per_pass(self, batch: int, length: int) -> int:
         """The most rows of `length` tokens whose encoder pass fits the arena's free bytes (at
         least 1: a row that does not fit fails in the arena, naming the bytes)."""
@@ -148,6 +158,8 @@ class T5Model(Model):
             raise InputError(f"encode(): max_length must be a positive integer, got {max_length!r:.40}")
         if padding == "max_length" and max_length is None:
             raise InputError("encode(): padding='max_length' needs max_length")
+        if padding == "max_length":   # before any row is padded to it (10**9: 8 GB of ids alone)
+            self._check_row_fits(max_length)
         if truncation and max_length is None:
             raise InputError("encode(): truncation=True needs max_length")
         from ...embedding import given, text_list

@@ -17,7 +17,7 @@ from ...generation.options import resolve_options
 from ...generation.prompts import need_tokenizer
 from ...generation.protocol import DecodeState
 from ...generation.streaming import stream_tokens
-from ..base import Model
+from ..base import Model, check_plan_arguments
 from . import math as xl
 from .buffers import MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment, run_bytes
 from .spec import FAMILY
@@ -117,6 +117,7 @@ class XLModel(Model):
         `start_decoding` will take: one call when that call and the memory fit the arena's
         free bytes when nothing else runs, else tgt_len segments (a busy arena may make
         `start_decoding` take segments where the plan counted one call: less, never more)."""
+        check_plan_arguments(batch, input_len, max_new_tokens)
         cfg, dtype = self.config, self.backend.dtype
         whole = input_len is not None and (
             MemoryBuffers.nbytes(cfg, batch, dtype) + prompt_call_bytes(cfg, dtype, batch, input_len)
