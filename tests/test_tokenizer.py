@@ -743,3 +743,21 @@ def test_a_tokenizer_file_that_is_no_readable_file_is_named_not_skipped(tmp_path
     if name == "tokenizer.json":   # the first file has_tokenizer looks for
         with pytest.raises(TokenizerError, match="not a readable file"):
             has_tokenizer(folder)
+
+
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_a_tokenizer_json_the_library_cannot_run_is_a_one_line_error(tmp_path, post_processor):
+    """A Unigram model without its unk token: the library raises a bare Exception ("Encountered
+    an unknown token but unk_id is missing"), at load (the post-processor probe) or at the first
+    encode; minfer names the file in a TokenizerError."""
+    folder = tmp_path / "tok"
+    shutil.copytree(TINY, folder)
+    (folder / "spiece.model").unlink()
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"] = {"type": "Unigram", "vocab": []}
+    if not post_processor:
+        data["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: the tokenizer cannot encode with "
+                                             r"it: Encountered an unknown token"):
+        load_tokenizer(folder).encode("date: 1999")

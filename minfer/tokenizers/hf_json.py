@@ -83,8 +83,9 @@ class JsonTokenizer(LibraryTokenizer):
         `[CLS]`; T5's puts none), found by encoding a probe with and without them."""
         if self._tok.post_processor is None:
             return ()
-        plain = self._tok.encode("a", add_special_tokens=False).ids
-        full = self._tok.encode("a", add_special_tokens=True).ids
+        with self._library_errors("encode"):
+            plain = self._tok.encode("a", add_special_tokens=False).ids
+            full = self._tok.encode("a", add_special_tokens=True).ids
         for start in range(len(full) - len(plain) + 1):
             if plain and full[start:start + len(plain)] == plain:
                 return tuple(full[:start])

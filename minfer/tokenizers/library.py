@@ -6,9 +6,11 @@ encoded, decoded and looked up the same way.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
+from ..errors import TokenizerError
 from .added import ConfigTokens, token_state
 from .base import MissingLibrary, Tokenizer, check_text
 
@@ -65,17 +67,34 @@ class LibraryTokenizer(Tokenizer):
         self._rstrip_texts = tuple(t.content for t in added.values() if t.rstrip)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        with self._library_errors("encode"):
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    @contextlib.contextmanager
+    def _library_errors(self, what: str) -> Iterator[None]:
+        """The library raises a bare Exception for a model its file declares but cannot run (a
+        Unigram vocabulary without its unk token: "Encountered an unknown token but unk_id is
+        missing"): a one-line TokenizerError naming the file instead."""
+        try:
+            yield
+        except TokenizerError:
+            raise
+        except Exception as e:   # (the Rust library's errors carry no finer type)
+            text = " ".join(str(e).split())[:200]
+            raise TokenizerError(f"{self.path}: the tokenizer cannot {what} with it: "
+                                 f"{text}") from None
 
     def encode_batch(self, texts: Iterable[str], add_eos: bool = True) -> list[list[int]]:
         texts = list(texts)
         for k, t in enumerate(texts):
             check_text(t, f"encode_batch(): text {k}")
-        out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        with self._library_errors("encode"):
+            out = [list(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         return [self.around(ids) for ids in out] if add_eos else out
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+        with self._library_errors("decode"):
+            return self._tok.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
