@@ -73,3 +73,17 @@ def test_a_bad_serving_flag_is_a_usage_error_naming_it_before_the_model_loads(ar
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert flag in lines[0] and "_" not in lines[0].split(", got")[0], lines[0]
     assert "no-model" not in lines[0]   # said before the model is looked for
+
+
+# -- errors in the request's words -------------------------------------------------------------
+@pytest.mark.parametrize("part, said", [({"type": "text"}, "text is missing"),
+                                        ({"type": "text", "text": 5}, "text must be a string"),
+                                        ({"type": "text", "text": None}, "text is missing")])
+def test_a_text_part_without_its_text_says_so(part, said):
+    from minfer.serve.chat import chat_prompt
+    from minfer.serve.errors import APIError
+    with pytest.raises(APIError) as e:
+        chat_prompt([{"role": "user", "content": [{"type": "text", "text": "a"}, part]}])
+    assert e.value.param == "messages[0].content[1].text"
+    assert e.value.message.startswith(f"messages[0].content[1].{said}"), e.value.message
+    assert "only text parts" not in e.value.message

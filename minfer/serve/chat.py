@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..generation.options import shown
 from .errors import APIError
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -64,12 +65,15 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, list) and content:
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise APIError(400, f"{where}[{j}]: only text parts are supported, got "
                                f"{kind!r:.40}", param=f"{where}[{j}]")
-            texts.append(part["text"])
+            text = part.get("text")
+            if not isinstance(text, str):   # a text part, but without its text
+                said = "is missing" if text is None else f"must be a string, got {shown(text)}"
+                raise APIError(400, f"{where}[{j}].text {said}", param=f"{where}[{j}].text")
+            texts.append(text)
         return "\n".join(texts)
     raise APIError(400, f"{where} must be a string or a non-empty list of text parts",
                    param=where)
