@@ -87,3 +87,31 @@ def test_a_text_part_without_its_text_says_so(part, said):
     assert e.value.param == "messages[0].content[1].text"
     assert e.value.message.startswith(f"messages[0].content[1].{said}"), e.value.message
     assert "only text parts" not in e.value.message
+
+
+@pytest.fixture(scope="module")
+def dates_model():
+    import minfer
+    return minfer.load(DATES)
+
+
+@pytest.mark.parametrize("body, said", [
+    ({"n": 2}, "n 2 (more than one sequence per prompt) needs sampling (temperature above 0)"),
+    ({"n": 2, "temperature": 0}, "needs sampling (temperature above 0) or beam search"),
+    ({"n": 3, "num_beams": 2, "temperature": 1}, "n 3 is more than the beam width 2")])
+def test_more_sequences_than_beams_is_said_in_the_requests_words(dates_model, body, said):
+    from minfer.serve import schema
+    from minfer.serve.errors import APIError
+    with pytest.raises(APIError) as e:
+        schema.settle(dates_model, schema.completion_request({"prompt": "a", **body}, 64, 64),
+                      64)
+    assert e.value.param == "n" and said in e.value.message, e.value.message
+    assert "num_return_sequences" not in e.value.message and "do_sample" not in e.value.message
+
+
+def test_library_option_names_become_request_fields():
+    from minfer.serve.errors import in_request_words
+    said = in_request_words("temperature 0.0001 is too low for sampled beam search (>= 0.001: "
+                            "beam scores scale as 1/temperature); for the best beams use "
+                            "do_sample=False")
+    assert said.endswith("for the best beams use temperature 0"), said

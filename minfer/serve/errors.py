@@ -57,10 +57,28 @@ def from_exception(e: BaseException, param: str | None = None) -> APIError:
     return APIError(500, f"{type(e).__name__}: {e}", code="internal_error")
 
 
+# generate's "more sequences than beams" check, as the request's fields say it
+_SEQUENCES = re.compile(r"num_return_sequences \((\d+)\) must not exceed num_beams \((\d+)\) "
+                        r"unless sampling without beams")
+
+
+def _sequences_in_request_words(m: re.Match) -> str:
+    n, beams = m.group(1), int(m.group(2))
+    if beams == 1:
+        return (f"n {n} (more than one sequence per prompt) needs sampling (temperature above "
+                f"0) or beam search of at least n beams (use_beam_search with best_of)")
+    return (f"n {n} is more than the beam width {beams}: beam search returns some of its beams "
+            f"(best_of at least n), only sampling without beam search draws more")
+
+
 def in_request_words(message: str) -> str:
     """A library message with the request's field where it names a Python option: a prompt
-    over the server's prompt limit is cut by `truncate_prompt_tokens`, not `truncation=True`."""
+    over the server's prompt limit is cut by `truncate_prompt_tokens`, not `truncation=True`;
+    n, not num_return_sequences; a temperature, not do_sample."""
     message = re.sub(r"\bmax_input_tokens (\d+)", r"the server's limit of \1 prompt tokens", message)
+    message = _SEQUENCES.sub(_sequences_in_request_words, message)
+    message = message.replace("do_sample=False", "temperature 0").replace(
+        "do_sample=True", "a temperature above 0")
     return message.replace(TRUNCATION_CURE, "truncate_prompt_tokens cuts it")
 
 

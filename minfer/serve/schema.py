@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..errors import InputError
 from ..generation.options import BATCH_OPTION_NAMES, is_integer, resolve_options, shown
 from .chat import chat_prompt
-from .errors import APIError
+from .errors import APIError, in_request_words
 from .limits import Limits
 
 DEFAULT_MAX_INPUTS = Limits.max_inputs
@@ -253,7 +253,7 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int,
         settled, _ = resolve_options(model, **{k: v for k, v in options.items()
                                                if k not in BATCH_OPTION_NAMES})
     except InputError as e:
-        raise APIError(400, str(e), param=field_of(str(e))) from None
+        raise APIError(400, in_request_words(str(e)), param=field_of(str(e))) from None
     if "num_beams" not in options:   # the checkpoint's beam width: the request's check saw none
         _check_sequences(len(request.prompts), settled.num_return_sequences,
                          (settled.num_beams, "num_beams"), max_inputs,
