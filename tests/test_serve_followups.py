@@ -115,3 +115,17 @@ def test_library_option_names_become_request_fields():
                             "beam scores scale as 1/temperature); for the best beams use "
                             "do_sample=False")
     assert said.endswith("for the best beams use temperature 0"), said
+
+
+@pytest.mark.parametrize("body, said", [
+    ('{"input": ["a b", "\\ud800"]}', "input[1]: character 0 ('\\ud800') is a lone surrogate"),
+    (json.dumps({"input": ["a b", "a " * 200]}), "input[1]: 201 tokens, more than this "
+                                                 "server's limit of 40")])
+def test_an_embedding_input_the_server_refuses_is_named_as_the_request_sent_it(server, body,
+                                                                               said):
+    with server.client() as http:
+        r = http.post("/v1/embeddings", content=body,
+                      headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "input", error
+    assert error["message"].startswith(said) and "encode()" not in error["message"], error

@@ -23,6 +23,7 @@ many streams, or embedding many windows, stops as soon as it is past its time.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..embedding import token_counts
+from ..embedding import check_can_embed, token_counts
 from ..errors import Cancelled, InputError
 from ..generation import Result, run
 from ..generation.batcher import batcher_of
@@ -174,7 +175,8 @@ def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[n
     job.check()
     model = job.model
     texts = request.texts
-    counts = token_counts(model, texts)
+    check_can_embed(model)
+    counts = [_token_count(model, text, i) for i, text in enumerate(texts)]
     for i, n in enumerate(counts):
         if n > max_input_tokens:
             raise InputError(f"input[{i}]: {n} tokens, more than this server's limit of "
@@ -184,3 +186,14 @@ def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[n
         job.check()
         windows.append(model.embed(texts[start:start + EMBED_WINDOW]))
     return np.concatenate(windows), sum(counts)
+
+
+def _token_count(model: Any, text: str, i: int) -> int:
+    """One input's token count; a text the tokenizer refuses (a lone surrogate, a word not in
+    its vocabulary) is an InputError naming the input, in the request's words (not the
+    library call's, "encode():")."""
+    try:
+        return token_counts(model, [text])[0]
+    except InputError as e:
+        reason = re.sub(r"^[a-z_]+\(\)(: | )", "", str(e))
+        raise InputError(f"input[{i}]: {reason}") from None

@@ -357,7 +357,7 @@ async def _embeddings(service: Service, request: Request) -> Response:
     except _ClientGone:
         return _client_gone(request)
     except Exception as e:
-        return error_response(_api_error(e))
+        return error_response(_api_error(e, "input"))
     finally:
         if job is not None:
             service.finished(job)

@@ -267,11 +267,11 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int,
 
 
 def field_of(message: str, prompt_field: str = "prompt") -> str | None:
-    """The request field a library message's leading name stands for ("inputs": the prompts,
-    which the request sent as `prompt_field`)."""
+    """The request field a library message's leading name stands for ("inputs": the prompts or
+    texts, which the request sent as `prompt_field`)."""
     word = re.match(r"[a-z_]+", message)
     name = word.group(0) if word else ""
-    if name == "inputs":
+    if name in ("inputs", prompt_field):
         return prompt_field
     return _FIELD_OF.get(name, name if name in _SAME_NAME else None)
 
