@@ -129,3 +129,22 @@ def test_an_embedding_input_the_server_refuses_is_named_as_the_request_sent_it(s
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "input", error
     assert error["message"].startswith(said) and "encode()" not in error["message"], error
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "zzqx", "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["zzqx"], "max_tokens": 2, "stream": True}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "zzqx"}],
+                              "max_tokens": 2}, "messages")])
+def test_a_word_a_word_level_vocabulary_lacks_is_the_prompts_fault(xl_server, path, body, param):
+    with xl_server.client() as http:
+        r = http.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert "'zzqx' is not in the vocabulary" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def xl_server():
+    with serving(RECALL) as s:
+        yield s

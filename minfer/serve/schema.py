@@ -268,10 +268,13 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int,
 
 def field_of(message: str, prompt_field: str = "prompt") -> str | None:
     """The request field a library message's leading name stands for ("inputs": the prompts or
-    texts, which the request sent as `prompt_field`)."""
+    texts, which the request sent as `prompt_field`; so does a word-level tokenizer's "word ...
+    is not in the vocabulary", which names no row)."""
     word = re.match(r"[a-z_]+", message)
     name = word.group(0) if word else ""
     if name in ("inputs", prompt_field):
+        return prompt_field
+    if name == "word" and "not in the vocabulary" in message:   # the tokenizer's, on a prompt
         return prompt_field
     return _FIELD_OF.get(name, name if name in _SAME_NAME else None)
 
