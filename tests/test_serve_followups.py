@@ -148,3 +148,12 @@ def test_a_word_a_word_level_vocabulary_lacks_is_the_prompts_fault(xl_server, pa
 def xl_server():
     with serving(RECALL) as s:
         yield s
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions/"), ("POST", "/v1/embeddings/"),
+                                          ("GET", "/health/"), ("GET", "/v1/models/")])
+def test_a_path_with_a_trailing_slash_is_a_json_404(server, method, path):
+    with server.client() as http:
+        r = http.request(method, path, json={"prompt": "a", "input": "a"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert path in r.json()["error"]["message"]

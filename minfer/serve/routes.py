@@ -594,5 +594,8 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
     application = Starlette(routes=_routes(service), middleware=middleware, lifespan=lifespan,
                             exception_handlers={HTTPException: _http_error,
                                                 Exception: _server_error})
+    # a path with a trailing slash is no endpoint: a JSON 404, not Starlette's bodiless 307 to
+    # the path without it (which clients do not follow for a POST)
+    application.router.redirect_slashes = False
     application.state.service = service
     return application
