@@ -1,7 +1,8 @@
 """Bulk mode (`generate --input PATH [--output PATH]`): input rows -> JSON Lines records, read and
 written as it goes (a window of rows at a time), so memory stays flat however long the input; an
 interrupted run continues with --resume, which recognises its own output (each line a record
-this command writes for that input line) and refuses any other file, leaving it as it was. Also
+this command writes for that input line: its copied fields and its prompt, which every record
+names, equal to that line's) and refuses any other file, leaving it as it was. Also
 the line reader and the in-order decoding that the
 batched stdin output shares.
 
@@ -157,10 +158,18 @@ def _same_file(input_path: str, output_path: str) -> bool:
         return False
 
 
-def bulk_rows(stream: BinaryIO, bulk: Bulk) -> Iterator[tuple[Any, str, dict]]:
+def bulk_rows(stream: BinaryIO, bulk: Bulk, key: str) -> Iterator[tuple[Any, str, dict]]:
     """(prompt or BadRow, its name, the fields copied into its record) per input line, from the
     first. Every line is a row (an empty one too: it fails as a row), so output line k always
-    answers input line k and --resume can count."""
+    answers input line k and --resume can count. The copied fields end with the row's prompt
+    under `key` (None for a row without one), so a record names the input it answers and
+    --resume can tell this input's output from another's."""
+    for prompt, where, extra in _read_rows(stream, bulk):
+        yield prompt, where, {**extra, key: prompt if isinstance(prompt, str) else None}
+
+
+def _read_rows(stream: BinaryIO, bulk: Bulk) -> Iterator[tuple[Any, str, dict]]:
+    """(prompt or BadRow, its name, the input object's other fields) per input line."""
     from minfer.errors import InputError
     from minfer.generation.planning import BadRow
     from minfer.io.limits import parse_json
@@ -258,10 +267,12 @@ class RecordShape:
 
     first: the result key written first. keys: every key a result may hold. kind: a record ->
     (required, optional) checks of its result keys, chosen by what the record is (a result or
-    an error), or None when it is neither."""
+    an error), or None when it is neither. input_key: the copied field that holds the row's
+    prompt (`bulk_rows`), what tells this input's records from another's."""
     first: str
     keys: frozenset[str]
     kind: Callable[[dict], tuple[Checks, Checks] | None]
+    input_key: str
 
     def matches(self, record: Any, extra: dict) -> bool:
         """Whether `record` is what this command writes for an input row whose copied fields
@@ -364,30 +375,33 @@ def check_resume(bulk: Bulk, rows: Iterator[tuple], shape: RecordShape) -> Resum
             except InputError:
                 record = None
             if not shape.matches(record, row[2]):
-                ours = isinstance(record, dict) and shape.matches(
-                    record, {k: v for k, v in record.items() if k not in shape.keys})
-                what = ("the fields it copies differ from that line's" if ours
-                        else "it is not a record minfer writes")
                 fail(f"--resume: {out} line {number} does not answer {bulk.name} line {number} "
-                     f"({what}); resume only this command's output for this input (or write to "
-                     "a new file)")
+                     f"({_mismatch(shape, record, row[2])}); resume only this command's output "
+                     "for this input (or write to a new file)")
             records, end = number, end + len(line)
+
+
+def _mismatch(shape: RecordShape, record: Any, extra: dict) -> str:
+    """Why a line of ours (or not) does not answer the input row whose copied fields are
+    `extra`."""
+    key = shape.input_key
+    ours = isinstance(record, dict) and shape.matches(
+        record, {k: v for k, v in record.items() if k not in shape.keys})
+    if not ours:
+        return "it is not a record minfer writes"
+    if key not in record:   # an earlier minfer's record: nothing in it names its input line
+        return (f"it has no {key!r} field, so which input it answers cannot be checked: "
+                "written by an earlier minfer")
+    others = {k: v for k, v in extra.items() if k != key}
+    if _same(record[key], extra[key]) or not shape.matches(record, {**others, key: record[key]}):
+        return "the fields it copies differ from that line's"
+    return f"its {key!r} is not that line's"
 
 
 def _record_bytes(extra: dict) -> int:
     """The most bytes (newline included) a record of a row with copied fields `extra` takes."""
     copied = json.dumps(extra, ensure_ascii=False).encode("utf-8", "backslashreplace")
     return len(copied) + RESULT_BYTES
-
-
-def skip_rows(bulk: Bulk, rows: Iterator[tuple], done: int) -> Iterator[tuple]:
-    """The input rows after the first `done` (the rows an output that keeps no per-row fields
-    already answers), or a one-line failure when the input is shorter."""
-    for seen in range(done):
-        if next(rows, None) is None:
-            fail(f"--resume: {bulk.out_name} holds {done} rows but {bulk.name} has only {seen} "
-                 "lines: it is not this input's output (remove it, or drop --resume)")
-    return rows
 
 
 def open_output(bulk: Bulk, kept: Resumed) -> NamedOutput:
@@ -421,7 +435,7 @@ def _generate_kind(record: dict) -> tuple[Checks, Checks] | None:
 
 # what _bulk_record writes: --resume continues only files of these records
 GENERATE_RECORD = RecordShape("text", frozenset({*_SEQUENCE, "score", "sequences", "error"}),
-                              _generate_kind)
+                              _generate_kind, "prompt")
 
 
 def count_lines(path: str) -> int:
@@ -539,7 +553,7 @@ def run_bulk(m: Any, bulk: Bulk, task: str | None, options: dict) -> None:
     """Bulk mode: input rows -> JSON Lines records in input order, written as each window of
     rows is done (flushed then), so memory stays flat and an interrupted run can --resume."""
     source = open_input(bulk)
-    rows: Iterator = bulk_rows(source, bulk)
+    rows: Iterator = bulk_rows(source, bulk, GENERATE_RECORD.input_key)
     kept = check_resume(bulk, rows, GENERATE_RECORD) if bulk.resume else Resumed(0, 0, False, rows)
     skip, cut, rows = kept.records, kept.cut, kept.rows
     out = open_output(bulk, kept)

@@ -5,29 +5,31 @@ Each text's embedding is what `model.embed` gives (the folder's sentence-transfo
 the mean of the encoder states). Texts given as arguments or on stdin print one JSON object per
 text ({"text", "embedding"}). Bulk mode (--input PATH, one text per line or JSON Lines) reads and
 writes a window of rows at a time, so memory stays flat; the output is JSON Lines (the input
-object's other fields, then "embedding", or "error" for a row that could not run) or, for an
---output ending in .npy, one float32 (rows, dim) array whose failed rows are NaN. The .npy file
-is valid after every window (its header is rewritten with the rows written so far), so --resume
-continues either kind of file. Rows that fail do not stop the run; it ends with one line naming
+object's other fields, the row's "text", then "embedding", or "error" for a row that could not
+run) or, for an --output ending in .npy, one float32 (rows, dim) array whose failed rows are
+NaN, with x.npy.inputs beside it (a hash of each row's text). The .npy file is valid after every
+window (its header is rewritten with the rows written so far), so --resume continues either
+kind of file, after checking that its rows answer this input's lines. Rows that fail do not stop the run; it ends with one line naming
 the count and the first error, status 1. The input reading, resume and progress are cli/bulk.py's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import click
 import numpy as np
 
 from minfer.generation.planning import take_window
 
-from .bulk import (Bulk, Progress, RecordShape, Resumed, bulk_options, bulk_rows, bulk_settings,
-                   check_resume, close_files, is_number, kept_note, open_input, open_output,
-                   open_output_file, rows_to_come, skip_rows)
+from .bulk import (Bulk, NamedOutput, Progress, RecordShape, Resumed, bulk_options, bulk_rows,
+                   bulk_settings, check_resume, close_files, is_number, kept_note, open_input,
+                   open_output, open_output_file, rows_to_come)
 from .common import (EXIT_USAGE, command_flags, emit, fail, load_model, quiet_on_closed_pipe,
                      read_text, with_flags, with_model_options)
 
@@ -136,16 +138,16 @@ def embed_window(m: Any, texts: list[Any], options: dict) -> list[np.ndarray | s
 def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
     dim = _dimension(m, options)
     source = open_input(bulk)
-    rows = bulk_rows(source, bulk)
+    rows = bulk_rows(source, bulk, INPUT_KEY)
     if not bulk.resume:
         kept = Resumed(0, 0, False, rows)
     elif npy:
-        done, end, cut = _npy_resume_point(bulk.output_path, dim)
-        kept = Resumed(done, end, cut, skip_rows(bulk, rows, done))
+        kept = _npy_resume(bulk, rows, dim)
     else:
         kept = check_resume(bulk, rows, embed_record(dim))
     skip, cut, rows = kept.records, kept.cut, kept.rows
     out = _open_npy(bulk, kept, dim) if npy else open_output(bulk, kept)
+    inputs = _open_inputs(bulk, kept.records) if npy else None
     progress = Progress(rows_to_come(bulk, skip), unit="text", tokens=False)
     written, failed, first = skip, 0, None
     try:
@@ -158,6 +160,7 @@ def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
                 if npy:
                     row = np.full(dim, np.nan, np.float32) if error else result
                     out.write(np.ascontiguousarray(row, "<f4").tobytes())
+                    inputs.write(_input_line(extra))
                 else:
                     record = ({**extra, "embedding": None, "error": error} if error
                               else {**extra, "embedding": result.tolist()})
@@ -168,9 +171,13 @@ def _run_bulk(m: Any, bulk: Bulk, npy: bool, options: dict) -> None:
                 _write_npy_header(out, written, dim)
                 out.seek(0, os.SEEK_END)
             out.flush()
+            if inputs is not None:   # after the rows: a resume keeps the rows both hold
+                inputs.flush()
             progress(len(window))
     finally:
         progress.close()
+        if inputs is not None:
+            inputs.close()
         close_files(source, out)
     done = written - skip
     rate = f"{progress.rows / progress.elapsed():.1f} texts/s"
@@ -209,7 +216,7 @@ def embed_record(dim: int) -> RecordShape:
             return {"embedding": lambda v: v is None, "error": lambda v: isinstance(v, str)}, {}
         return {"embedding": lambda v: (isinstance(v, list) and len(v) == dim
                                         and all(map(is_number, v)))}, {}
-    return RecordShape("embedding", frozenset({"embedding", "error"}), kind)
+    return RecordShape("embedding", frozenset({"embedding", "error"}), kind, INPUT_KEY)
 
 
 def _npy_resume_point(path: str, dim: int) -> tuple[int, int, bool]:
@@ -239,6 +246,74 @@ def _npy_resume_point(path: str, dim: int) -> tuple[int, int, bool]:
     whole = (size - NPY_HEADER) // (4 * dim)
     end = NPY_HEADER + whole * 4 * dim
     return whole, end, size != end or whole != rows
+
+
+# -- the .npy output's inputs file: which text each row embeds, so --resume can check them -------------
+INPUT_KEY = "text"   # the copied field holding a row's text (JSON Lines records; .npy: hashed)
+INPUTS_SUFFIX = ".inputs"   # x.npy's inputs file is x.npy.inputs
+INPUTS_MAGIC = b"minfer embed inputs 1: the blake2b-128 of each row's text as JSON\n"
+_HASH_LINE = 33   # 32 hex digits and a newline
+
+
+def _input_line(extra: dict) -> bytes:
+    """A row's line in the inputs file: a hash of its text (JSON, so a row without one, null,
+    and lone surrogates hash too)."""
+    text = json.dumps(extra[INPUT_KEY]).encode("ascii")
+    return hashlib.blake2b(text, digest_size=16).hexdigest().encode("ascii") + b"\n"
+
+
+def _npy_resume(bulk: Bulk, rows: Iterator[tuple], dim: int) -> Resumed:
+    """The rows of an earlier run's .npy output to keep: its whole rows (`_npy_resume_point`)
+    whose lines in the inputs file beside it are the hashes of this input's rows of the same
+    number. A file with rows but no inputs file (an earlier minfer's, or moved without it) is
+    refused in one line: which input it embeds cannot be checked. Read only."""
+    done, end, cut = _npy_resume_point(bulk.output_path, dim)
+    if not done:
+        return Resumed(0, end, cut, rows)
+    path = bulk.output_path + INPUTS_SUFFIX
+    refuse = (f"--resume: {bulk.out_name} holds {done} rows but {path}, which names the texts "
+              "they embed, is {}: which input they answer cannot be checked (write to a new "
+              "file, or drop --resume)")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        fail(refuse.format("missing (written by an earlier minfer, or moved without it)"))
+    except OSError as e:
+        fail(refuse.format(f"unreadable ({e.strerror or e})"))
+    with f:
+        if f.read(len(INPUTS_MAGIC)) != INPUTS_MAGIC:
+            fail(refuse.format("not a file minfer embed writes"))
+        kept = 0
+        while kept < done:
+            line = f.read(_HASH_LINE)
+            if len(line) < _HASH_LINE:   # (cut short: that row and the ones after are redone)
+                break
+            row = next(rows, None)
+            if row is None:
+                fail(f"--resume: {bulk.out_name} holds {done} rows but {bulk.name} has only "
+                     f"{kept} lines: it is not this input's output (remove it, or drop --resume)")
+            if line != _input_line(row[2]):
+                fail(f"--resume: {bulk.out_name} row {kept + 1} does not embed {bulk.name} line "
+                     f"{kept + 1} (its text differs, by {path}); resume only this command's "
+                     "output for this input (or write to a new file)")
+            kept += 1
+    if kept < done:   # rows whose hashes were not all written yet: redone
+        end, cut = NPY_HEADER + kept * 4 * dim, True
+    return Resumed(kept, end, cut, rows)
+
+
+def _open_inputs(bulk: Bulk, kept: int) -> NamedOutput:
+    """The .npy output's inputs file: new, or cut after the `kept` rows' lines."""
+    path = bulk.output_path + INPUTS_SUFFIX
+    try:
+        f = open(path, "r+b" if kept else "wb")
+        f.truncate(len(INPUTS_MAGIC) + kept * _HASH_LINE if kept else 0)
+        f.seek(0, os.SEEK_END)
+        if not kept:
+            f.write(INPUTS_MAGIC)
+    except OSError as e:
+        fail(f"--output {bulk.out_name}: cannot write {path}: {e.strerror or e}")
+    return NamedOutput(f, path, True)
 
 
 def _open_npy(bulk: Bulk, kept: Resumed, dim: int) -> Any:

@@ -163,7 +163,7 @@ def test_json_lines_copy_fields_and_bad_objects_are_rows(text_model_folder, tmp_
                 "--max-new-tokens", "3")
     assert_one_line_error(proc, 1, "5 of 7 rows failed")
     got = records(out)
-    assert got[0] == {"id": 1, "meta": {"k": [1, 2]}, "text": expected[3][0],
+    assert got[0] == {"id": 1, "meta": {"k": [1, 2]}, "prompt": PROMPTS[0], "text": expected[3][0],
                       "finish_reason": got[0]["finish_reason"], "prompt_tokens": got[0]["prompt_tokens"],
                       "new_tokens": got[0]["new_tokens"]}
     assert "line 2: not valid JSON" in got[1]["error"]
@@ -171,6 +171,8 @@ def test_json_lines_copy_fields_and_bad_objects_are_rows(text_model_folder, tmp_
     assert got[3]["id"] == 4 and "line 4: no 'text' field" in got[3]["error"]
     assert got[4]["id"] == 5 and "field 'text' is a number" in got[4]["error"]
     assert "line 6: empty line" in got[5]["error"]
+    # each record names the prompt it answers (null for a row that has none)
+    assert [r["prompt"] for r in got] == [PROMPTS[0], None, None, None, None, None, PROMPTS[2]]
     assert got[6]["id"] == 7 and got[6]["text"] == expected[3][2] and got[6]["finish_reason"] != "theirs"
     # another field, from stdin to stdout
     lines = "".join(json.dumps({"prompt": p, "n": i}) + "\n" for i, p in enumerate(PROMPTS))
@@ -179,7 +181,7 @@ def test_json_lines_copy_fields_and_bad_objects_are_rows(text_model_folder, tmp_
     assert proc.returncode == 0, proc.stderr
     got = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["n"], r["text"]) for r in got] == list(enumerate(expected[3]))
-    assert "prompt" not in got[0]
+    assert [r["prompt"] for r in got] == PROMPTS[:len(got)]
 
 
 def test_shipped_model_answers_every_row_in_input_order(tmp_path):

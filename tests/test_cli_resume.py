@@ -212,8 +212,10 @@ def test_resume_refuses_a_line_longer_than_any_record_it_writes_unread(tmp_path,
     monkeypatch.setattr(minfer_cli.bulk, "RESULT_BYTES", 500)
     out = tmp_path / "out.jsonl"
     out.write_bytes(b'{"embedding": [' + b"1.0, " * 400 + b"1.0]}\nmore\n")
+    bound = len(json.dumps({"text": "a b c"}))   # what the record copies: line 1's text
     line = one_line_error(embed("-i", prompts, "-o", out, "--resume"), 1,
-                          f"--resume: {out} line 1 is longer than the 502 bytes this command "
+                          f"--resume: {out} line 1 is longer than the {500 + bound} bytes this "
+                          "command "
                           f"writes for {prompts} line 1")
     assert "resume only its own output" in line
 
@@ -230,3 +232,115 @@ def test_resume_counts_the_lines_of_an_output_longer_than_its_input(tmp_path, pr
     one_line_error(embed("-i", prompts, "-o", longer, "--resume"), 1,
                    f"--resume: {longer} holds 5 lines but {prompts} has only 3:")
     assert longer.read_bytes() == before
+
+
+# -- another input's output: every record names the prompt it answers, and a .npy's rows the
+#    hashes of their texts (x.npy.inputs), so --resume checks them (issue 30, hostile pass)
+@pytest.fixture
+def others(tmp_path):
+    """Other prompts than `prompts`', one line more."""
+    path = tmp_path / "in3.txt"
+    path.write_text("q r\ns t\nu v\nw z\n")
+    return path
+
+
+@pytest.mark.parametrize("command", ["generate", "embed"])
+def test_resume_refuses_the_output_of_another_text_input(text_model_folder, tmp_path, prompts,
+                                                         others, command):
+    run = ((lambda *a: generate(text_model_folder, *a)) if command == "generate" else embed)
+    key = "prompt" if command == "generate" else "text"
+    out = tmp_path / "out.jsonl"
+    assert run("-i", prompts, "-o", out)[0] == 0
+    assert [json.loads(line)[key] for line in out.read_text().splitlines()] == \
+        prompts.read_text().splitlines()
+    before = out.read_bytes()
+    one_line_error(run("-i", others, "-o", out, "--resume"), 1,
+                   f"--resume: {out} line 1 does not answer {others} line 1 (its {key!r} is "
+                   "not that line's)")
+    assert out.read_bytes() == before
+    # the same first line, another second one: refused at the line that differs
+    second = tmp_path / "second.txt"
+    second.write_text("a b c\nsomething else\nhello world\nmore\n")
+    one_line_error(run("-i", second, "-o", out, "--resume"), 1, "line 2 does not answer")
+    assert out.read_bytes() == before
+    # JSON Lines input whose other fields match (the same ids) but whose prompts do not
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                            for i, t in enumerate(["a b c", "x y", "hello world"])))
+    made = tmp_path / "made.jsonl"
+    assert run("-i", rows, "-o", made)[0] == 0
+    swapped = tmp_path / "swapped.jsonl"
+    swapped.write_text("".join(json.dumps({"id": i, "text": t}) + "\n"
+                               for i, t in enumerate(["x y", "a b c", "hello world", "z"])))
+    kept = made.read_bytes()
+    one_line_error(run("-i", swapped, "-o", made, "--resume"), 1,
+                   f"line 1 does not answer {swapped} line 1 (its {key!r} is not that line's)")
+    assert made.read_bytes() == kept
+    # this input's own output, with one more line to do: continued
+    longer = tmp_path / "longer.txt"
+    longer.write_text(prompts.read_text() + "more words\n")
+    status, _, err = run("-i", longer, "-o", out, "--resume")
+    assert status == 0 and "1 rows after the 3 already in" in err, err
+    assert out.read_bytes().startswith(before) and len(out.read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("command", ["generate", "embed"])
+def test_resume_refuses_records_that_do_not_name_their_input(text_model_folder, tmp_path, prompts,
+                                                             command):
+    # an earlier minfer's records (no prompt in them): which input they answer cannot be checked
+    run = ((lambda *a: generate(text_model_folder, *a)) if command == "generate" else embed)
+    key = "prompt" if command == "generate" else "text"
+    out = tmp_path / "out.jsonl"
+    assert run("-i", prompts, "-o", out)[0] == 0
+    old = tmp_path / "old.jsonl"
+    old.write_text("".join(json.dumps({k: v for k, v in json.loads(line).items() if k != key})
+                           + "\n" for line in out.read_text().splitlines()[:2]))
+    before = old.read_bytes()
+    one_line_error(run("-i", prompts, "-o", old, "--resume"), 1,
+                   f"line 1 does not answer {prompts} line 1 (it has no {key!r} field, so which "
+                   "input it answers cannot be checked")
+    assert old.read_bytes() == before
+
+
+def test_embed_npy_resume_checks_the_texts_of_its_rows(tmp_path, prompts, others):
+    out = tmp_path / "x.npy"
+    inputs = tmp_path / "x.npy.inputs"
+    assert embed("-i", prompts, "-o", out)[0] == 0
+    assert len(inputs.read_bytes().splitlines()) == 1 + 3
+    before = out.read_bytes(), inputs.read_bytes()
+    one_line_error(embed("-i", others, "-o", out, "--resume"), 1,
+                   f"--resume: {out} row 1 does not embed {others} line 1")
+    assert (out.read_bytes(), inputs.read_bytes()) == before
+    # this input and one line more: continued, as a fresh run of it writes
+    longer = tmp_path / "longer.txt"
+    longer.write_text(prompts.read_text() + "more words\n")
+    status, _, err = embed("-i", longer, "-o", out, "--resume")
+    assert status == 0 and "1 rows after the 3 already in" in err, err
+    fresh = tmp_path / "fresh.npy"
+    assert embed("-i", longer, "-o", fresh)[0] == 0
+    assert np.allclose(np.load(out), np.load(fresh), atol=1e-6)
+    assert inputs.read_bytes() == (tmp_path / "fresh.npy.inputs").read_bytes()
+    # rows whose hashes were not all written (interrupted between the two): those rows redone
+    part = tmp_path / "part.npy"
+    part.write_bytes(fresh.read_bytes())
+    (tmp_path / "part.npy.inputs").write_bytes(inputs.read_bytes()[:-40])
+    status, _, err = embed("-i", longer, "-o", part, "--resume")
+    assert status == 0 and "2 rows after the 2 already in" in err, err
+    assert np.allclose(np.load(part), np.load(fresh), atol=1e-6)
+    assert (tmp_path / "part.npy.inputs").read_bytes() == inputs.read_bytes()
+
+
+def test_embed_npy_resume_refuses_rows_whose_texts_it_cannot_check(tmp_path, prompts):
+    out = tmp_path / "x.npy"
+    assert embed("-i", prompts, "-o", out)[0] == 0
+    inputs = tmp_path / "x.npy.inputs"
+    for content, why in ((None, "missing"), (b"my notes\n" * 4, "not a file minfer embed writes")):
+        if content is None:
+            inputs.unlink()
+        else:
+            inputs.write_bytes(content)
+        before = out.read_bytes()
+        one_line_error(embed("-i", prompts, "-o", out, "--resume"), 1,
+                       f"--resume: {out} holds 3 rows but {inputs}, which names the texts they "
+                       f"embed, is {why}")
+        assert out.read_bytes() == before and (content is None) != inputs.exists()
