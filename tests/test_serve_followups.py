@@ -157,3 +157,15 @@ def test_a_path_with_a_trailing_slash_is_a_json_404(server, method, path):
         r = http.request(method, path, json={"prompt": "a", "input": "a"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
     assert path in r.json()["error"]["message"]
+
+
+def test_the_warm_up_runs_a_prompt_the_models_vocabulary_has(xl_server, server):
+    """tiny-xl-recall's word-level vocabulary has no <unk> (nor "warm" or "up")."""
+    for s in (xl_server, server):
+        assert "warm-up failed" not in s.output(), s.output()
+    from minfer.serve.routes import warm_up_text
+    from minfer.tokenizers import load_tokenizer
+    for folder in (RECALL, DATES):
+        tokenizer = load_tokenizer(folder)
+        text = warm_up_text(tokenizer)
+        assert any(c.isalnum() for c in text) and tokenizer.encode(text)

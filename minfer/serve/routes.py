@@ -122,10 +122,11 @@ class Service:
     def warm_up(self) -> None:
         """One short run, so that the first request does not pay for compiling or paging in."""
         try:
+            text = warm_up_text(self.model.tokenizer)
             if self.model.can_generate:
-                self.model.generate("warm up", max_new_tokens=2)
+                self.model.generate(text, max_new_tokens=2)
             else:   # a model that cannot generate is an encoder alone
-                self.model.embed(["warm up"])
+                self.model.embed([text])
         except MinferError as e:   # a model that cannot run this still serves what it can
             log.warning("warm-up failed: %s", e)
         finally:
@@ -185,6 +186,25 @@ class Service:
     def timed_out(self) -> APIError:
         return APIError(504, f"the request ran longer than {self.limits.request_timeout:g} s "
                         "(serve --request-timeout)")
+
+
+# Vocabulary ids tried for a warm-up text (the first ones are often specials or bytes)
+WARM_UP_TRIES = 1000
+
+
+def warm_up_text(tokenizer: Any) -> str:
+    """A short text the tokenizer takes: the first vocabulary entry that decodes to a word (a
+    letter or digit in it) and encodes again ("warm up" is no text a word-level vocabulary without <unk> takes)."""
+    for i in range(min(tokenizer.vocab_size, WARM_UP_TRIES)):
+        if i in tokenizer.special_ids:
+            continue
+        try:
+            text = tokenizer.decode([i]).strip()
+            if any(c.isalnum() for c in text) and tokenizer.encode(text):
+                return text
+        except MinferError:   # an id that is no text alone (a byte piece, a control id)
+            continue
+    return "warm up"
 
 
 async def _disconnected(request: Request) -> None:
