@@ -169,3 +169,17 @@ def test_the_warm_up_runs_a_prompt_the_models_vocabulary_has(xl_server, server):
         tokenizer = load_tokenizer(folder)
         text = warm_up_text(tokenizer)
         assert any(c.isalnum() for c in text) and tokenizer.encode(text)
+
+
+# -- /metrics ---------------------------------------------------------------------------------
+def test_embeddings_prompt_tokens_are_counted_as_their_usage_reports_them(server):
+    before = server.settle()
+    with server.client() as http:
+        r = http.post("/v1/embeddings", json={"input": ["a b c", "d"]})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    after = server.settle()
+    assert usage["prompt_tokens"] > 0
+    assert after["minfer_prompt_tokens_total"] - before["minfer_prompt_tokens_total"] \
+        == usage["prompt_tokens"]
+    assert after["minfer_generated_tokens_total"] == before["minfer_generated_tokens_total"]

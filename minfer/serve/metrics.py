@@ -4,10 +4,12 @@
     minfer_requests_waiting            gauge: accepted requests waiting for a worker or for arena
                                        memory
     minfer_requests_total              counter, by endpoint and HTTP status (429s included)
-    minfer_prompt_tokens_total         counter: prompt tokens of generations, each prompt once
-                                       (not once per sequence): a non-streamed request's when
-                                       it succeeds, a stream's however it ends (cut short,
-                                       cancelled or failed: the prompts of the streams made)
+    minfer_prompt_tokens_total         counter: prompt tokens run, each prompt once (not once
+                                       per sequence): a non-streamed completion's or
+                                       embedding's as its usage reports them, when it succeeds;
+                                       a stream's however it ends (also cut short, cancelled or
+                                       failed before any usage was sent: the prompts of the
+                                       streams made)
     minfer_generated_tokens_total      counter: tokens generated, counted likewise (a stream
                                        cut short: what it made)
     minfer_request_duration_seconds    histogram by endpoint: arrival to the last byte
@@ -65,7 +67,8 @@ class Metrics:
             lambda: arena.capacity)
         self.requests = Counter("minfer_requests", "Requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("minfer_prompt_tokens", "Prompt tokens of generations",
+        self.prompt_tokens = Counter("minfer_prompt_tokens", "Prompt tokens of generations and "
+                                     "embeddings",
                                      registry=r)
         self.generated_tokens = Counter("minfer_generated_tokens", "Tokens generated",
                                         registry=r)

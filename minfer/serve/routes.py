@@ -372,6 +372,7 @@ async def _embeddings(service: Service, request: Request) -> Response:
             raise APIError(400, f"dimensions {req.dimensions}: this model's embeddings have "
                            f"{vectors.shape[1]} (minfer does not shorten them)",
                            param="dimensions")
+        service.metrics.tokens(tokens, 0)   # its prompt tokens, as its usage reports them
         return Response(responses.embeddings(vectors, service.name, tokens, req.base64),
                         media_type="application/json")
     except _ClientGone:
