@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import re
 import sys
@@ -49,6 +50,24 @@ def quiet_on_closed_pipe(command):
 
 class OutputFailed(Exception):
     """Writing an output failed (a full disk, a device that refuses): its message names it."""
+
+
+class ClosedStdout(io.TextIOBase):
+    """sys.stdout when the process started with it closed (`>&-`: Python sets it to None, and
+    click then drops what is printed while a flush fails on None): a write is one line saying
+    so; nothing written, nothing wrong (bulk output to a file). Its `buffer` is itself."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        if data:
+            raise OutputFailed("stdout is closed (nowhere to print the output)")
+        return 0
+
+    @property
+    def buffer(self) -> ClosedStdout:
+        return self
 
 
 @contextlib.contextmanager

@@ -7,8 +7,9 @@ Every failure is one line on stderr ("minfer: error: ...") and a non-zero exit: 
 with the model or input, 2 for a bad command line, 130 on Ctrl-C. Set MINFER_DEBUG=1 to see the
 traceback of an unexpected error. Bare `minfer` prints the help on stdout and exits 2 (no command:
 click's status for a group called without one). A reader that leaves early (`minfer generate ... |
-head -1`) ends the run quietly with status 0. Text input (stdin, `score FILE`) must be UTF-8: an
-invalid byte is named by its offset.
+head -1`) ends the run quietly with status 0; a stdout closed from the start (`>&-`) is "stdout is
+closed" when there is something to print (with stderr closed too, the status alone). Text input
+(stdin, `score FILE`) must be UTF-8: an invalid byte is named by its offset.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 
 import click
 
-from .common import EXIT_INTERRUPT, EXIT_USAGE, OutputFailed, exit_on_closed_pipe, fail, writing
+from .common import (EXIT_INTERRUPT, EXIT_USAGE, ClosedStdout, OutputFailed, exit_on_closed_pipe,
+                     fail, writing)
 from .convert import convert
 from .embed import embed
 from .generate import generate
@@ -40,12 +42,14 @@ for command in (generate, embed, info, score, convert, serve):
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run click without its own exit handling, so every error is one line."""
     from minfer.errors import MinferError
-    if not (sys.argv[1:] if argv is None else argv):
-        # the whole help, as help (not squeezed into one error line), and the usage status
-        with cli.make_context("minfer", [], resilient_parsing=True) as ctx:
-            click.echo(cli.get_help(ctx))
-        sys.exit(EXIT_USAGE)
+    if sys.stdout is None:   # started with stdout closed: printing to it is one line (a closed
+        sys.stdout = ClosedStdout()   # stderr stays None: click prints nothing, the status says)
     try:
+        if not (sys.argv[1:] if argv is None else argv):
+            # the whole help, as help (not squeezed into one error line), and the usage status
+            with cli.make_context("minfer", [], resilient_parsing=True) as ctx:
+                click.echo(cli.get_help(ctx))
+            sys.exit(EXIT_USAGE)
         cli.main(args=argv, prog_name="minfer", standalone_mode=False)
         with writing("stdout"):   # what is still buffered: a full disk is named now, not at exit
             sys.stdout.flush()
