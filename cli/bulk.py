@@ -134,7 +134,7 @@ def bulk_settings(prompts: tuple, input_path: str | None, output_path: str | Non
         fail(f"--input {input_path}: is a directory", EXIT_USAGE)
     if output_path != "-" and os.path.isdir(output_path):
         fail(f"--output {output_path}: is a directory (name a file in it)", EXIT_USAGE)
-    if output_path != "-" and _same_file(input_path, output_path):
+    if output_path != "-" and same_file(input_path, output_path):
         fail(f"--output {output_path} is the input file: writing it would destroy the input",
               EXIT_USAGE)
     jsonl = fmt == "jsonl" or (fmt == "auto" and (field is not None or (
@@ -144,7 +144,7 @@ def bulk_settings(prompts: tuple, input_path: str | None, output_path: str | Non
     return Bulk(input_path, output_path, jsonl, field or "text", resume)
 
 
-def _same_file(input_path: str, output_path: str) -> bool:
+def same_file(input_path: str, output_path: str) -> bool:
     """Whether the output is the input file (given twice, or stdin redirected from it); a
     device such as /dev/null may be both."""
     try:

@@ -29,7 +29,7 @@ from minfer.generation.planning import take_window
 
 from .bulk import (Bulk, NamedOutput, Progress, RecordShape, Resumed, bulk_options, bulk_rows,
                    bulk_settings, check_resume, close_files, is_number, kept_note, open_input,
-                   open_output, open_output_file, rows_to_come)
+                   open_output, open_output_file, rows_to_come, same_file)
 from .common import (EXIT_USAGE, command_flags, emit, fail, load_model, quiet_on_closed_pipe,
                      read_text, with_flags, with_model_options)
 
@@ -58,6 +58,9 @@ def embed(load, texts, prompt_name, prompt, batch_size, input_path, output_path,
     bulk = bulk_settings(texts, input_path, output_path, input_format, input_field, resume,
                          False, None)
     npy = bulk is not None and bulk.output_path.lower().endswith(".npy")
+    if npy and same_file(bulk.input_path, bulk.output_path + INPUTS_SUFFIX):
+        fail(f"--input {bulk.name} is {bulk.output_path}'s inputs file, which writing the .npy "
+             "replaces: it would destroy the input", EXIT_USAGE)
     names = [f"TEXT {i}" for i in range(1, len(texts) + 1)]
     if not texts and bulk is None:
         if sys.stdin is None or sys.stdin.isatty():

@@ -344,3 +344,11 @@ def test_embed_npy_resume_refuses_rows_whose_texts_it_cannot_check(tmp_path, pro
                        f"--resume: {out} holds 3 rows but {inputs}, which names the texts they "
                        f"embed, is {why}")
         assert out.read_bytes() == before and (content is None) != inputs.exists()
+
+
+def test_embed_refuses_an_input_that_is_the_npy_outputs_inputs_file(tmp_path, prompts):
+    source = tmp_path / "x.npy.inputs"
+    source.write_bytes(prompts.read_bytes())
+    one_line_error(embed("-i", source, "-o", tmp_path / "x.npy"), 2,
+                   f"--input {source} is {tmp_path / 'x.npy'}'s inputs file")
+    assert source.read_bytes() == prompts.read_bytes()
