@@ -31,18 +31,25 @@ def quiet() -> Any:
 
 
 def all_finite(xp: Any, *arrays: Any) -> bool:
-    """Whether every value of the arrays is finite (None entries are skipped). One float64 sum
-    each: NaN or infinity anywhere makes the sum non-finite, and float64 cannot overflow on a
-    sum of finite float32 or float16 values; NumPy and CuPy reduce in blocks, with no
-    array-sized temporary."""
+    """Whether every value of the arrays is finite (None entries are skipped). One float32 sum
+    each: NaN or infinity anywhere makes the sum non-finite; a non-finite float32 sum is summed
+    again in float64, which cannot overflow on finite float32 or float16 values (so huge finite
+    values are not taken for infinity). float32 first, as it reads the array at about twice
+    float64's speed; NumPy and CuPy reduce in blocks, with no array-sized temporary."""
     for a in arrays:
         if a is None or not a.size:
             continue
         with quiet():   # (inf + -inf is NaN: no "invalid value" warning for what it finds)
-            total = xp.sum(a, dtype=xp.float64)
-        if not math.isfinite(float(total.get() if hasattr(total, "get") else total)):
-            return False   # (a device sum: read back with .get(), CuPy's documented sync)
+            if _finite(xp.sum(a, dtype=xp.float32)):
+                continue
+            if not _finite(xp.sum(a, dtype=xp.float64)):
+                return False
     return True
+
+
+def _finite(total: Any) -> bool:
+    """A sum's value is finite (a device sum read back with .get(), CuPy's documented sync)."""
+    return math.isfinite(float(total.get() if hasattr(total, "get") else total))
 
 
 class _Found(Exception):
