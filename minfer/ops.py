@@ -247,6 +247,14 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
     over_heads(xp, H, heads)
 
 
+def mask_value(dtype: Any) -> float:
+    """What a blocked attention score becomes: finfo(float32).min, as HF; half the float16
+    minimum in float16, so that adding a position bias to it cannot overflow to -inf (and warn):
+    its softmax weight is 0 either way."""
+    info = np.finfo(dtype)
+    return float(info.min) if info.bits >= 32 else float(info.min) / 2
+
+
 def on_blas_threads(xp: Any, call: Callable[[], Any]) -> None:
     """A single BLAS call on the pool's threads when the array namespace is NumPy (kernels.split's
     `blas`: the request threads never enter BLAS), as is elsewhere."""

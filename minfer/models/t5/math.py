@@ -41,14 +41,6 @@ FP16_MAX = float(np.finfo(np.float16).max)
 FP16_CLAMP = FP16_MAX - 1000  # HF T5's guard value, used once an inf has appeared
 
 
-def mask_value(dtype: Any) -> float:
-    """The additive mask: finfo(float32).min, as HF; half the float16 minimum in float16, so that
-    adding a position bias to it cannot overflow to -inf (and warn): its softmax weight is 0
-    either way."""
-    info = np.finfo(dtype)
-    return float(info.min) if info.bits >= 32 else float(info.min) / 2
-
-
 # =====================================================================================================
 # Relative position buckets (host-side integer work, cached)
 # =====================================================================================================
@@ -124,7 +116,7 @@ def refills_bias(cfg: T5Config, i: int) -> bool:
 def mask_bias(be: Any, attention_mask: np.ndarray, out: Any) -> Any:
     """The (B, 1, 1, S) additive mask into `out`: 0 where attended, `mask_value` where padded."""
     B, S = attention_mask.shape
-    host = np.where(attention_mask.astype(bool), 0.0, mask_value(out.dtype))
+    host = np.where(attention_mask.astype(bool), 0.0, ops.mask_value(out.dtype))
     be.upload(out, host.reshape(B, 1, 1, S).astype(out.dtype))
     return out
 
@@ -381,7 +373,7 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
         if probe is not None:
             probe("decoder cross-attention keys and values", ws.cross_k, ws.cross_v)
             probe("decoder embedding", ws.x)
-        causal = np.triu(np.full((T, T), mask_value(ws.self_bias.dtype), np.float32), 1)
+        causal = np.triu(np.full((T, T), ops.mask_value(ws.self_bias.dtype), np.float32), 1)
         attn = PassAttention(xp, ws.self_bias, (ws.cross_k, ws.cross_v,
                                                 mask_bias(be, attention_mask, ws.cross_bias)))
         pending = None

@@ -28,13 +28,6 @@ from .weights import sinusoids
 
 
 
-def mask_value(dtype: Any) -> float:
-    """What a blocked score becomes: finfo(float32).min, half of float16's minimum (no overflow
-    to -inf, and no cast warning); its softmax weight is 0 either way."""
-    info = np.finfo(dtype)
-    return float(info.min) if info.bits >= 32 else float(info.min) / 2
-
-
 # =====================================================================================================
 # Pieces of the forward pass
 # =====================================================================================================
@@ -268,7 +261,7 @@ def relative_attention(xp: Any, p: dict, q: Any, k: Any, v: Any, r: Any, mask: A
     scores += rel_shift(xp, bd)
     scores *= scale
     if mask is not None:   # an elementwise select: boolean indexing would count on the host
-        xp.copyto(scores, mask_value(scores.dtype), where=mask)
+        xp.copyto(scores, ops.mask_value(scores.dtype), where=mask)
     ops.softmax_(xp, scores, (ws.top[:, hs], ws.total[:, hs]))
     xp.matmul(scores, v[:, hs], out=ws.ctx.reshape(B, T, H, D).transpose(0, 2, 1, 3)[:, hs])
 
