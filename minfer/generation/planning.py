@@ -58,6 +58,18 @@ def plan_batches(lengths: Sequence[int], max_rows: Callable[[int], int],
     return batches
 
 
+def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with fits(n), for a fits that turns false once and stays so as
+    n grows (a memory plan against free bytes): a binary search; lo when nothing above it fits."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class BatchPlanner:
     """How many prompts of a given token length may share a batch: `max_batch_size` at most, and
     no more than the model's memory plan (`model.plan(rows, input_len, max_new_tokens)["peak"]`,
@@ -103,14 +115,7 @@ class BatchPlanner:
         bound is known (no plan) or `cap` tokens fit (a model that runs prompts in segments)."""
         if self.available is None or self.peak(1, cap) <= self.idle:
             return None
-        lo, hi = 0, cap            # the plan grows with the length: binary search
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.peak(1, mid) <= self.idle:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_fitting(lambda n: self.peak(1, n) <= self.idle, 0, cap)
 
     def too_big(self, length: int, where: str, more: bool = False) -> ArenaExhausted | None:
         """The error of a prompt of `length` tokens (`more`: of more than length - 1) that cannot

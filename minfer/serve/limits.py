@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..generation.options import is_integer, resolve_options
+from ..generation.planning import largest_fitting
 
 LONGEST_DEFAULT = 16384   # LongT5's inputs; no T5 was trained on longer
 
@@ -78,14 +79,8 @@ def longest_prompt(model: Any, max_tokens: int) -> int:
     if model.can_generate:
         new_tokens = min(resolve_options(model)[0].max_new_tokens, max_tokens)
     room = model.free_when_idle
-    lo, hi = 1, LONGEST_DEFAULT   # the plan grows with the length: binary search
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if model.plan(1, mid, new_tokens)["peak"] <= room:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return largest_fitting(lambda n: model.plan(1, n, new_tokens)["peak"] <= room, 1,
+                           LONGEST_DEFAULT)
 
 
 def clean_api_key(key: str | None, name: str = "api_key") -> str | None:
