@@ -39,12 +39,17 @@ class T5DecodeState(DecodeState):
         with self.lock, quiet(), self.be.arena.scope():
             logits = t5.decode_steps(self.be, self.cfg, self.params, [(self.live, self.length)],
                                      tokens, self.live, self.live.logits)
-            host = np.asarray(self.be.to_host(logits), np.float32)
-            error = self.non_finite(host)
-            self.length += 1
-            if error is not None:
-                raise error
-            return host
+            result = self.took_step(np.asarray(self.be.to_host(logits), np.float32))
+            if isinstance(result, NonFiniteError):
+                raise result
+            return result
+
+    def took_step(self, logits: np.ndarray) -> np.ndarray | NonFiniteError:
+        """After a step wrote this state's caches at its position: its host logits (b, V) when
+        finite, else the NonFiniteError naming where they began; the position moves on."""
+        error = self.non_finite(logits)
+        self.length += 1
+        return logits if error is None else error
 
     def non_finite(self, logits: np.ndarray) -> NonFiniteError | None:
         """None when this step's host logits (b, V) are finite, else the NonFiniteError naming
@@ -314,7 +319,6 @@ class T5Model(Model):
                 state.live.logits[:, 0] = out[a:b]
         results: list[np.ndarray | NonFiniteError] = []
         for state in states:   # each state's rows judged alone: one bad prompt fails only itself
-            host = np.asarray(be.to_host(state.live.logits[:, 0]), np.float32)
-            results.append(state.non_finite(host) or host)
-            state.length += 1
+            results.append(state.took_step(np.asarray(be.to_host(state.live.logits[:, 0]),
+                                                      np.float32)))
         return results
