@@ -121,9 +121,9 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                               f"encoder's d_model {loaded.config.d_model}")
         loaded.sentence_modules = modules
     if recorder is None:
-        loaded._reload_call = _functools.partial(load, **recipe)  # what the model pickles as
+        loaded.set_load_call(_functools.partial(load, **recipe))   # what the model pickles as
     else:
-        loaded._no_reload_reason = "it was loaded with the private _recorder option (test events)"
+        loaded.set_load_call(None, "it was loaded with the private _recorder option (test events)")
     return loaded
 
 

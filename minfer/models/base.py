@@ -37,7 +37,7 @@ class Model(OwnsWeights, DecodingModel):
 
     spec: ClassVar[Family]  # the family's declaration
 
-    # Pickling: `minfer.load` sets `_reload_call`, itself with its arguments (functools.partial).
+    # Pickling: `minfer.load` records itself with its arguments (set_load_call, a functools.partial).
     # A model pickles as that call, a few hundred bytes, and unpickling loads it again; never its
     # weights and arena (cloudpickle wrote 2.1 GB for a small model: the untouched 1 GiB arena,
     # twice). A model built another way has no such call and refuses to pickle, saying why.
@@ -205,6 +205,13 @@ class Model(OwnsWeights, DecodingModel):
                         return_details=return_details, attention_mask=attention_mask, **options)
 
     # -- pickling -------------------------------------------------------------------------------------
+    def set_load_call(self, call: Any, why_not: str | None = None) -> None:
+        """What this model pickles as: the `minfer.load` call that made it (a functools.partial
+        with its arguments), or None and why it cannot be pickled."""
+        self._reload_call = call
+        if why_not is not None:
+            self._no_reload_reason = why_not
+
     @property
     def load_recipe(self) -> dict[str, Any] | None:
         """The `minfer.load` arguments this model pickles as (None: it cannot be pickled)."""
