@@ -256,12 +256,9 @@ def mask_value(dtype: Any) -> float:
 
 
 def on_blas_threads(xp: Any, call: Callable[[], Any]) -> None:
-    """A single BLAS call on the pool's threads when the array namespace is NumPy (kernels.split's
-    `blas`: the request threads never enter BLAS), as is elsewhere."""
-    if xp is np:
-        kernels.on_pool(call)
-    else:
-        call()
+    """A single BLAS call, on the kernels' pool with NumPy (kernels.on_pool), for the family math
+    that reaches the kernels only through ops."""
+    kernels.on_pool(call, xp)
 
 
 def over_heads(xp: Any, H: int, work: Callable[[int, int], None]) -> None:

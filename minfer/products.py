@@ -104,14 +104,9 @@ class PackedWeight:
             return out
         N = self.shape[0]
         if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
-            if self.plain:
-                kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out)) if xp is np \
-                    else xp.matmul(x, self.stored.T, out=out)
-                return out
-            if xp is np:   # (BLAS only from the pool's threads: kernels.split's `blas`)
-                kernels.on_pool(lambda: self._widened_product(xp, x, out, 0, N, self.scratch))
-            else:
-                self._widened_product(xp, x, out, 0, N, self.scratch)
+            # (BLAS only from the pool's threads: kernels.split's `blas`)
+            kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out) if self.plain else
+                            self._widened_product(xp, x, out, 0, N, self.scratch), xp)
             return out
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
         if self.plain:   # BLAS at one thread per part of the output columns

@@ -306,8 +306,12 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
         f.result()   # the first failing part's error, in part order
 
 
-def on_pool(call: Callable[[], Any]) -> None:
-    """Run one BLAS call on the pool (see `split`'s `blas`), waiting for it."""
+def on_pool(call: Callable[[], Any], xp: Any = None) -> None:
+    """Run one BLAS call on the pool (see `split`'s `blas`), waiting for it; with a device array
+    namespace `xp` (not NumPy) in the calling thread, as its library runs it."""
+    if xp is not None and xp.__name__ != "numpy":
+        call()
+        return
     split(1, lambda part, a, b: call(), 1, blas=True)
 
 
