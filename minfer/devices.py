@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kernels
 from .arena import Arena, format_bytes, parse_bytes
 from .backend import Backend, resolve_dtype
 from .errors import ConfigError
@@ -136,6 +137,7 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
     if limit is not None:
         _check_fits("memory_limit", limit)
         cap_malloc_arenas()
+        kernels.keep_blas_on_pool()
     elif reserve is not None:
         _check_fits("workspace", reserve)
     # (the default workspace is not checked: it is only address space until a run touches it)

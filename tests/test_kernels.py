@@ -171,6 +171,7 @@ def test_blas_work_runs_only_on_the_pools_threads(threads):
     import threading
     before = kernels.set_threads(None)
     kernels.set_threads(threads)
+    kernels.keep_blas_on_pool(True)   # (what loading under a memory limit turns on)
     try:
         callers, inner = [], []
 
@@ -187,6 +188,7 @@ def test_blas_work_runs_only_on_the_pools_threads(threads):
         w = rng.standard_normal((5, 8)).astype(np.float32)
         np.testing.assert_allclose(ops.linear(np, x, w), x @ w.T, rtol=1e-6)  # a plain weight
     finally:
+        kernels.keep_blas_on_pool(False)
         kernels.set_threads(before)
 
 

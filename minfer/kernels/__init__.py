@@ -272,13 +272,14 @@ def split(n: int, work: Callable[[int, int, int], None], count: int | None = Non
     parallel (BLAS products, NumPy ufuncs and the `nogil` kernels do). Without the compiled
     kernels (or with one thread) it is one call.
 
-    `blas`: the work calls BLAS, so with the compiled kernels every part runs on the pool, none
-    in the calling thread: OpenBLAS keeps a buffer for each thread that ever called it, outside
-    any arena, for the thread's life; on the pool that is one per pool thread, whatever the
-    number of request threads. (In the NumPy mode BLAS runs its own threads from the caller's,
-    as before.) A pool thread's own call runs where it is: no part waits on the pool from
-    inside it."""
-    if compiled() is None:
+    `blas`: the work calls BLAS, so under a memory limit (`keep_blas_on_pool`) with the compiled
+    kernels every part runs on the pool, none in the calling thread: OpenBLAS keeps a buffer for
+    each thread that ever called it, outside any arena, for the thread's life; on the pool that
+    is one per pool thread, whatever the number of request threads. Otherwise a one-part call
+    stays in the calling thread (a hand-off per call, on every layer of a decoding step).
+    (In the NumPy mode BLAS runs its own threads from the caller's, as before.) A pool thread's
+    own call runs where it is: no part waits on the pool from inside it."""
+    if compiled() is None or not _blas_on_pool:
         blas = False
     count = parts(n) if count is None else min(count, n)
     if getattr(_in_pool, "yes", False):
@@ -316,6 +317,15 @@ def on_pool(call: Callable[[], Any], xp: Any = None) -> None:
 
 
 _in_pool = threading.local()   # .yes in the pool's own threads
+_blas_on_pool = False          # BLAS work only on the pool's threads (keep_blas_on_pool)
+
+
+def keep_blas_on_pool(on: bool = True) -> None:
+    """Call BLAS only from the pool's threads (the loading of a model under a memory limit
+    turns it on for the process: memory outside the arena then stays bounded whatever the
+    number of threads that run requests)."""
+    global _blas_on_pool
+    _blas_on_pool = on
 
 
 def _pool_thread() -> None:
