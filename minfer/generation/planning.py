@@ -98,13 +98,8 @@ class BatchPlanner:
         if self.available is None:
             return self.max_batch_size
         if length not in self._rows:   # the peak grows with the batch: binary search, once
-            lo, hi = 0, self.max_batch_size
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if self.peak(mid, length) <= self.available:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = largest_fitting(lambda n: self.peak(n, length) <= self.available, 0,
+                                 self.max_batch_size)
             if lo == 0 and self.peak(1, length) <= self.idle:
                 lo = 1      # fits once other requests are done: it will wait for them
             self._rows[length] = lo

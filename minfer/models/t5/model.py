@@ -210,15 +210,6 @@ class T5Model(Model):
             mask[i, :len(row)] = 1
         return self.batch(ids, mask)
 
-    def embed(self, texts: Any, *, prompt_name: str | None = None, prompt: str | None = None,
-              batch_size: int = 32) -> np.ndarray:
-        """Sentence embeddings (N, E) float32 of a text or a list of texts: the folder's
-        sentence-transformers modules (pooling, Dense, Normalize; prompts by name or the
-        default) over the encoder states, as `SentenceTransformer.encode` computes them; a folder
-        without modules.json: the mean of the encoder states over each text's tokens."""
-        from ...embedding import embed
-        return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
-
     def forward(self, input_ids: Any, decoder_input_ids: Any, attention_mask: Any = None) -> np.ndarray:
         """Teacher-forced logits (B, T_dec, V) float32 for given encoder and decoder ids."""
         self.check_can_generate()
@@ -255,10 +246,11 @@ class T5Model(Model):
             with self.lock, quiet(), be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
                                max_len, repeat)
-                # on the CPU the encoder layer is named here (every row, after the spread of
-                # beams); a device would sync for it: there the first step names the encoder
-                rows = B * repeat
-                if be.xp is np and not all_finite(np, buf.cross_k[:, :rows], buf.cross_v[:, :rows]):
+                # on the CPU the encoder layer is named here (each input's first row after the
+                # spread over its beams); a device would sync for it: the first step names it
+                firsts = slice(0, B * repeat, repeat)   # each input's row; the others copy it
+                if be.xp is np and not all_finite(np, buf.cross_k[:, firsts],
+                                                  buf.cross_v[:, firsts]):
                     enc = be.arena.alloc((B, S, self.config.d_model), be.dtype, "encoder output")
                     where = self._where_encoder_fails(input_ids, attention_mask, enc)
                     raise non_finite(self, "encoder states", where or
