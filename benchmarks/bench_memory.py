@@ -99,7 +99,7 @@ def write_xxl_int4_checkpoint(layers: int | None) -> Path:
     path = folder / "model.safetensors"
     with open(path.with_suffix(".partial"), "wb") as f:
         f.write(_header([(n, c, s) for n, c, s, _ in plan], {"format": "pt",
-                                                           "minfer.quantization": fmt.quantization}))
+                                                           "minfer.quantisation": fmt.quantisation}))
         for key, code, shape, matrix in plan:
             if matrix is not None and key.endswith(SCALE_SUFFIX):
                 gain = 0.05 if matrix in ("shared.weight", "lm_head.weight") else 1.0

@@ -103,7 +103,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     if dtype == "auto" or dtype is None:
         # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
         # needs a quantised one (int8 when the file's is not)
-        dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantized_format()
+        dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
         if compute is not None and _option_name(compute) == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
@@ -164,9 +164,9 @@ def _is_folder(text: str) -> bool:
 def _stored_format(ckpt: _Checkpoint) -> str | None:
     """dtype="auto": the weight format the checkpoint's matrices are stored in (None: the
     device's default)."""
-    quantized = ckpt.quantized_format()
-    if quantized:
-        return quantized
+    quantised = ckpt.quantised_format()
+    if quantised:
+        return quantised
     codes = {ckpt.info(n).dtype for n in ckpt.names() if len(ckpt.info(n).shape) == 2}
     halves = {f.file_code: name for name, f in _FORMATS.items() if name in ("float16", "bfloat16")}
     return halves.get(codes.pop()) if len(codes) == 1 else None

@@ -135,7 +135,7 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
         config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
         linear = spec.weight_table(config).linear_sources()
     plan = _plan(ckpt, dtype, linear)
-    metadata = {"format": "pt", **({"minfer.quantization": fmt.quantization}
+    metadata = {"format": "pt", **({"minfer.quantisation": fmt.quantisation}
                                    if fmt.scaled else {})}
     path = out / "model.safetensors"
     written.append(path)

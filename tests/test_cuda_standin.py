@@ -202,7 +202,7 @@ class ZeroCheckpoint:
             shape, dtype, file = self.shapes[name], "F32", self.folder / "model.safetensors"
         return Info
 
-    def quantized_names(self):
+    def quantised_names(self):
         return []
 
     def read_stored(self, name, rows=None):

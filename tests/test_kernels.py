@@ -437,9 +437,9 @@ def test_integer_tiles_are_exact_on_every_instruction_set(isa, R, C):
 @pytest.mark.parametrize("M", [1, 3, 4, 5, 16, 70])
 @pytest.mark.parametrize("N,K", [(37, 128), (70, 130), (9, 64), (5, 40), (64, 512)])
 def test_int8_products_equal_the_rounded_float_product(M, N, K):
-    from minfer.io.formats import quantize_int8
+    from minfer.io.formats import quantise_int8
     x = rng.standard_normal((M, K)).astype(np.float32) * rng.random((M, 1)).astype(np.float32)
-    q, scale = quantize_int8(rng.standard_normal((N, K)).astype(np.float32))
+    q, scale = quantise_int8(rng.standard_normal((N, K)).astype(np.float32))
     want = quantised(x) @ (q.astype(np.float32) * scale[:, None]).T
     for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
         out = np.full((M, N), np.nan, np.float32)
@@ -450,9 +450,9 @@ def test_int8_products_equal_the_rounded_float_product(M, N, K):
 @pytest.mark.parametrize("M", [1, 3, 4, 17, 70])
 @pytest.mark.parametrize("N,K", [(37, 128), (9, 64), (70, 192), (66, 512)])
 def test_int4_products_equal_the_float_product_with_the_stored_values(M, N, K):
-    from minfer.io.formats import FORMATS, quantize_int4
+    from minfer.io.formats import FORMATS, quantise_int4
     x = rng.standard_normal((M, K)).astype(np.float32)
-    q, scale = quantize_int4(rng.standard_normal((N, K)).astype(np.float32))
+    q, scale = quantise_int4(rng.standard_normal((N, K)).astype(np.float32))
     dense = FORMATS["int4"].decode(q, scale, (N, K))
     out = np.full((M, N), np.nan, np.float32)
     k.matmul_i4(x, q, scale, out)                                          # float32 compute
@@ -465,11 +465,11 @@ def test_int4_products_equal_the_float_product_with_the_stored_values(M, N, K):
 
 
 def test_int8_products_of_non_finite_and_zero_rows():
-    from minfer.io.formats import quantize_int4, quantize_int8
+    from minfer.io.formats import quantise_int4, quantise_int8
     x = rng.standard_normal((4, 128)).astype(np.float32)
     x[1, 7], x[2], x[3, 0] = np.inf, 0.0, np.nan
     w = rng.standard_normal((8, 128)).astype(np.float32)
-    for kernel, (q, s) in ((k.qmatmul_i8, quantize_int8(w)), (k.qmatmul_i4, quantize_int4(w))):
+    for kernel, (q, s) in ((k.qmatmul_i8, quantise_int8(w)), (k.qmatmul_i4, quantise_int4(w))):
         out = np.full((4, 8), 7.0, np.float32)
         kernel(x, q, s, out, np.empty(kernels.quantised_bytes(4, 128, 2), np.uint8))
         assert np.isfinite(out[0]).all() and (out[2] == 0).all()
@@ -478,9 +478,9 @@ def test_int8_products_of_non_finite_and_zero_rows():
 
 @pytest.mark.parametrize("K", [64, 200, 72, 48, 2])
 def test_int4_widening_kernel_equals_numpy_for_whole_and_partial_blocks(K):
-    from minfer.io.formats import FORMATS, quantize_int4
+    from minfer.io.formats import FORMATS, quantise_int4
     w = rng.standard_normal((5, K)).astype(np.float32)
-    q, scale = quantize_int4(w)
+    q, scale = quantise_int4(w)
     want, got = np.empty((5, K), np.float32), np.empty((5, K), np.float32)
     FORMATS["int4"].widen(q, want)
     k.widen_i4(q, got)

@@ -5,7 +5,7 @@ import pytest
 from minfer import kernels
 from minfer.errors import ConfigError
 from minfer.io.formats import (FORMATS, INT4_GROUP, SCALE_SUFFIX, apply_scale, int4_group,
-                               quantize_int4, quantize_int8, to_bfloat16_bits)
+                               quantise_int4, quantise_int8, to_bfloat16_bits)
 from minfer.products import KERNEL_MAX_ROWS, PackedWeight, quantise_rows, wrap
 
 rng = np.random.default_rng(1)
@@ -14,7 +14,7 @@ rng = np.random.default_rng(1)
 def test_int8_quantisation_is_per_output_channel_and_within_half_a_step():
     w = rng.standard_normal((10, 64)).astype(np.float32) * np.arange(1, 11, dtype=np.float32)[:, None]
     w[3] = 0  # a dead channel must not divide by zero
-    q, scale = quantize_int8(w)
+    q, scale = quantise_int8(w)
     assert q.dtype == np.int8 and scale.shape == (10,)
     assert np.abs(q).max() == 127
     out = FORMATS["int8"].decode(q, scale, w.shape)
@@ -84,7 +84,7 @@ def test_every_format_multiplies_and_looks_up_what_it_stores(name, K, compute, m
 def test_int4_quantisation_keeps_each_groups_largest_value_and_rounds_the_rest():
     w = rng.standard_normal((6, 256)).astype(np.float32)
     w[2, 64:128] = 0                                          # a dead group must not divide by 0
-    q, scale = quantize_int4(w)
+    q, scale = quantise_int4(w)
     assert q.shape == (6, 128) and q.dtype == np.uint8 and scale.shape == (6, 256 // INT4_GROUP)
     back = FORMATS["int4"].decode(q, scale, w.shape)
     step = np.repeat(np.abs(scale), INT4_GROUP, axis=1)

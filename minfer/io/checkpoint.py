@@ -85,11 +85,11 @@ class Checkpoint:
                              if scale in f.tensors}
         return scales
 
-    def quantized_names(self) -> list[str]:
+    def quantised_names(self) -> list[str]:
         """Tensors stored quantised (int8 or int4) with their scales."""
         return list(self._scales)
 
-    def quantized_format(self) -> str | None:
+    def quantised_format(self) -> str | None:
         """The weight format of the quantised tensors ("int8", "int4"), None if there are none."""
         found = {fmt.name for _, fmt in self._scales.values()}
         if len(found) > 1:

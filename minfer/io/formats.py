@@ -11,7 +11,7 @@ row per output).
 Formats: "float32" and "float16" (on CUDA float16 is also the compute dtype), "bfloat16" (the
 top half of a float32, stored as its uint16 bits: NumPy has no bfloat16), "int8" (symmetric, one
 float32 scale per output channel, as BMInf and CTranslate2 quantise) and "int4" (symmetric, one
-float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantize_int4`
+float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantise_int4`
 for the layout). A quantised matrix `w` is stored as `w` plus its scales `w` + SCALE_SUFFIX, in
 packed layers and in files.
 """
@@ -43,7 +43,7 @@ INT4_GROUP = 128
 # =====================================================================================================
 # int8 and int4 quantisation and the widening of stored bits
 # =====================================================================================================
-def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantise_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(out, in) float -> int8 (out, in) and float32 scales (out,): w ~= q * scale[:, None].
 
     Symmetric, one scale per output channel (absmax / 127), round to nearest. A zero channel gets
@@ -65,7 +65,7 @@ def int4_group(K: int) -> int:
     return K
 
 
-def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantise_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(out, in) float -> packed int4 (out, in / 2) uint8 and float32 scales (out, in / G).
 
     Per group of G = `int4_group(in)` input channels: scale d = m / -8 where m is the group's
@@ -95,7 +95,7 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _widen_int4(src: Any, dst: Any) -> None:
     """Packed int4 rows (R, K / 2) -> their values q (R, K) as floats, unscaled (any array
-    namespace; see `quantize_int4` for the layout)."""
+    namespace; see `quantise_int4` for the layout)."""
     R, K = dst.shape
     full = K // 64 * 64
     if full:
@@ -158,7 +158,7 @@ class WeightFormat:
     grouped: bool = False                      # int4: a scale per group of input channels
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
     widen: Callable[[Any, Any], None] = _widen_cast   # the NumPy widening of its rows
-    quantization: str = ""                     # how a file written in it says so (metadata)
+    quantisation: str = ""                     # how a file written in it says so (metadata)
     # (its compiled kernels: kernels.registry.BY_FORMAT[name])
 
     def array_names(self, name: str) -> tuple[str, ...]:
@@ -191,7 +191,7 @@ class WeightFormat:
     def encode(self, name: str, w: np.ndarray) -> dict[str, np.ndarray]:
         """A float32 (out, in) matrix (or a block of its rows) -> its stored arrays (host)."""
         if self.scaled:
-            q, scale = quantize_int4(w) if self.grouped else quantize_int8(w)
+            q, scale = quantise_int4(w) if self.grouped else quantise_int8(w)
             return {name: q, name + SCALE_SUFFIX: scale}
         if self.name == "bfloat16":
             return {name: to_bfloat16_bits(w)}
@@ -217,10 +217,10 @@ FORMATS: dict[str, WeightFormat] = {
     "float16": WeightFormat("float16", np.float16, "F16"),
     "bfloat16": WeightFormat("bfloat16", np.uint16, "BF16", widen=_widen_bfloat16),
     "int8": WeightFormat("int8", np.int8, "I8", scaled=True,
-                         quantization="int8 per output channel"),
+                         quantisation="int8 per output channel"),
     "int4": WeightFormat("int4", np.uint8, "U8", scaled=True, grouped=True, packed=True,
                          widen=_widen_int4,
-                         quantization=f"int4 per group of {INT4_GROUP} input channels"),
+                         quantisation=f"int4 per group of {INT4_GROUP} input channels"),
 }
 QUANTIZED = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype
 
