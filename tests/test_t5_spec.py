@@ -109,7 +109,7 @@ def test_nullable_keys_take_their_default_and_ids_lists():
 
 def test_weight_table_fuses_folds_and_splits_the_cross_projections():
     from minfer.models.t5.weights import weight_table
-    from minfer.params.spec import Linear, Tensor, View
+    from minfer.params.table import Linear, Tensor, View
     cfg = t5.T5Config.from_hf({**BASE, "feed_forward_proj": "gated-gelu"})
     table = weight_table(cfg)
     C, I, F, V = cfg.d_model, cfg.inner, cfg.d_ff, cfg.vocab_size

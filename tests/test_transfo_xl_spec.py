@@ -7,7 +7,7 @@ from minfer.errors import ConfigError
 from minfer.models.config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH
 from minfer.models.transfo_xl.config import XLConfig
 from minfer.models.transfo_xl.weights import r_table_rows, weight_table
-from minfer.params.spec import Linear, Tensor, View
+from minfer.params.table import Linear, Tensor, View
 
 BASE = {"model_type": "transfo-xl", "vocab_size": 40, "cutoffs": [10, 20], "d_model": 8,
         "d_embed": 8, "n_head": 2, "d_head": 4, "d_inner": 16, "n_layer": 2, "div_val": 2,

@@ -2,7 +2,7 @@
 table and its codecs, below every layer that multiplies: the checkpoint reader dequantises
 with them, the loader packs with them, `products.py` multiplies what they store).
 
-A family's weight table marks which matrices are *linear slots* (`spec.Linear`): every layer
+A family's weight table marks which matrices are *linear slots* (`params.table.Linear`): every layer
 matrix, the output heads and the embedding tables. Only those take a format other than the
 compute dtype, and every format stores a slot the same way round: (out, in), one row per output
 channel, as Hugging Face stores it and as a dot-product kernel reads it fastest (one contiguous
@@ -205,7 +205,7 @@ class WeightFormat:
 
     def slot(self, float32: bool, compute_dtype: Any) -> tuple["WeightFormat", np.dtype]:
         """(the format a slot is stored in, the dtype its product computes in): a slot marked
-        float32 (`spec.Linear.float32`) computes in float32 when the compute dtype is half, and
+        float32 (`params.table.Linear.float32`) computes in float32 when the compute dtype is half, and
         is stored float32 unless the format is quantised (which widens into float32 instead)."""
         if float32 and np.dtype(compute_dtype).itemsize < 4:
             return (self if self.scaled else FORMATS["float32"]), np.dtype(np.float32)

@@ -12,7 +12,7 @@ class Family:
     model_types: tuple[str, ...]    # config.json model_type values it reads
     config: Any                     # the config class: from_hf(dict, source), token_ids(),
                                     # describe(), summary()
-    weight_table: Callable[[Any], Any]       # config -> params.spec.WeightTable
+    weight_table: Callable[[Any], Any]       # config -> params.table.WeightTable
     run_bytes: Callable[..., dict[str, int]]  # (config, dtype, batch, input_len, max_new_tokens)
     is_encoder_decoder: bool        # results keep the decoder start token (HF's convention)
     add_eos_to_prompt: bool         # prompts end with eos (T5) or not (Transformer-XL)

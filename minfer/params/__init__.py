@@ -1,6 +1,6 @@
 """Weights: declared per family, checked, formatted, planned, placed, and streamed when needed.
 
-- spec.py      the vocabulary of a family's weight table (Linear, Tensor, Derived, View)
+- table.py     the vocabulary of a family's weight table (Linear, Tensor, Derived, View)
 - formats.py   how linear slots are stored (float32, float16, int8) and multiplied
 - layout.py    one layer's packed byte layout
 - planner.py   which layers stay resident under a memory limit (pure)

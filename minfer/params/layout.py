@@ -12,12 +12,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ..arena import align_up
+from ..arena import BufferSpec, align_up
 from ..io.formats import WeightFormat
 from ..products import scratch_bytes
-
-ArraySpec = Mapping[str, tuple[tuple[int, ...], Any]]
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -29,7 +26,7 @@ class Entry:
 class Layout:
     """Aligned offsets of a layer's arrays, and which logical params are linear slots (by format)."""
 
-    def __init__(self, arrays: ArraySpec, linear: Mapping[str, WeightFormat] | None = None,
+    def __init__(self, arrays: BufferSpec, linear: Mapping[str, WeightFormat] | None = None,
                  product: Mapping[str, Any] | None = None):
         self.entries: dict[str, Entry] = {}
         offset = 0

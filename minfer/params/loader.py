@@ -1,6 +1,6 @@
 """The one loader every family goes through: check -> fuse -> format -> plan -> place.
 
-Given a family's `WeightTable` (params/spec.py) and a `Checkpoint`:
+Given a family's `WeightTable` (params/table.py) and a `Checkpoint`:
 1. `check` rejects missing, unexpected and mis-shaped tensors by name before anything is read;
 2. `plan_placement` sizes every layer in its weight format and decides, under a memory limit,
    which layers stay resident (pure: `minfer info` prints it without reading weights);
@@ -27,7 +27,7 @@ from ..products import scratch_bytes
 from .layout import Layout
 from .planner import WeightPlan, plan_weights
 from .runtime import LayerStack, WeightRuntime
-from .spec import Derived, Linear, Tensor, Unit, View, WeightTable
+from .table import Derived, Linear, Tensor, Unit, View, WeightTable
 
 BLOCK_BYTES = 16 << 20  # large fixed matrices are read and placed in row blocks of this size
 # the file dtype whose bytes a weight format keeps as they are (int8: with its per-row scales)

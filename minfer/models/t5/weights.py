@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...params.spec import Linear, Tensor, View, WeightTable
+from ...params.table import Linear, Tensor, View, WeightTable
 from .config import T5Config
 
 # config.json's encoder_attention_type -> the module name of the encoder's self-attention

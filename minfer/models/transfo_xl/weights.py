@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...params.spec import Derived, Linear, Tensor, View, WeightTable
+from ...params.table import Derived, Linear, Tensor, View, WeightTable
 from .config import XLConfig
 
 

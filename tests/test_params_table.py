@@ -1,7 +1,7 @@
-"""The weight-table vocabulary (params/spec.py): shapes derived from the checkpoint's."""
+"""The weight-table vocabulary (params/table.py): shapes derived from the checkpoint's."""
 import numpy as np
 
-from minfer.params.spec import Derived, Linear, Tensor, View, WeightTable
+from minfer.params.table import Derived, Linear, Tensor, View, WeightTable
 
 TABLE = WeightTable(
     tensors={"q": (6, 4), "k": (6, 4), "v": (2, 4), "n": (4,), "emb": (10, 4), "extra": (3, 4),
