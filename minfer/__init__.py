@@ -21,7 +21,7 @@ from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, In
                      TokenizerError)
 from .io.checkpoint import Checkpoint as _Checkpoint, read_json as _read_json
 from .kernels import set_threads as _set_threads
-from .models.registry import family_of as _family_of
+from .models.registry import model_class_of as _model_class_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
 from .io.formats import FORMATS as _FORMATS
@@ -99,7 +99,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         root = root.parent
     modules = read_sentence_modules(folder)
     ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
-    family = _family_of(ckpt.config, str(ckpt.folder / "config.json"))
+    model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto" or dtype is None:
         # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
         # needs a quantised one (int8 when the file's is not)
@@ -109,12 +109,12 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
     be.num_threads = _set_threads(num_threads)
     tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
-    loaded = family.load(ckpt, be, _read_json(ckpt.folder / "generation_config.json"), tokenizer,
+    loaded = model_class.load(ckpt, be, _read_json(ckpt.folder / "generation_config.json"), tokenizer,
                          recorder, parts)
     if modules is not None:
         if not hasattr(loaded, "encode"):
             raise ConfigError(f"{folder / 'modules.json'}: a sentence-transformers head needs an "
-                              f"encoder, and a {family.spec.name} model has none")
+                              f"encoder, and a {model_class.family.name} model has none")
         if modules.pooling.dimension != loaded.config.d_model:
             raise ConfigError(f"{modules.folder}: 'word_embedding_dimension' "
                               f"{modules.pooling.dimension} of the Pooling module does not fit the "

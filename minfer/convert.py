@@ -33,7 +33,7 @@ from .errors import CheckpointError, ConfigError
 from .io.checkpoint import Checkpoint
 from .io.limits import is_regular_file
 from .io.tensors import STORAGE
-from .models.registry import family_of
+from .models.registry import model_class_of
 from .io.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
 from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
 
@@ -131,9 +131,9 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
     fmt = FORMATS[dtype]
     linear: set[str] = set()  # tensors that feed a linear slot: the ones int8 / int4 quantise
     if fmt.scaled:
-        spec = family_of(ckpt.config, str(ckpt.folder / "config.json")).spec
-        config = spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-        linear = spec.weight_table(config).linear_sources()
+        family = model_class_of(ckpt.config, str(ckpt.folder / "config.json")).family
+        config = family.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        linear = family.weight_table(config).linear_sources()
     plan = _plan(ckpt, dtype, linear)
     metadata = {"format": "pt", **({"minfer.quantisation": fmt.quantisation}
                                    if fmt.scaled else {})}

@@ -41,7 +41,7 @@ def test_both_families_implement_the_decoding_protocol(tmp_path):
 
 def test_facade_reports_sizes_and_closes(tmp_path):
     with minfer.load(write_t5(tmp_path / "m")) as model:
-        assert model.family == "t5" and model.is_encoder_decoder
+        assert model.family.name == "t5" and model.is_encoder_decoder
         plan = model.plan(batch=2, input_len=9, max_new_tokens=5)
         assert plan["peak"] == plan["decode_state"] + max(plan["encoder_scratch"],
                                                           plan["cross_kv_scratch"])

@@ -1,8 +1,8 @@
 """What every model family shares: the public façade, how it is loaded, and input batches.
 
 A family is a declaration plus math (models/<family>/: config.py, weights.py, buffers.py, tied
-together by spec.py's `Family`; and math.py). Its public class
-subclasses `Model`, points `spec` at the family's declaration (`family.Family`: config class,
+together by family.py's `FAMILY`; and math.py). Its public class
+subclasses `Model`, points `family` at that declaration (a `models.family.Family`: config class,
 weight table, run sizes) and adds only what differs: `start_decoding` and the family's own API.
 Everything else is written here once: loading (check -> plan -> place, through
 params/loader.py), `plan`, `parameter_count`, `describe`, `close` and the context manager,
@@ -35,7 +35,7 @@ from .family import Family
 class Model(OwnsWeights, DecodingModel):
     """A loaded model: config, parameters placed on a backend, tokenizer, and the public API."""
 
-    spec: ClassVar[Family]  # the family's declaration
+    family: ClassVar[Family]  # the family's declaration
 
     # Pickling: `minfer.load` records itself with its arguments (set_load_call, a functools.partial).
     # A model pickles as that call, a few hundred bytes, and unpickling loads it again; never its
@@ -64,16 +64,12 @@ class Model(OwnsWeights, DecodingModel):
         self.free_when_idle = backend.arena.available   # set again once the weights are placed
 
     @property
-    def family(self) -> str:
-        return self.spec.name
-
-    @property
     def is_encoder_decoder(self) -> bool:
-        return self.spec.is_encoder_decoder
+        return self.family.is_encoder_decoder
 
     @property
     def add_eos_to_prompt(self) -> bool:
-        return self.spec.add_eos_to_prompt
+        return self.family.add_eos_to_prompt
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -102,15 +98,15 @@ class Model(OwnsWeights, DecodingModel):
         """Parse the config, restrict it to the parts asked for (None: what the checkpoint
         holds), plan where the weights go (all resident without a memory limit), then read them
         layer by layer into place."""
-        config = cls.spec.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
-        if cls.spec.with_parts is not None:
-            config = cls.spec.with_parts(config, ckpt.names(), parts, str(ckpt.folder))
+        config = cls.family.config.from_hf(ckpt.config, str(ckpt.folder / "config.json"))
+        if cls.family.with_parts is not None:
+            config = cls.family.with_parts(config, ckpt.names(), parts, str(ckpt.folder))
         elif parts not in (None, "all"):
-            raise ConfigError(f"parts={parts!r}: a {cls.spec.name} model loads only whole "
+            raise ConfigError(f"parts={parts!r}: a {cls.family.name} model loads only whole "
                               "(parts='all')")
-        table = cls.spec.weight_table(config)
+        table = cls.family.weight_table(config)
         fmt = weight_format(backend.weight_format)
-        planned = cls.spec.run_bytes(config, backend.dtype, 1, None, None)["peak"]
+        planned = cls.family.run_bytes(config, backend.dtype, 1, None, None)["peak"]
         plan = plan_placement(table, backend.dtype, fmt, backend.memory_limit,
                               backend.workspace_reserve(planned))
         runtime = WeightRuntime(backend, plan, recorder)
@@ -150,11 +146,11 @@ class Model(OwnsWeights, DecodingModel):
         """Arena bytes a run of this shape needs (pure: nothing is allocated): named parts and
         their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
         check_plan_arguments(batch, input_len, max_new_tokens)
-        return self.spec.run_bytes(self.config, self.backend.dtype, batch, input_len,
+        return self.family.run_bytes(self.config, self.backend.dtype, batch, input_len,
                                    max_new_tokens)
 
     def parameter_count(self) -> int:
-        return self.spec.weight_table(self.config).parameter_count()
+        return self.family.weight_table(self.config).parameter_count()
 
     def describe(self) -> list[tuple[str, str]]:
         """Architecture facts for `minfer info`."""

@@ -1,4 +1,4 @@
-"""What a model family declares about itself (each family's spec.py fills one in)."""
+"""What a model family declares about itself (each family's family.py fills one in)."""
 
 from __future__ import annotations
 

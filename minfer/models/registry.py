@@ -1,4 +1,5 @@
-"""model_type -> family: the one list of the model families minfer runs.
+"""model_type -> model class: the one list of the model families minfer runs (each class's
+`family` is its declaration).
 
 `load`, `convert` and `info` reach the families only through here.
 """
@@ -12,16 +13,16 @@ from .config import model_type_of
 from .t5 import T5Model
 from .transfo_xl import XLModel
 
-FAMILIES: tuple[type[Model], ...] = (T5Model, XLModel)
-MODEL_TYPES: dict[str, type[Model]] = {t: f for f in FAMILIES for t in f.spec.model_types}
+MODEL_CLASSES: tuple[type[Model], ...] = (T5Model, XLModel)
+MODEL_TYPES: dict[str, type[Model]] = {t: c for c in MODEL_CLASSES for t in c.family.model_types}
 
 
-def family_of(config: dict, source: str) -> type[Model]:
-    """The family class that reads a config.json (model_type absent: the one `architectures`
+def model_class_of(config: dict, source: str) -> type[Model]:
+    """The model class that reads a config.json (model_type absent: the one `architectures`
     names, else T5, as old T5 saves omit both)."""
     model_type = model_type_of(config)
-    family = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
-    if family is None:
+    model_class = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if model_class is None:
         raise ConfigError(f"{source}: model_type {shown(model_type)} is not supported "
                           f"(supported: {', '.join(MODEL_TYPES)})")
-    return family
+    return model_class

@@ -14,7 +14,7 @@ from ...io.sentence_transformers import SentenceModules
 from ..base import PLAN_MAX, Model, as_batch
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
-from .spec import FAMILY
+from .family import FAMILY
 
 
 class T5DecodeState(DecodeState):
@@ -87,7 +87,7 @@ class T5Model(Model):
     """A loaded T5 (v1.0, v1.1 / flan-t5, mT5, UMT5; or only its encoder): encode, embed,
     forward, generate."""
 
-    spec = FAMILY
+    family = FAMILY
     sentence_modules: SentenceModules | None = None   # a sentence-transformers folder's head
 
     @property

@@ -1,4 +1,4 @@
-"""Transformer-XL (transfo-xl-wt103): config.py, weights.py and buffers.py declare it (spec.py's
+"""Transformer-XL (transfo-xl-wt103): config.py, weights.py and buffers.py declare it (family.py's
 Family ties them together), math.py computes it, model.py serves it."""
 
 from .model import SegmentMemory, XLDecodeState, XLModel, XLSession

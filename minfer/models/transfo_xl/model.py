@@ -20,7 +20,7 @@ from ...generation.streaming import stream_tokens
 from ..base import Model, check_plan_arguments
 from . import math as xl
 from .buffers import MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment, run_bytes
-from .spec import FAMILY
+from .family import FAMILY
 
 
 class SegmentMemory:
@@ -109,7 +109,7 @@ class XLDecodeState(DecodeState):
 class XLModel(Model):
     """A loaded Transformer-XL: forward with explicit memory, scoring, generation, sessions."""
 
-    spec = FAMILY
+    family = FAMILY
 
     def plan(self, batch: int = 1, input_len: int | None = None,
              max_new_tokens: int | None = None) -> dict[str, int]:
