@@ -152,7 +152,7 @@ def text_list(texts: Any, what: str) -> list[str]:
 def check_can_embed(model: Any) -> None:
     """A one-line error for a model with no encoder to embed with (Transformer-XL)."""
     if not callable(getattr(model, "encode", None)):
-        family = getattr(model, "family", type(model).__name__)
+        family = getattr(getattr(model, "family", None), "name", type(model).__name__)
         raise InputError(f"{getattr(model, 'folder', 'this model')}: a {family} model cannot "
                          "embed: sentence embeddings need an encoder (a T5-family model)")
 
