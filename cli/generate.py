@@ -24,6 +24,7 @@ import click
 from minfer.generation.options import (DEFAULT_MAX_BATCH_SIZE, MAX_BATCH_SIZE, MAX_PENALTY,
                                        MAX_ROWS, MAX_TEMPERATURE, MIN_PENALTY)
 from minfer.io.limits import MAX_LENGTH
+from minfer.tokenizers import tokenizer_files
 
 from .bulk import (MAX_LINE_BYTES, bulk_options, bulk_settings, lines, results_in_order, run_bulk,
                    utf8)
@@ -172,7 +173,6 @@ def generate(load, prompts, max_new_tokens,
     m.check_can_generate()   # an encoder-only model: one line, before any prompt is read
     _check_options(m, task, options)
     if m.tokenizer is None:
-        from minfer.generation.prompts import tokenizer_files  # the files this family would read
         fail(f"{m.folder} has no tokenizer ({tokenizer_files(m)}): text prompts need one")
     if bulk is not None:
         run_bulk(m, bulk, task, options)

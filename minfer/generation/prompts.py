@@ -11,7 +11,6 @@ import numpy as np
 
 from ..errors import InputError
 from .options import is_integer
-from .protocol import DecodingModel
 
 
 # How a prompt over max_input_tokens is told it can run, in the library's words: the CLI and the
@@ -101,19 +100,6 @@ def _check_prompt(prompt: Any, where: str) -> str:
     from ..tokenizers import check_text   # the tokenizer's own check, here naming the prompt
     check_text(prompt, where)
     return prompt
-
-
-def tokenizer_files(model: DecodingModel) -> str:
-    """The vocabulary files a model of this kind would have its tokenizer read from."""
-    from ..tokenizers import source_files
-    return source_files(bool(model.is_encoder_decoder))
-
-
-def need_tokenizer(model: DecodingModel, why: str) -> Any:
-    if model.tokenizer is None:
-        raise InputError(f"{why} requires a tokenizer, and {model.folder} has none "
-                         f"({tokenizer_files(model)}): pass token ids instead")
-    return model.tokenizer
 
 
 def _row_names(kind: str) -> Callable[[int], str]:

@@ -26,7 +26,8 @@ from ..errors import ArenaExhausted, Cancelled, InputError, MinferError
 from . import planning
 from .options import GenerationOptions, resolve_options, split_batch_options
 from .planning import BadRow, BatchPlanner, plan_batches, take_window
-from .prompts import TRUNCATION_CURE, _check_prompt, _normalise_inputs, _row_names, need_tokenizer
+from ..tokenizers.select import need_tokenizer
+from .prompts import TRUNCATION_CURE, _check_prompt, _normalise_inputs, _row_names
 from .protocol import DecodingModel
 from .search import Hypothesis, beam_search, token_loop
 from .streaming import StopMatcher, Stream, _RowText, stream_tokens

@@ -16,11 +16,11 @@ from .bpe import BpeTokenizer
 from .byt5 import ByteTokenizer
 from .hf_json import JsonTokenizer
 from .select import (PICKLED_VOCABULARIES, TOKENIZER_FILES, has_tokenizer, load_tokenizer,
-                     source_files)
+                     need_tokenizer, source_files, tokenizer_files)
 from .spiece import SentencePieceTokenizer
 from .streaming import IncrementalDecoder
 from .words import WordTokenizer
 
 __all__ = ["Tokenizer", "check_text", "IncrementalDecoder", "load_tokenizer", "has_tokenizer",
-           "source_files", "TOKENIZER_FILES", "PICKLED_VOCABULARIES", "JsonTokenizer",
+           "source_files", "tokenizer_files", "need_tokenizer", "TOKENIZER_FILES", "PICKLED_VOCABULARIES", "JsonTokenizer",
            "SentencePieceTokenizer", "ByteTokenizer", "BpeTokenizer", "WordTokenizer"]

@@ -21,9 +21,10 @@ the next source, and named if none is left.
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
-from ..errors import TokenizerError
+from ..errors import InputError, TokenizerError
 from ..io.limits import is_regular_file
 from .added import ROBERTA_CLASSES, declared_class, model_type
 from .base import MissingLibrary, Tokenizer, read_settings
@@ -118,3 +119,18 @@ def _candidates(folder: Path, named: str | None) -> list[tuple[Path, type[Tokeni
     raise TokenizerError(f"{words[0]}: a word vocabulary, which only Transformer-XL reads; this "
                          f"folder ({kind}) needs tokenizer.json, spiece.model or vocab.json + "
                          "merges.txt")
+
+
+def tokenizer_files(model: Any) -> str:
+    """The vocabulary files a model of this kind (anything with `is_encoder_decoder`) would have
+    its tokenizer read from."""
+    return source_files(bool(model.is_encoder_decoder))
+
+
+def need_tokenizer(model: Any, why: str) -> Tokenizer:
+    """The model's tokenizer, or a one-line InputError saying what needed it and which files
+    would have given one (`model`: anything with `tokenizer`, `folder`, `is_encoder_decoder`)."""
+    if model.tokenizer is None:
+        raise InputError(f"{why} requires a tokenizer, and {model.folder} has none "
+                         f"({tokenizer_files(model)}): pass token ids instead")
+    return model.tokenizer

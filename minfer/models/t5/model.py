@@ -11,6 +11,7 @@ from ...errors import ArenaExhausted, InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
+from ...tokenizers.select import need_tokenizer
 from ..base import PLAN_MAX, Model, as_batch
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
@@ -179,7 +180,6 @@ class T5Model(Model):
             texts = text_list(texts, "encode()")
             if attention_mask is not None:
                 raise InputError("encode(): attention_mask applies to token ids, not to text")
-            from ...generation.prompts import need_tokenizer
             tok = need_tokenizer(self, "encode() of text")
             if max_length is None:
                 rows = tok.encode_batch(texts)

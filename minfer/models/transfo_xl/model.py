@@ -14,9 +14,9 @@ import numpy as np
 from ...errors import InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, non_finite, quiet
 from ...generation.options import resolve_options
-from ...generation.prompts import need_tokenizer
 from ...generation.protocol import DecodeState
 from ...generation.streaming import stream_tokens
+from ...tokenizers.select import need_tokenizer
 from ..base import Model, check_plan_arguments
 from . import math as xl
 from .buffers import MemoryBuffers, head_temporaries, prompt_call_bytes, prompt_segment, run_bytes
