@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, InputError
-from ..io.limits import MAX_LENGTH, is_int
+from ..io.limits import MAX_LENGTH, is_integer, short_repr
 from .protocol import DecodingModel
 
 # When neither the call nor the checkpoint says how long to decode. Deliberately long: a silent
@@ -49,19 +49,6 @@ MAX_LOG_LENGTH_PENALTY = 80.0   # |length_penalty| * ln(longest length): float32
 
 class _Bad(Exception):
     """A check's "must be ..." text; the caller says where the value came from."""
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """A short one-line repr for messages (a 5000-digit integer cannot even be repr'd)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"<{value.bit_length()}-bit integer>"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def is_integer(value: Any) -> bool:
-    """An int or NumPy integer, not a bool (np.bool_ is not an np.integer)."""
-    return is_int(value) or isinstance(value, np.integer)
 
 
 def _integer(low: int, high: int) -> Callable[[Any], int]:
@@ -200,7 +187,7 @@ def _from_hf(params: dict, source: str) -> dict:
                 continue
             if not is_integer(value) or not 0 <= value <= MAX_LENGTH:
                 raise ConfigError(f"{source}: '{key}' must be an integer in 0..{MAX_LENGTH}, "
-                                  f"got {shown(value)}")
+                                  f"got {short_repr(value)}")
             out[_LENGTH_KEYS[key]] = max(int(value) - 1, 0 if key == "min_length" else 1)
         elif key in _OPTION_NAMES and key not in ("stop", "seed"):
             out[key] = value
@@ -266,8 +253,8 @@ def _checked(options: Any, checks: dict[str, Callable[[Any], Any]],
         except _Bad as e:
             where = (origin or {}).get(name)
             if where is not None:
-                raise ConfigError(f"{where}: '{name}' must be {e}, got {shown(value)}") from None
-            raise InputError(f"{name} must be {e}, got {shown(value)}{_HINTS.get(name, '')}") \
+                raise ConfigError(f"{where}: '{name}' must be {e}, got {short_repr(value)}") from None
+            raise InputError(f"{name} must be {e}, got {short_repr(value)}{_HINTS.get(name, '')}") \
                 from None
     return dataclasses.replace(options, **values)
 
@@ -333,21 +320,21 @@ def resolve_options(model: DecodingModel, task: str | None = None, **overrides: 
     prefix = ""
     if task is not None:
         if not isinstance(task, str):
-            raise InputError(f"task must be a string, got {shown(task)}")
+            raise InputError(f"task must be a string, got {short_repr(task)}")
         tasks = raw_config.get("task_specific_params") or {}
         source = where("config.json") + f" task_specific_params[{task!r}]"
         if not isinstance(tasks, dict):
             raise ConfigError(f"{where('config.json')}: 'task_specific_params' must be an object, "
-                              f"got {shown(tasks)}")
+                              f"got {short_repr(tasks)}")
         if task not in tasks:
             known = ", ".join(sorted(map(str, tasks))) or "none"
             raise InputError(f"task {task!r} is not defined by this checkpoint (known: {known})")
         if not isinstance(tasks[task], dict):
-            raise ConfigError(f"{source}: must be an object, got {shown(tasks[task])}")
+            raise ConfigError(f"{source}: must be an object, got {short_repr(tasks[task])}")
         params = dict(tasks[task])
         prefix = params.pop("prefix", "") or ""
         if not isinstance(prefix, str):
-            raise ConfigError(f"{source}: 'prefix' must be a string, got {shown(prefix)}")
+            raise ConfigError(f"{source}: 'prefix' must be a string, got {short_repr(prefix)}")
         take(_from_hf(params, source), source)
     calls = {k: v for k, v in overrides.items() if v is not None}
     take(calls, None)

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InputError
-from .options import is_integer
+from ..io.limits import is_integer
 
 
 # How a prompt over max_input_tokens is told it can run, in the library's words: the CLI and the

@@ -47,6 +47,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_integer(value: Any) -> bool:
+    """An int or NumPy integer, not a bool (np.bool_ is not an np.integer)."""
+    return is_int(value) or isinstance(value, np.integer)
+
+
 def quoted(text: str, limit: int = 120) -> str:
     """A name from a file, safe to put in a one-line message (escaped, cut to `limit`)."""
     text = text[:limit * 2].encode("unicode_escape").decode("ascii")
@@ -67,6 +72,16 @@ def shown(value: Any, limit: int = 60) -> str:
     if is_int(value) and value.bit_length() > 64:
         return f"a {value.bit_length()}-bit integer"
     return quoted(repr(value), limit)
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """An argument given in Python, for a one-line message: its repr cut to `limit` (an integer
+    too long to print by its bit length: a 5000-digit integer cannot even be repr'd). Values
+    read from files go through `shown`, which also sizes containers."""
+    if is_int(value) and value.bit_length() > 64:
+        return f"<{value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def is_regular_file(path: str | os.PathLike, error: type[Exception]) -> bool:

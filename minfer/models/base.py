@@ -23,9 +23,9 @@ import numpy as np
 
 from ..backend import Backend
 from ..errors import ConfigError, InputError, NonFiniteError
-from ..generation.options import is_integer, shown
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
+from ..io.limits import is_integer, short_repr
 from ..io.formats import weight_format
 from ..params.loader import load_params, plan_placement
 from ..params.runtime import OwnsWeights, WeightRuntime
@@ -240,7 +240,7 @@ def check_plan_arguments(batch: Any, input_len: Any, max_new_tokens: Any) -> Non
             continue
         if not is_integer(value) or not low <= int(value) <= PLAN_MAX:
             raise InputError(f"plan(): {name} must be an integer in [{low}, {PLAN_MAX}], "
-                             f"got {shown(value)}")
+                             f"got {short_repr(value)}")
 
 
 def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
@@ -288,10 +288,10 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
                 raise InputError(f"{what}: row {r} is {got}, expected a non-empty list of token ids")
             for c, t in enumerate(row):
                 if not is_integer(t):
-                    raise InputError(f"{what}: row {r}, position {c} holds {shown(t)} "
+                    raise InputError(f"{what}: row {r}, position {c} holds {short_repr(t)} "
                                      f"({type(t).__name__}), not an integer token id")
                 if not 0 <= t < vocab_size:
-                    raise InputError(f"{what}: token id {shown(t)} at row {r}, position {c} is "
+                    raise InputError(f"{what}: token id {short_repr(t)} at row {r}, position {c} is "
                                      f"outside the vocabulary (0..{vocab_size - 1})")
         if attention_mask is not None:
             raise InputError("attention_mask: pass it only with an array of token ids")

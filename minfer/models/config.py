@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from ..errors import ConfigError
 from ..io.limits import MAX_LENGTH, is_int
-from ..generation.options import shown  # one short repr for every message
+from ..io.limits import short_repr
 
 # Caps on sizes (inclusive). Widths: the largest released models are ~2**15 wide; 2**20 leaves
 # room and keeps (width x width) products far from int64 overflow. Counts of layers / heads /
@@ -37,7 +37,7 @@ class ConfigReader:
         self.cfg, self.source = cfg, source
 
     def fail(self, key: str, what: str, value: Any) -> ConfigError:
-        return ConfigError(f"{self.source}: '{key}' must be {what}, got {shown(value)}")
+        return ConfigError(f"{self.source}: '{key}' must be {what}, got {short_repr(value)}")
 
     def _get(self, key: str, default: Any, nullable: bool) -> Any:
         value = self.cfg.get(key, _MISSING)

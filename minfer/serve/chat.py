@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..generation.options import shown
+from ..io.limits import short_repr
 from .errors import APIError
 
 _SYSTEM_ROLES = ("system", "developer")
@@ -71,7 +71,7 @@ def _content(content: Any, where: str) -> str:
                                f"{kind!r:.40}", param=f"{where}[{j}]")
             text = part.get("text")
             if not isinstance(text, str):   # a text part, but without its text
-                said = "is missing" if text is None else f"must be a string, got {shown(text)}"
+                said = "is missing" if text is None else f"must be a string, got {short_repr(text)}"
                 raise APIError(400, f"{where}[{j}].text {said}", param=f"{where}[{j}].text")
             texts.append(text)
         return "\n".join(texts)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InputError
-from ..generation.options import is_integer, resolve_options
+from ..generation.options import resolve_options
+from ..io.limits import is_integer
 from ..generation.planning import largest_fitting
 
 LONGEST_DEFAULT = 16384   # LongT5's inputs; no T5 was trained on longer

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InputError
-from ..generation.options import BATCH_OPTION_NAMES, is_integer, resolve_options, shown
+from ..generation.options import BATCH_OPTION_NAMES, resolve_options
+from ..io.limits import is_integer, short_repr
 from .chat import chat_prompt
 from .errors import APIError, in_request_words
 from .limits import Limits
@@ -75,7 +76,7 @@ def check_model(body: dict, served: str) -> None:
     if name is None:
         return
     if not isinstance(name, str):
-        raise APIError(400, f"model must be a string, got {shown(name)}", param="model")
+        raise APIError(400, f"model must be a string, got {short_repr(name)}", param="model")
     if name != served:
         raise APIError(404, f"The model {name!r:.100} does not exist (this server serves "
                        f"{served!r})", param="model", code="model_not_found")
@@ -85,14 +86,14 @@ def check_model(body: dict, served: str) -> None:
 def _get(body: dict, name: str, check: Callable[[Any], bool], must: str) -> Any:
     value = body.get(name)
     if value is not None and not check(value):
-        raise APIError(400, f"{name} must be {must}, got {shown(value)}", param=name)
+        raise APIError(400, f"{name} must be {must}, got {short_repr(value)}", param=name)
     return value
 
 
 def _integer(body: dict, name: str, low: int | None = None) -> int | None:
     value = _get(body, name, is_integer, "an integer")
     if value is not None and low is not None and value < low:
-        raise APIError(400, f"{name} must be at least {low}, got {shown(value)}", param=name)
+        raise APIError(400, f"{name} must be at least {low}, got {short_repr(value)}", param=name)
     return value
 
 
@@ -101,7 +102,7 @@ def _number(body: dict, name: str, low: float | None = None) -> float | None:
         return (is_integer(v) or isinstance(v, float)) and math.isfinite(float(v))
     value = _get(body, name, finite, "a finite number")
     if value is not None and low is not None and value < low:
-        raise APIError(400, f"{name} must be at least {low:g}, got {shown(value)}", param=name)
+        raise APIError(400, f"{name} must be at least {low:g}, got {short_repr(value)}", param=name)
     return value
 
 
@@ -301,6 +302,6 @@ def embedding_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> Embed
     _check_count(texts, "input", "inputs", max_inputs)
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise APIError(400, f"encoding_format must be \"float\" or \"base64\", got {shown(fmt)}",
+        raise APIError(400, f"encoding_format must be \"float\" or \"base64\", got {short_repr(fmt)}",
                        param="encoding_format")
     return EmbeddingRequest(texts, fmt == "base64", _integer(body, "dimensions", 1))

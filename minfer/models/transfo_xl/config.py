@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...generation.protocol import TokenIds
-from ..config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, ConfigReader, shown
+from ..config import MAX_COUNT, MAX_LENGTH, MAX_VOCAB, MAX_WIDTH, ConfigReader, short_repr
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class XLConfig:
         read = ConfigReader(cfg, source)
         model_type = read.get_str("model_type", "transfo-xl")
         if model_type != "transfo-xl":
-            raise ConfigError(f"{source}: model_type {shown(model_type)} is not transfo-xl")
+            raise ConfigError(f"{source}: model_type {short_repr(model_type)} is not transfo-xl")
         attn_type = read.get_int("attn_type", 0, minimum=0, maximum=3)
         if attn_type != 0:
             raise ConfigError(f"{source}: attn_type {attn_type!r} is not supported "
@@ -86,7 +86,7 @@ class XLConfig:
         cutoffs = read.get_int_list("cutoffs", [20000, 40000, 200000])
         if cutoffs != sorted(set(cutoffs)) or any(not 0 < c < vocab for c in cutoffs):
             raise ConfigError(f"{source}: 'cutoffs' must be increasing ids inside the vocabulary "
-                              f"(vocab_size {vocab}), got {shown(cutoffs)}")
+                              f"(vocab_size {vocab}), got {short_repr(cutoffs)}")
         n_clusters = len(cutoffs) + 1
         share = read.get_bool("proj_share_all_but_first", True)
         tie_projs = read.get_bool_list("tie_projs", [False] + [share] * len(cutoffs), n_clusters)
