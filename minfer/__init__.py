@@ -19,11 +19,14 @@ from .devices import make_backend as _make_backend
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
                      MinferError, ModelNotFoundError, NonFiniteError, StreamingError,
                      TokenizerError)
+from .hub import check_subfolder as _check_subfolder, resolve_model as _resolve_model
 from .io.checkpoint import Checkpoint as _Checkpoint, read_json as _read_json
+from .io.sentence_transformers import read_sentence_modules as _read_sentence_modules
 from .kernels import set_threads as _set_threads
 from .models.registry import model_class_of as _model_class_of
 from .models.t5 import T5Config, T5Model
 from .models.transfo_xl import XLConfig, XLModel, XLSession
+from .tokenizers import has_tokenizer as _has_tokenizer, load_tokenizer as _load_tokenizer
 from .io.formats import FORMATS as _FORMATS
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError",
@@ -90,14 +93,12 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
                      offline=offline, cache_dir=cache_dir, parts=parts, subfolder=subfolder,
                      tokenizer_subfolder=tokenizer_subfolder)
-    from .hub import check_subfolder, resolve_model
-    from .io.sentence_transformers import read_sentence_modules
-    root = folder = resolve_model(model, revision, offline=offline, token=token,
+    root = folder = _resolve_model(model, revision, offline=offline, token=token,
                                   cache_dir=cache_dir, subfolder=subfolder,
                                   also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
-    for _ in range(len(check_subfolder(subfolder).split("/")) if subfolder else 0):
+    for _ in range(len(_check_subfolder(subfolder).split("/")) if subfolder else 0):
         root = root.parent
-    modules = read_sentence_modules(folder)
+    modules = _read_sentence_modules(folder)
     ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
     model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto" or dtype is None:
@@ -130,17 +131,15 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
 def _tokenizer(root: _Path, subfolder: str | None, *folders: _Path) -> _Any:
     """The tokenizer of `root / subfolder` when one is named (it must hold one), else of the
     first of `folders` that holds tokenizer files (None when none does)."""
-    from .tokenizers import has_tokenizer, load_tokenizer
     if subfolder:
-        from .hub import check_subfolder
-        where = root / check_subfolder(subfolder, "tokenizer_subfolder")
-        if not has_tokenizer(where):
+        where = root / _check_subfolder(subfolder, "tokenizer_subfolder")
+        if not _has_tokenizer(where):
             raise TokenizerError(f"{where}: no tokenizer files (tokenizer_subfolder="
                                  f"{subfolder!r})")
-        return load_tokenizer(where)
+        return _load_tokenizer(where)
     for folder in folders:
-        if has_tokenizer(folder):
-            return load_tokenizer(folder)
+        if _has_tokenizer(folder):
+            return _load_tokenizer(folder)
     return None
 
 

@@ -35,7 +35,7 @@ from .io.limits import is_regular_file
 from .io.tensors import STORAGE
 from .models.registry import model_class_of
 from .io.formats import FORMATS, SCALE_SUFFIX, to_bfloat16_bits
-from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES
+from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES, load_tokenizer
 
 COPY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 # dtype -> the safetensors dtype of every tensor that is not a quantised matrix
@@ -163,7 +163,6 @@ def _write(ckpt: Checkpoint, out: Path, dtype: str, written: list[Path]) -> tupl
     vocab_pickles = [n for n in PICKLED_VOCABULARIES
                      if is_regular_file(ckpt.folder / n, CheckpointError)]
     if vocab_pickles and not (out / "vocab.txt").exists() and not (out / "vocab.json").exists():
-        from .tokenizers import load_tokenizer  # a word vocabulary: rewrite it without pickle
         tok = load_tokenizer(ckpt.folder)
         symbols = [tok.id_to_token(i) for i in range(tok.vocab_size)]
         written.append(out / "vocab.txt")

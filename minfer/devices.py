@@ -6,6 +6,7 @@ factory imports `cuda.py`, lazily, only when a CUDA device is asked for: no impo
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Any
@@ -81,7 +82,6 @@ def cap_malloc_arenas() -> bool:
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:
-        import ctypes
         libc = ctypes.CDLL(None)
         return bool(libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS))
     except (OSError, AttributeError):

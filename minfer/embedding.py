@@ -20,6 +20,7 @@ d_model, E the embedding width.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Set
+from math import erf, sqrt
 from typing import Any, Sequence
 
 import numpy as np
@@ -80,7 +81,6 @@ def _activate(x: np.ndarray, name: str) -> np.ndarray:
     if name == "silu":
         return x / (1 + np.exp(-x))
     if name == "gelu":   # torch's default GELU: the exact erf form
-        from math import erf, sqrt
         return (0.5 * x * (1 + np.vectorize(erf, otypes=[np.float64])(x / sqrt(2)))).astype(np.float32)
     return x
 

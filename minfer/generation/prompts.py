@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..io.limits import is_integer
+from ..tokenizers import check_text
 
 
 # How a prompt over max_input_tokens is told it can run, in the library's words: the CLI and the
@@ -97,8 +98,7 @@ def _check_prompt(prompt: Any, where: str) -> str:
                          "string (or every item a list of token ids)")
     if not prompt.strip():
         raise InputError(f"{where}: empty prompt (nothing but whitespace)")
-    from ..tokenizers import check_text   # the tokenizer's own check, here naming the prompt
-    check_text(prompt, where)
+    check_text(prompt, where)   # the tokenizer's own check, here naming the prompt
     return prompt
 
 

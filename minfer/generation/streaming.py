@@ -7,12 +7,15 @@ decides what a generation call emits (stop strings, eos, how the stream ended).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..errors import Cancelled
+from ..tokenizers import IncrementalDecoder
+from .batcher import batcher_of
 from .options import GenerationOptions
 from .protocol import DecodingModel
 from .search import token_loop
@@ -51,7 +54,6 @@ class _RowText:
     """Per-row streaming detokeniser plus stop-string matcher."""
 
     def __init__(self, tokenizer: Any, stops: Sequence[str], eos: set[int]):
-        from ..tokenizers import IncrementalDecoder
         self.decoder = IncrementalDecoder(tokenizer)
         self.matcher = StopMatcher(stops)
         self.eos = eos
@@ -86,7 +88,6 @@ class Stream:
 
     def __init__(self, model: DecodingModel, pieces: Callable[[dict, Any], Iterator[Any]],
                  prompt_tokens: int):
-        import threading
         self.prompt_tokens = prompt_tokens
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
@@ -125,7 +126,6 @@ class Stream:
 
     def cancel(self) -> None:
         """Stop it from another thread (thread-safe): see the class doc."""
-        from .batcher import batcher_of
         self._cancel.set()
         batcher_of(self._model).cancelled(self._cancel)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import load
 from ..errors import ConfigError, MinferError
 from ..generation.options import resolve_options
 from ..kernels import set_threads
@@ -84,7 +85,6 @@ class MinferPredictor:
             raise ConfigError("MinferPredictor: pass num_threads itself, not in load_options")
         self.num_threads = num_threads if num_threads is not None else (actor_cpus() or 1)
         if isinstance(model, (str, os.PathLike)):
-            from .. import load
             model = load(model, **{**(load_options or {}), "num_threads": self.num_threads})
         elif load_options:
             raise ConfigError("MinferPredictor: load_options apply to a model name or folder, "

@@ -24,6 +24,8 @@ Threads: numba's threading layer must be a fast one ("omp": GNU OpenMP, or "tbb"
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
 import json
 import logging
 import os
@@ -32,6 +34,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
+
+import numpy as np
 
 from ..arena import align_up
 from ..errors import ConfigError
@@ -138,8 +142,6 @@ def _compile_ahead(module: Any) -> None:
 def _kernel_stamp(module: Any) -> str:
     """What the compiled kernels depend on: their sources, numba's version, the CPU and the
     instruction-set settings (numba keys its cache on these too)."""
-    import hashlib
-
     import numba
     from llvmlite import binding
     digest = hashlib.sha256()
@@ -170,8 +172,6 @@ def _check_threading_layer() -> None:
     """NUMBA_THREADING_LAYER names a layer this machine can load, or a one-line ConfigError
     (numba itself says so only at the first parallel call, in a multi-line ValueError). Only
     imports the layers' modules: starting threads here would make a later fork unsafe."""
-    import importlib
-
     import numba
     asked = str(numba.config.THREADING_LAYER).lower()
     choices = _LAYER_CHOICES.get(asked)
@@ -331,7 +331,6 @@ def keep_blas_on_pool(on: bool = True) -> None:
 def _pool_thread() -> None:
     """The pool's threads run parts of model calls, which check their outputs for NaN and
     infinity themselves (numerics.quiet): NumPy's warnings stay off there for good."""
-    import numpy as np
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
     _in_pool.yes = True
 

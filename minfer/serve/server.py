@@ -14,6 +14,7 @@ stream); each of them logs one line; then `serve` returns: the process exits 0 a
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import signal
@@ -21,6 +22,9 @@ import socket
 import sys
 import threading
 from typing import Any, Sequence
+
+from .limits import check_grace_period
+from .routes import Service, host_names
 
 # Seconds past the grace period for cancelled requests to send their last bytes, before
 # uvicorn cancels their handlers itself (a beam search cannot stop within a step)
@@ -63,8 +67,6 @@ def serve(application: Any, host: str = "127.0.0.1", port: int = 8000, *,
     `bind`; it is closed at the end) or else on host:port."""
     import uvicorn
 
-    from .limits import check_grace_period
-    from .routes import Service, host_names
     host_names(allowed_hosts)   # a bad name or grace period is refused before anything is bound
     check_grace_period(grace_period)
     sock = sock if sock is not None else bind(host, port)
@@ -95,8 +97,6 @@ def serve(application: Any, host: str = "127.0.0.1", port: int = 8000, *,
 def _uvicorn_server(config: Any, service: Any, grace_period: float) -> Any:
     """uvicorn's Server, whose shutdown first drains the minfer service (queued requests: 503
     at once) and cancels what still runs once the grace period is over."""
-    import asyncio
-
     import uvicorn
 
     class Server(uvicorn.Server):
