@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import pickle
 import threading
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 
 from ..backend import Backend
+from ..embedding import embed
 from ..errors import ConfigError, InputError, NonFiniteError
+from ..generation import generate
 from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
 from ..io.limits import is_integer, short_repr
@@ -130,7 +132,6 @@ class Model(OwnsWeights, DecodingModel):
         default) over the encoder states, as `SentenceTransformer.encode` computes them; a folder
         without modules.json: the mean of the encoder states over each text's tokens
         (minfer/embedding.py). A family with no encoder (Transformer-XL) refuses in one line."""
-        from ..embedding import embed
         return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
 
     # -- inputs and sizes -----------------------------------------------------------------------------
@@ -199,7 +200,6 @@ class Model(OwnsWeights, DecodingModel):
             results come back in input order. Calls from several threads at once are decoded
             together (continuous batching).
         """
-        from ..generation import generate
         self.check_can_generate()
         return generate(self, inputs, stream_output=stream, task=task,
                         return_details=return_details, attention_mask=attention_mask, **options)
@@ -295,13 +295,21 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
                                      f"outside the vocabulary (0..{vocab_size - 1})")
         if attention_mask is not None:
             raise InputError("attention_mask: pass it only with an array of token ids")
-        ids = np.full((len(rows), max(len(row) for row in rows)), pad_id, np.int64)
-        mask = np.zeros_like(ids)
-        for r, row in enumerate(rows):
-            ids[r, :len(row)] = row
-            mask[r, :len(row)] = 1
+        ids, mask = right_padded(rows, pad_id)
     if not mask.any(axis=1).all():
         raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
+    return ids, mask
+
+
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int,
+                 width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Checked token-id rows -> (B, width) int64 ids padded on the right with pad_id, and their
+    0/1 mask (width: the longest row when not given)."""
+    ids = np.full((len(rows), width or max(len(row) for row in rows)), pad_id, np.int64)
+    mask = np.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = row
+        mask[r, :len(row)] = 1
     return ids, mask
 
 

@@ -7,12 +7,13 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ...embedding import given, text_list
 from ...errors import ArenaExhausted, InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
 from ...tokenizers.select import need_tokenizer
-from ..base import PLAN_MAX, Model, as_batch
+from ..base import PLAN_MAX, Model, as_batch, right_padded
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
 from .family import FAMILY
@@ -168,7 +169,6 @@ class T5Model(Model):
             self._check_row_fits(max_length)
         if truncation and max_length is None:
             raise InputError("encode(): truncation=True needs max_length")
-        from ...embedding import given, text_list
         texts = [inputs] if isinstance(inputs, str) else inputs
         # text when its first item is a string (every other item must be one too: named if not)
         is_text = isinstance(texts, (list, tuple)) and len(texts) > 0 and isinstance(texts[0], str)
@@ -202,12 +202,8 @@ class T5Model(Model):
                     raise InputError(f"encode(): row {i} has {len(row)} tokens, more than "
                                      f"max_length {max_length} (truncation=True cuts it)")
                 rows[i] = row[:max_length]
-        width = max_length if padding == "max_length" else max(len(r) for r in rows)
-        ids = np.full((len(rows), width), self.token_ids.pad, np.int64)
-        mask = np.zeros_like(ids)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = row
-            mask[i, :len(row)] = 1
+        ids, mask = right_padded(rows, self.token_ids.pad,
+                                 max_length if padding == "max_length" else None)
         return self.batch(ids, mask)
 
     def forward(self, input_ids: Any, decoder_input_ids: Any, attention_mask: Any = None) -> np.ndarray:
