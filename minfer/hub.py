@@ -283,6 +283,19 @@ def _stderr_is_tty() -> bool:
         return False
 
 
+# The hub's answers about a repository itself, in the order they are tested (GatedRepoError
+# subclasses RepositoryNotFoundError): the error class's name in huggingface_hub.errors, the message.
+_REFUSALS = (
+    ("GatedRepoError", "hub repo '{repo}' is gated: accept its terms on huggingface.co and set "
+                       "HF_TOKEN to a token of that account"),
+    ("RepositoryNotFoundError", "no hub repo '{repo}' (check the name, or set HF_TOKEN for a "
+                                "private or gated repo)"),
+    ("RevisionNotFoundError", "revision '{rev}' not found in {repo} (use a branch, tag, commit "
+                              "hash or 'refs/pr/N' that exists on the hub)"),
+    ("DisabledRepoError", "hub repo '{repo}' is disabled: use another repo or a local folder"),
+)
+
+
 def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: bool,
              cache) -> Exception:
     """One line saying what went wrong and what to do, for an exception from snapshot_download."""
@@ -297,18 +310,9 @@ def _explain(e: Exception, errs, what: str, repo_id: str, rev: str, offline: boo
         return ModelNotFoundError(f"{what} is {where} the local cache ({cache}) and "
                                   f"{_why_unreachable(e, errs, offline)}: connect once to {todo}, "
                                   "or pass a local folder")
-    if isinstance(e, errs.GatedRepoError):
-        return ModelNotFoundError(f"hub repo '{repo_id}' is gated: accept its terms on "
-                                  "huggingface.co and set HF_TOKEN to a token of that account")
-    if isinstance(e, errs.RepositoryNotFoundError):
-        return ModelNotFoundError(f"no hub repo '{repo_id}' (check the name, or set HF_TOKEN for a "
-                                  "private or gated repo)")
-    if isinstance(e, errs.RevisionNotFoundError):
-        return ModelNotFoundError(f"revision '{_shortened(rev)}' not found in {repo_id} (use a "
-                                  "branch, tag, commit hash or 'refs/pr/N' that exists on the hub)")
-    if isinstance(e, errs.DisabledRepoError):
-        return ModelNotFoundError(f"hub repo '{repo_id}' is disabled: use another repo or a local "
-                                  "folder")
+    for error_name, text in _REFUSALS:
+        if isinstance(e, getattr(errs, error_name)):
+            return ModelNotFoundError(text.format(repo=repo_id, rev=_shortened(rev)))
     if isinstance(e, errs.HFValidationError):
         return ConfigError(f"cannot fetch {what}: {_first_line(e)}")
     status = _http_status(e)

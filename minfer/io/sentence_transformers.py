@@ -210,10 +210,7 @@ def read_sentence_modules(folder: str | Path) -> SentenceModules | None:
     elif not (_is_count(max_len) and max_len <= MAX_SEQ_LENGTH):
         raise CheckpointError(f"{transformer / 'sentence_bert_config.json'}: 'max_seq_length' must "
                               f"be an integer 1..{MAX_SEQ_LENGTH}, got {shown(max_len)}")
-    lower = settings.get("do_lower_case", False)
-    if not isinstance(lower, bool):
-        raise CheckpointError(f"{transformer / 'sentence_bert_config.json'}: 'do_lower_case' "
-                              f"must be true or false, got {shown(lower)}")
+    lower = _flag(settings, "do_lower_case", False, transformer / "sentence_bert_config.json")
     pooling = _pooling(kinds[1][1])
     steps: list[Dense | Normalize] = []
     width = pooling.out_features
@@ -239,22 +236,19 @@ def _pooling(path: Path) -> Pooling:
     if not _is_width(dim):
         raise CheckpointError(f"{source}: 'word_embedding_dimension' must be a positive integer "
                               f"(at most {MAX_LENGTH}), got {shown(dim)}")
-    modes = []
-    for mode in POOLING_MODES:
-        flag = cfg.get(f"pooling_mode_{mode}", False)
-        if not isinstance(flag, bool):
-            raise CheckpointError(f"{source}: 'pooling_mode_{mode}' must be true or false, "
-                                  f"got {shown(flag)}")
-        if flag:
-            modes.append(mode)
+    modes = [mode for mode in POOLING_MODES if _flag(cfg, f"pooling_mode_{mode}", False, source)]
     if not modes:
         raise CheckpointError(f"{source}: no pooling mode is switched on "
                               f"(pooling_mode_{', pooling_mode_'.join(POOLING_MODES)})")
-    include = cfg.get("include_prompt", True)
-    if not isinstance(include, bool):
-        raise CheckpointError(f"{source}: 'include_prompt' must be true or false, "
-                              f"got {shown(include)}")
-    return Pooling(tuple(modes), dim, include)
+    return Pooling(tuple(modes), dim, _flag(cfg, "include_prompt", True, source))
+
+
+def _flag(settings: dict, key: str, default: bool, source: Path) -> bool:
+    """A true / false setting, or a one-line CheckpointError naming the file and the key."""
+    value = settings.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{source}: '{key}' must be true or false, got {shown(value)}")
+    return value
 
 
 def _dense(path: Path, in_width: int) -> Dense:

@@ -37,6 +37,13 @@ NO_SCALE = np.ones(0, np.float32)
 
 # -- small-M products: out (M, N) = x (M, K) @ w (N, K).T [* scale (N,)] -----------------------------------
 @njit(inline="always", fastmath=True)
+def _fma4(a0, a1, a2, a3, v, w0, w1, w2, w3):
+    """One input element times four weights, added to four accumulators (inlined: scalars stay
+    in registers, as if written out)."""
+    return a0 + v * w0, a1 + v * w1, a2 + v * w2, a3 + v * w3
+
+
+@njit(inline="always", fastmath=True)
 def _tile4x4(x0, x1, x2, x3, r0, r1, r2, r3, K):
     """Dot products of 4 input rows with 4 weight rows: 16 accumulators, so each loaded element
     feeds 4 multiply-adds (LLVM vectorises the k loop: 16 vector accumulators, 8 loads)."""
@@ -44,26 +51,10 @@ def _tile4x4(x0, x1, x2, x3, r0, r1, r2, r3, K):
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
     for k in range(K):
         w0, w1, w2, w3 = r0[k], r1[k], r2[k], r3[k]
-        v = x0[k]
-        a00 += v * w0
-        a01 += v * w1
-        a02 += v * w2
-        a03 += v * w3
-        v = x1[k]
-        a10 += v * w0
-        a11 += v * w1
-        a12 += v * w2
-        a13 += v * w3
-        v = x2[k]
-        a20 += v * w0
-        a21 += v * w1
-        a22 += v * w2
-        a23 += v * w3
-        v = x3[k]
-        a30 += v * w0
-        a31 += v * w1
-        a32 += v * w2
-        a33 += v * w3
+        a00, a01, a02, a03 = _fma4(a00, a01, a02, a03, x0[k], w0, w1, w2, w3)
+        a10, a11, a12, a13 = _fma4(a10, a11, a12, a13, x1[k], w0, w1, w2, w3)
+        a20, a21, a22, a23 = _fma4(a20, a21, a22, a23, x2[k], w0, w1, w2, w3)
+        a30, a31, a32, a33 = _fma4(a30, a31, a32, a33, x3[k], w0, w1, w2, w3)
     return (a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
 
 
