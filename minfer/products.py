@@ -25,15 +25,18 @@ import numpy as np
 
 from . import kernels
 from .arena import ALIGNMENT, align_up
-from .io.formats import SCALE_SUFFIX, WeightFormat, _widen_cast, apply_scale, int4_group
+from .io.formats import SCALE_SUFFIX, WeightFormat, widen_cast, apply_scale, int4_group
 
+# Blocks of packed rows are widened into a scratch for products of more rows than the kernels
+# take: BLAS repacks the whole input for every block, so blocks must be large for large inputs
+# (a 1 MiB scratch made a 2048-row encoder pass far slower than float32); at most one matrix's worth.
 WIDEN_SCRATCH_BYTES = 16 << 20
 KERNEL_MAX_ROWS = 64            # products of up to this many rows go to the compiled kernels
                                 # (they beat OpenBLAS's small-M GEMM, which packs the whole weight
                                 # at every call, up to ~64 rows on 2 cores; BLAS wins beyond)
 KERNEL_MIN_INNER = 64           # ... and an inner dimension of at least this: with short weight
                                 # rows the kernel's scattered output writes dominate (the adaptive
-                                # softmax's tail clusters, K = 8 or 32: 2-6x slower than BLAS)
+                                # softmax's tail clusters, K = 8 or 32: slower than BLAS)
 MIN_PART_COLUMNS = 64           # a large product is split over the threads in parts of at least
                                 # this many output columns (kernels.split)
 
@@ -191,7 +194,7 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
     w = arrays[name]
     own = compiled.BY_FORMAT[fmt.name] if compiled is not None else None
     if np.dtype(fmt.storage) == np.dtype(compute_dtype) and not fmt.scaled:
-        return w if own is None else PackedWeight(w, None, _widen_cast, own.product, None)
+        return w if own is None else PackedWeight(w, None, widen_cast, own.product, None)
     scale = arrays.get(name + SCALE_SUFFIX)
     shape = fmt.logical_shape(w.shape)
     if own is None:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from .formats import QUANTIZED, SCALE_SUFFIX, WeightFormat
+from .formats import QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
@@ -65,7 +65,7 @@ class Checkpoint:
         scales = {}
         for name, f in self._where.items():
             info = f.tensors[name]
-            fmt = QUANTIZED.get(info.dtype)
+            fmt = QUANTISED_BY_FILE_CODE.get(info.dtype)
             if fmt is None:
                 continue
             scale = name + SCALE_SUFFIX

@@ -27,17 +27,13 @@ from ..errors import ConfigError
 
 SCALE_SUFFIX = "_scale"         # a quantised matrix `w` travels with its float32 scales `w_scale`
 # int4: input channels per scale. 128, as GPTQ and AWQ default to: on weights/tiny-t5-dates 64,
-# 128 and 256 keep every held-out output and give the same logit error (8.4e-2 / 8.6e-2 /
-# 8.3e-2 of the largest logit, benchmarks/accuracy_modes.py: its weights are near-Gaussian; real
-# checkpoints with outlier channels favour smaller groups), while the compute="int8" products do
+# 128 and 256 keep every held-out output and give the same logit error (within 4%,
+# benchmarks/accuracy_modes.py: its weights are near-Gaussian; real checkpoints with outlier channels favour smaller groups), while the compute="int8" products do
 # per group 3 vector instructions for each input row and weight row (the offset, a conversion,
 # a scaled add) beside one vpdpbusd per 64 columns: 3 per vpdpbusd at 64, 1.5 at 128 (benchmark
 # them with benchmarks/bench_step_overhead.py). Inner sizes that are not a multiple of it take
 # the largest multiple of 64 that divides them (one group per row when none does).
 INT4_GROUP = 128
-# Blocks of packed rows are widened here for products of more rows than the kernels take: BLAS
-# repacks the whole input for every block, so blocks must be large for large inputs (a 1 MiB
-# scratch made a 2048-row encoder pass 2.4x slower than float32); at most one matrix's worth.
 
 
 # =====================================================================================================
@@ -133,7 +129,7 @@ def to_bfloat16_bits(w: np.ndarray) -> np.ndarray:
     return out
 
 
-def _widen_cast(src: Any, dst: Any) -> None:     # float16 / int8 / float32 -> float
+def widen_cast(src: Any, dst: Any) -> None:     # float16 / int8 / float32 -> float
     dst[...] = src
 
 
@@ -157,7 +153,7 @@ class WeightFormat:
     scaled: bool = False                       # int8 / int4: scales beside the matrix
     grouped: bool = False                      # int4: a scale per group of input channels
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
-    widen: Callable[[Any, Any], None] = _widen_cast   # the NumPy widening of its rows
+    widen: Callable[[Any, Any], None] = widen_cast   # the NumPy widening of its rows
     quantisation: str = ""                     # how a file written in it says so (metadata)
     # (its compiled kernels: kernels.registry.BY_FORMAT[name])
 
@@ -222,7 +218,7 @@ FORMATS: dict[str, WeightFormat] = {
                          widen=_widen_int4,
                          quantisation=f"int4 per group of {INT4_GROUP} input channels"),
 }
-QUANTIZED = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype
+QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype
 
 
 def weight_format(name: str) -> WeightFormat:

@@ -224,7 +224,8 @@ def set_threads(n: int | None) -> int:
     through threadpoolctl). Two pools spinning on the same cores cost far more than they
     gave: OpenBLAS's threads spin ~0.1 s after every call, and with the kernels between its
     calls (Transformer-XL's scoring: head logits by BLAS, tail clusters by the kernels) a
-    scoring pass ran 1.5-2.4x slower. In the NumPy mode BLAS keeps its own threads (`n` of them
+    scoring pass ran up to twice as long (benchmarks/README.md, "Measurements behind constants
+    in the code"). In the NumPy mode BLAS keeps its own threads (`n` of them
     when given)."""
     global _threads
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

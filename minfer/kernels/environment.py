@@ -17,9 +17,8 @@ def configure() -> None:
 
 def _spin_briefly() -> None:
     """GNU OpenMP's idle threads spin 300,000 times before they sleep. On a machine whose cores
-    other processes also use, the spinning thread takes the core the working one needs (a
-    2-thread run on 2 cores beside one busy process ran 2.5x slower); 1,000 spins cost nothing
-    measurable on a quiet machine (benchmarks/README.md, "Threads on a busy machine"). Read
+    other processes also use, the spinning thread takes the core the working one needs; 1,000
+    spins cost nothing measurable on a quiet machine (benchmarks/README.md, "Threads on a busy machine"). Read
     once, when numba loads libgomp at the first parallel call; the user's own setting wins."""
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = "1000"

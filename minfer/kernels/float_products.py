@@ -27,9 +27,8 @@ from .widening import BF16, F16, F32, I8, widen
 BLOCK = 32                      # output rows per parallel task
 # Up to this many input rows a product streams each weight row once and dots it with every input
 # row (4 input rows per pass over it); above it, 4 x 4 tiles over widened weight rows do fewer
-# loads per multiply-add. On a t5-small decoder step with its weights streamed from memory (2 threads,
-# AVX-512): float32 M=2 / 4 / 8: 5.6 / 6.8 / 12.0 ms against 8.0 / 8.0 / 12.7 with the tiles;
-# int8 2.5 / 2.9 / 6.2 against 4.1 / 4.8 / 7.3; at M=16 the tiles win (17.1 against 20.7).
+# loads per multiply-add. Where they cross was measured on a t5-small decoder step
+# (benchmarks/README.md, "Measurements behind constants in the code").
 STREAM_MAX_ROWS = 8
 NO_SCALE = np.ones(0, np.float32)
 

@@ -43,7 +43,7 @@ def add_rms_norm(x, delta, weight, eps, h):
 def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
     """One (row, head): softmax(q . k_j + bias_j) over keys j < S, then the weighted sum of v.
     k[b, h] and v[b, h] are C-contiguous (N, D) cache rows: numba then knows each key is
-    contiguous and vectorises the dot products (on strided views it did not: 2.5x slower)."""
+    contiguous and vectorises the dot products (on strided views it did not)."""
     D = k.shape[3]
     qv = q[b, h]
     kb, vb = k[b, h], v[b, h]
@@ -94,7 +94,7 @@ def attend_query_parallel(q, k, v, S, bias, ctx):
 
 
 # Only ReLU is compiled: numba's exp / tanh / erf are scalar calls (no vector math library), so
-# GELU and SiLU over a row ran 2-20x slower here than in NumPy's vectorised loops.
+# GELU and SiLU over a row ran several times slower here than in NumPy's vectorised loops.
 @njit(fastmath=True, cache=True)
 def relu(hidden, F, gated):
     """In place over hidden (R, F | 2F): max(h, 0) for the first F columns, times the second F
