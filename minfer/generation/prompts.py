@@ -1,4 +1,4 @@
-"""Prompts in: the shapes a call's inputs may take (`_normalise_inputs`: one prompt, prompts, or
+"""Prompts in: the shapes a call's inputs may take (`normalise_inputs`: one prompt, prompts, or
 token-id rows), each prompt's checks, how errors name a row, and the tokenizer text input needs.
 """
 
@@ -19,7 +19,7 @@ from ..tokenizers import check_text
 TRUNCATION_CURE = "truncation=True cuts it"
 
 
-def _normalise_inputs(inputs: Any) -> tuple[str, list]:
+def normalise_inputs(inputs: Any) -> tuple[str, list]:
     """-> ("text", [str]) | ("texts", [item, ...]) | ("ids", [[id, ...], ...]). Prompts are checked
     row by row later (`_Rows`), so that a bad one can be a per-row error; the shape of the input
     is checked here. Any sequence of strings is prompts: lists, tuples, NumPy unicode / object
@@ -90,7 +90,7 @@ def _string_array(arr: np.ndarray) -> tuple[str, list]:
                      "prompt strings (or token-id rows)")
 
 
-def _check_prompt(prompt: Any, where: str) -> str:
+def check_prompt(prompt: Any, where: str) -> str:
     """A prompt string: valid Unicode (no lone surrogate) and not blank, or a one-line error
     naming the row (`where`, e.g. "inputs: prompt 3")."""
     if not isinstance(prompt, str):
@@ -102,7 +102,7 @@ def _check_prompt(prompt: Any, where: str) -> str:
     return prompt
 
 
-def _row_names(kind: str) -> Callable[[int], str]:
+def row_names(kind: str) -> Callable[[int], str]:
     """How errors name row i of an input of this kind."""
     if kind == "ids":
         return lambda i: f"input_ids: row {i}"

@@ -27,7 +27,7 @@ from . import planning
 from .options import GenerationOptions, resolve_options, split_batch_options
 from .planning import BadRow, BatchPlanner, plan_batches, take_window
 from ..tokenizers.select import need_tokenizer
-from .prompts import TRUNCATION_CURE, _check_prompt, _normalise_inputs, _row_names
+from .prompts import TRUNCATION_CURE, check_prompt, normalise_inputs, row_names
 from .protocol import DecodingModel
 from .search import Hypothesis, beam_search, token_loop
 from .streaming import StopMatcher, Stream, _RowText, stream_tokens
@@ -144,7 +144,7 @@ class _Call:
             return InputError(item.error)
         if self.kind != "ids":
             try:
-                return _check_prompt(item, where)
+                return check_prompt(item, where)
             except InputError as e:
                 return e
         try:
@@ -299,11 +299,11 @@ def run(model: DecodingModel, inputs: Any, *, task: str | None = None, attention
     `batcher.batcher_of(model).cancelled(event)`, as `Stream.cancel` does: the states are given
     back at once and the waits end now, not at their next check."""
     call = _Call(model, task, options, cancel)
-    kind, prompts = _normalise_inputs(inputs)
-    name = _row_names(kind)
+    kind, prompts = normalise_inputs(inputs)
+    name = row_names(kind)
     if not row_errors and kind != "ids":   # a bad prompt is named before anything else is asked
         for i, p in enumerate(prompts):
-            _check_prompt(p, name(i))
+            check_prompt(p, name(i))
     batch_of = None
     if attention_mask is not None:
         if kind != "ids":
@@ -372,15 +372,15 @@ def stream(model: DecodingModel, inputs: Any, *, task: str | None = None, **opti
     not at the first `next()`: a prompt longer than max_input_tokens (without truncation) or
     too big for the arena is refused before anything runs."""
     call = _Call(model, task, options)
-    kind, prompts = _normalise_inputs(inputs)
+    kind, prompts = normalise_inputs(inputs)
     if len(prompts) != 1:
         raise InputError(f"stream=True takes one prompt, got {len(prompts)}")
     if call.opts.num_return_sequences != 1:
         raise InputError("stream=True returns one sequence: num_return_sequences must be 1")
     if kind != "ids":
-        _check_prompt(prompts[0], _row_names(kind)(0))
+        check_prompt(prompts[0], row_names(kind)(0))
     call.set_kind(kind)
-    [row] = call.prepare(prompts, _row_names(kind), call.planner())
+    [row] = call.prepare(prompts, row_names(kind), call.planner())
     if isinstance(row, BaseException):
         raise row
     if call.opts.num_beams > 1:
