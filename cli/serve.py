@@ -66,7 +66,7 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
     from minfer.arena import parse_bytes
     try:
         from minfer.serve import app, serve as run_server
-        from minfer.serve.routes import host_names
+        from minfer.serve.middleware import host_names
         from minfer.serve.server import bind
     except ImportError as e:   # without the [serve] extra: say how to get it
         fail(str(e))

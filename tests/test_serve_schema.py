@@ -453,13 +453,13 @@ def test_api_keys_no_client_can_send_are_refused(given, match):
     ("10.0.0.1", False), ("[::2]:80", False), ("", False), ("127.0.0.1.evil.test", False),
 ])
 def test_host_headers_must_name_loopback_or_an_allowed_host(header, ok):
-    routes = pytest.importorskip("minfer.serve.routes")
-    assert routes.host_allowed(header, routes.host_names(["app.test"])) is ok
-    assert routes.host_allowed("anything.test", routes.host_names(["*"]))
+    middleware = pytest.importorskip("minfer.serve.middleware")
+    assert middleware.host_allowed(header, middleware.host_names(["app.test"])) is ok
+    assert middleware.host_allowed("anything.test", middleware.host_names(["*"]))
 
 
 @pytest.mark.parametrize("name", ["", "http://a.test", "a.test:80", "a b", "a/b"])
 def test_allowed_host_names_are_names(name):
-    routes = pytest.importorskip("minfer.serve.routes")
+    middleware = pytest.importorskip("minfer.serve.middleware")
     with pytest.raises(minfer.InputError, match="not a host name"):
-        routes.host_names([name])
+        middleware.host_names([name])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from starlette.responses import JSONResponse
+
 from ..errors import ArenaExhausted, InputError, NonFiniteError
 from ..generation.prompts import TRUNCATION_CURE
 
@@ -86,3 +88,7 @@ def shutting_down(detail: str = "") -> APIError:
     """The answer of a request the server stopped because it is shutting down (SIGTERM)."""
     return APIError(503, "the server is shutting down" + (f": {detail}" if detail else ""),
                     code="shutting_down")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

@@ -24,7 +24,8 @@ import threading
 from typing import Any, Sequence
 
 from .limits import check_grace_period
-from .routes import Service, host_names
+from .middleware import host_names
+from .routes import Service
 
 # Seconds past the grace period for cancelled requests to send their last bytes, before
 # uvicorn cancels their handlers itself (a beam search cannot stop within a step)
