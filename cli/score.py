@@ -38,7 +38,7 @@ def score(load, file, segment_len, as_json) -> None:
     """Perplexity of a text under a Transformer-XL model (the help is above: it names the
     warning's threshold)."""
     m = load_model(load)
-    if m.family.name != "transfo-xl":
+    if not callable(getattr(m, "score", None)):   # (a family with score(): Transformer-XL)
         fail(f"score needs a Transformer-XL model; {m.folder} is {m.family.name}")
     if m.tokenizer is None:
         fail(f"{m.folder} has no tokenizer (vocab.txt or vocab.pkl): score reads text")

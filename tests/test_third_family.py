@@ -30,7 +30,7 @@ from minfer import ops
 from minfer.arena import BufferSet, BufferSpec
 from minfer.errors import ConfigError, InputError
 from minfer.generation.protocol import DecodeState, DecodingModel, TokenIds
-from minfer.models import registry
+from minfer.models import config as model_config, registry
 from minfer.models.base import Model
 from minfer.models.config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader
 from minfer.models.family import Family
@@ -273,10 +273,11 @@ class ToyModel(Model):
 # =====================================================================================================
 @pytest.fixture
 def toy_registered(monkeypatch):
-    """The class registered for this test only. Step 7 says "add the class to MODEL_CLASSES",
-    but load / convert / info read MODEL_TYPES, built from MODEL_CLASSES once at import: at run
-    time MODEL_TYPES is the table that counts."""
-    monkeypatch.setitem(registry.MODEL_TYPES, "toy-lm", ToyModel)
+    """The class registered for this test only, as step 7 says for a family outside the tree
+    (registry.register); the tables it extends are copies, put back after the test."""
+    monkeypatch.setattr(registry, "MODEL_TYPES", dict(registry.MODEL_TYPES))
+    monkeypatch.setattr(model_config, "ARCHITECTURE_TYPES", list(model_config.ARCHITECTURE_TYPES))
+    registry.register(ToyModel, architectures=(("ToyLM", "toy-lm"),))
     return ToyModel
 
 
@@ -379,6 +380,12 @@ def test_the_family_loads_through_minfer_load_and_describes_itself(toy):
         assert (m.params["embedding"] is m.params["lm_head"]) == tied
         plan = m.plan(2, 5, NEW)
         assert plan["peak"] == plan["decode_state"] + plan["prompt_scratch"] > 0
+
+
+def test_a_config_without_model_type_is_read_by_its_architecture(toy):
+    assert registry.model_class_of({"architectures": ["ToyLMForCausalLM"]}, "c") is ToyModel
+    assert registry.model_class_of({"architectures": ["T5ForConditionalGeneration"]}, "c") \
+        is minfer.T5Model
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8"])

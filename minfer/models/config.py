@@ -109,9 +109,10 @@ class ConfigReader:
 
 
 # Architecture-name prefixes -> model_type, for configs that omit model_type (old saves; some
-# UMT5 text encoders name only "UMT5EncoderModel").
-ARCHITECTURE_TYPES = (("UMT5", "umt5"), ("MT5", "mt5"), ("LongT5", "longt5"), ("T5", "t5"),
-                      ("TransfoXL", "transfo-xl"))
+# UMT5 text encoders name only "UMT5EncoderModel"); the first matching prefix wins
+# (registry.register puts a new family's first).
+ARCHITECTURE_TYPES = [("UMT5", "umt5"), ("MT5", "mt5"), ("LongT5", "longt5"), ("T5", "t5"),
+                      ("TransfoXL", "transfo-xl")]
 
 
 def model_type_of(cfg: dict, default: str = "t5") -> Any:

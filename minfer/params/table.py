@@ -1,7 +1,7 @@
 """The vocabulary of a family's weight table: what a checkpoint holds, and how each of minfer's
 parameters is built from it.
 
-A family declares one `WeightTable` per config (models/*/spec.py): the checkpoint's tensor names
+A family declares one `WeightTable` per config (models/*/weights.py): the checkpoint's tensor names
 and shapes, and for every parameter the math reads, an entry saying where it comes from:
 
 - `Linear`: a linear slot (out, in), one row per output channel, used as `x @ w.T` (and, for
