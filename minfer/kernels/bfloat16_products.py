@@ -1,0 +1,232 @@
+"""bfloat16 x bfloat16 products (compute="bfloat16"): out (M, N) float32 = bf16(x) (M, K) @
+w (N, K).T, for weights stored as bfloat16 (uint16 bits, the layout minfer already keeps them in:
+nothing is repacked). Each activation is rounded to bfloat16 (to nearest, ties to even, NaN kept
+NaN, as torch rounds) once per product into the caller's scratch, then the products run on the
+bfloat16 dot-product tiles (`bfloat16_tiles`: vdpbf16ps on AVX512_BF16 CPUs, a widening
+fallback elsewhere), accumulating in float32.
+
+The scratch (`work`, bytes: `bmatmul_work_bytes`) holds the rounded rows, each padded to a whole
+number of 64-byte steps so every row starts 64-byte aligned (the tiles never read the padding:
+their last step is masked). `best` False runs the tiles built for `bfloat16_tiles.FALLBACK`
+(what a CPU without AVX512_BF16 runs; the tests compare both).
+
+Blocking (measured on 2 Zen 4 cores, benchmarks/bench_bfloat16_products.py): blocks of BLOCK
+weight rows are spread over the threads (`prange`); inside a block 4 activation rows x 4 weight
+rows at a time: the 4 activation rows stay in L1 while the block's weight rows (BLOCK x K x 2
+bytes: 48 KiB at K = 768) stream from L2.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _iget_num_threads
+
+from . import bfloat16_tiles
+
+_tile = bfloat16_tiles.make_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
+STEP = bfloat16_tiles.STEP             # columns per tile step: rows are padded to a multiple
+GROUP = bfloat16_tiles.GROUP           # rows interleaved step by step in the scratch
+ALIGN = 64                             # bytes: each rounded row starts on a cache line
+MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
+KC = 2048                              # columns per pass over a block (a multiple of STEP)
+ROUND_PARALLEL = 1 << 16               # elements of input above which rows round in parallel
+
+
+def bmatmul_work_bytes(M: int, K: int) -> int:
+    """Bytes of scratch `bmatmul_bf16` needs for M input rows of K columns: the rows as bfloat16
+    in groups of 4 (the last group padded with rows), each padded to a multiple of 32 columns,
+    plus room to align the start to 64 bytes."""
+    return _work_bytes(M, K)
+
+
+@njit(inline="always")
+def _padded(K):
+    return (K + STEP - 1) // STEP * STEP
+
+
+@njit(inline="always")
+def _groups(M):
+    return (M + GROUP - 1) // GROUP
+
+
+@njit(inline="always")
+def _work_bytes(M, K):
+    return _groups(M) * GROUP * _padded(K) * 2 + ALIGN
+
+
+# -- rounding activations to bfloat16 -------------------------------------------------------------------
+@intrinsic
+def _to_bf16(typingctx, v):
+    """float32 -> bfloat16 bits (uint16), to nearest with ties to even: add 0x7FFF plus the bit
+    that will be the lowest one kept, then drop the low 16 bits (a carry into the exponent gives
+    the next binade, or inf past the largest bfloat16, as it should). NaN -> 0x7FC0, a quiet NaN
+    (the addition could carry a NaN's payload into inf). In IR so the loop vectorises: numba's
+    integer arithmetic would widen to int64."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lowest_kept = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lowest_kept)
+        half = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), ir.IntType(16))
+        nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.select(nan, ir.Constant(ir.IntType(16), 0x7FC0), half)
+    return types.uint16(types.float32), codegen
+
+
+@intrinsic
+def _address(typingctx, a):
+    """The address of an array's data (to align the scratch)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+    return types.int64(a), codegen
+
+
+@njit(inline="always")
+def _round_row(src, dst, K):
+    """src (K,) float32 rounded to bfloat16 into its interleaved place: columns s * 32 ..
+    s * 32 + 31 to dst[s * GROUP * 32:][:32] (dst: its row's first step, a view of the group's
+    row), the padding past K zero."""
+    for s in range(_padded(K) // STEP):
+        part = dst[s * GROUP * STEP:s * GROUP * STEP + STEP]
+        k0 = s * STEP
+        n = min(STEP, K - k0)
+        for k in range(n):
+            part[k] = _to_bf16(src[k0 + k])
+        for k in range(n, STEP):
+            part[k] = 0
+
+
+@njit(cache=True)
+def _carve(work, M, K):
+    """The rounded rows in `work`, from its first 64-byte boundary: (groups of GROUP rows,
+    GROUP x padded K) uint16, row m's step s (32 columns) at [m // GROUP, (s * GROUP + m % GROUP)
+    * 32:][:32]. A tile of 4 rows then reads them as one sequential stream (4 rows apart, they
+    were 4 short streams that the hardware prefetcher does not follow from L3)."""
+    skip = (ALIGN - _address(work) % ALIGN) % ALIGN
+    G, width = _groups(M), GROUP * _padded(K)
+    return work[skip:skip + G * width * 2].view(np.uint16).reshape((G, width))
+
+
+@njit(parallel=True, cache=True)
+def _round_rows(x, xb):
+    """x (M, K) float32 (any layout) rounded to bfloat16 into xb (`_carve`'s layout)."""
+    M, K = x.shape
+    if M * K >= ROUND_PARALLEL:
+        for m in prange(M):
+            _round_row(x[m], xb[m // GROUP, (m % GROUP) * STEP:], K)
+    else:
+        for m in range(M):
+            _round_row(x[m], xb[m // GROUP, (m % GROUP) * STEP:], K)
+
+
+# -- the product ------------------------------------------------------------------------------------------
+@njit(inline="always")
+def _stream_pass(w, xb, out, n0, n1, m, cols, K, best):
+    """out[m:m + cols, n0:n1] one weight row at a time (1 x cols tiles, cols <= 4): the rows are
+    read in order, one sequential stream, which the hardware prefetcher follows (tiles of 2 or
+    4 rows read as many interleaved streams, which it does not: half the bandwidth from memory,
+    11 against 27 GB/s on one Zen 4 core). It brings the block into L2 for the later passes."""
+    for i in range(n0, n1):
+        if cols == 4:
+            _tile(1, 4, best, w, i, xb, m, 0, K, 0, out)
+        elif cols == 3:
+            _tile(1, 3, best, w, i, xb, m, 0, K, 0, out)
+        elif cols == 2:
+            _tile(1, 2, best, w, i, xb, m, 0, K, 0, out)
+        else:
+            _tile(1, 1, best, w, i, xb, m, 0, K, 0, out)
+
+
+@njit(inline="always")
+def _cached_pass(w, xb, out, n0, n1, m, cols, k0, k1, best):
+    """Columns k0:k1's share of out[m:m + cols, n0:n1] (cols 4 or 1; added to out unless k0 is
+    0), from a block of weight rows already in L2: 4 weight rows x cols input rows per tile (16
+    products per 8 loads at cols = 4), 1 x cols at the block's edge."""
+    add = k0
+    i = n0
+    while i < n1:
+        rows = 4 if i + 4 <= n1 else 1
+        if rows == 4 and cols == 4:
+            _tile(4, 4, best, w, i, xb, m, k0, k1, add, out)
+        elif rows == 4:
+            _tile(4, 1, best, w, i, xb, m, k0, k1, add, out)
+        elif cols == 4:
+            _tile(1, 4, best, w, i, xb, m, k0, k1, add, out)
+        else:
+            _tile(1, 1, best, w, i, xb, m, k0, k1, add, out)
+        i += rows
+
+
+@njit(inline="always")
+def _block(w, xb, out, n0, n1, M, K, best):
+    """out[:, n0:n1]: the first (up to) 4 input rows streaming the block's weight rows in from
+    memory, then the other input rows 4 at a time (1 at a time for the last M % 4), KC columns
+    at a time so that 4 input rows' and 4 weight rows' share stays in L1."""
+    first = min(M, 4)
+    _stream_pass(w, xb, out, n0, n1, 0, first, K, best)
+    for k0 in range(0, K, KC):
+        k1 = min(K, k0 + KC)
+        m = first
+        while m < M:
+            cols = 4 if m + 4 <= M else 1
+            _cached_pass(w, xb, out, n0, n1, m, cols, k0, k1, best)
+            m += cols
+
+
+@njit(inline="always")
+def _block_rows(N, threads):
+    """Weight rows per parallel task: MAX_BLOCK, or fewer (down to MIN_BLOCK, whole tiles of 4)
+    where that would leave a thread without 2 tasks. Every task reads all the input rows again
+    and large blocks read them fewer times: (2048, 3072) x (768, 3072) on one Zen 4 core ran
+    at 150 GFLOP/s in 32-row blocks, 160 in 64-row ones and 185 in 128-row ones."""
+    per_task = (N + 2 * threads - 1) // (2 * threads)
+    return min(MAX_BLOCK, max(MIN_BLOCK, (per_task + 3) // 4 * 4))
+
+
+@njit(parallel=True, cache=True)
+def _bmatmul(xb, w, out, x_rows, K, best):
+    numba.literally(best)                # one build per instruction set
+    M = x_rows
+    N = w.shape[0]
+    # (numba's own get_num_threads reads a ctypes pointer, which numba cannot cache; this is
+    # the symbol its parallel loops call, resolved when the cached code loads)
+    rows = _block_rows(N, _iget_num_threads())
+    for b in prange((N + rows - 1) // rows):
+        n0 = b * rows
+        _block(w, xb, out, n0, min(N, n0 + rows), M, K, best)
+
+
+@njit(inline="always")
+def _check(x, w, out, work):
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or out.shape[0] != M or out.shape[1] != N:
+        raise ValueError("bmatmul_bf16: shapes do not match: x (M, K), w (N, K), out (M, N)")
+    if (N > 1 and K > 0 and w.strides[1] != 2) or (M > 0 and N > 1 and out.strides[1] != 4):
+        raise ValueError("bmatmul_bf16: w and out need contiguous rows")
+    if work.shape[0] < _work_bytes(M, K):
+        raise ValueError("bmatmul_bf16: work is smaller than bmatmul_work_bytes(M, K)")
+
+
+@njit(cache=True)
+def bmatmul_bf16(x, w, out, work):
+    """out (M, N) float32 = bf16(x) (M, K) @ w (N, K).T on the bfloat16 tiles; x float32, w
+    uint16 bfloat16 bits, work uint8 of at least bmatmul_work_bytes(M, K)."""
+    _check(x, w, out, work)
+    xb = _carve(work, x.shape[0], x.shape[1])
+    _round_rows(x, xb)
+    _bmatmul(xb, w, out, x.shape[0], x.shape[1], True)
+
+
+@njit(cache=True)
+def bmatmul_bf16_fallback(x, w, out, work):
+    """bmatmul_bf16 on the tiles a CPU without AVX512_BF16 runs."""
+    _check(x, w, out, work)
+    xb = _carve(work, x.shape[0], x.shape[1])
+    _round_rows(x, xb)
+    _bmatmul(xb, w, out, x.shape[0], x.shape[1], False)
