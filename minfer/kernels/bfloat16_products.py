@@ -5,15 +5,19 @@ NaN, as torch rounds) once per product into the caller's scratch, then the produ
 bfloat16 dot-product tiles (`bfloat16_tiles`: vdpbf16ps on AVX512_BF16 CPUs, a widening
 fallback elsewhere), accumulating in float32.
 
-The scratch (`work`, bytes: `bmatmul_work_bytes`) holds the rounded rows, each padded to a whole
-number of 64-byte steps so every row starts 64-byte aligned (the tiles never read the padding:
-their last step is masked). `best` False runs the tiles built for `bfloat16_tiles.FALLBACK`
-(what a CPU without AVX512_BF16 runs; the tests compare both).
+The scratch (`work`, bytes: `bmatmul_work_bytes`) holds the rounded rows in groups of 4,
+interleaved 32 columns at a time (`_carve`), each row padded to whole 32-column steps, from a
+64-byte boundary. `best` False runs the tiles built for `bfloat16_tiles.FALLBACK` (what a CPU
+without AVX512_BF16 runs; the tests compare both).
 
-Blocking (measured on 2 Zen 4 cores, benchmarks/bench_bfloat16_products.py): blocks of BLOCK
-weight rows are spread over the threads (`prange`); inside a block 4 activation rows x 4 weight
-rows at a time: the 4 activation rows stay in L1 while the block's weight rows (BLOCK x K x 2
-bytes: 48 KiB at K = 768) stream from L2.
+Blocking (measured on 2 Zen 4 cores, benchmarks/bench_bfloat16_products.py): blocks of up to
+128 weight rows are spread over the threads (`prange`, `_block_rows`). In a block, the first 4
+input rows take the weight rows one at a time (1 x 4 tiles: one sequential stream from memory,
+which the hardware prefetcher follows; it also brings the block into L2), then every further
+4 input rows take them 4 at a time (4 x 4 tiles, 16 vdpbf16ps per 8 loads, the 4 input rows in
+L1), KC columns per pass. On (2048, 768) x (3072, 768) that is 2.0x OpenBLAS's sgemm on the
+same shapes (400 against 196 GFLOP/s, 2 threads), 1.6-1.8x on (2048, 3072) x (768, 3072), and
+1.2-3x `matmul_bf16` (float32 compute, widening in registers) at 1-8 rows.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ STEP = bfloat16_tiles.STEP             # columns per tile step: rows are padded 
 GROUP = bfloat16_tiles.GROUP           # rows interleaved step by step in the scratch
 ALIGN = 64                             # bytes: each rounded row starts on a cache line
 MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
-KC = 2048                              # columns per pass over a block (a multiple of STEP)
+KC = 2048                              # columns per pass over a block: 128 rows x 2048 x 2 bytes
+                                       # = 512 KiB, half of a Zen 4 core's L2 (a multiple of STEP)
 ROUND_PARALLEL = 1 << 16               # elements of input above which rows round in parallel
 
 

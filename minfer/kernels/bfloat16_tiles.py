@@ -10,10 +10,15 @@ through numba's `intrinsic`, around `llvm.x86.avx512bf16.dpbf16ps.512` (Intrinsi
 LLVM 22, the LLVM of llvmlite 0.50 / numba 0.68: <16 x float> (<16 x float>, <32 x bfloat>,
 <32 x bfloat>); LLVM 17 and older declared the pairs as <16 x i32>, which LLVM 22 still
 upgrades): `vdpbf16ps` multiplies 32 bfloat16 pairs and adds each lane's two products to its
-float32 lane. Checked in the assembly (`inspect_asm`, LLVM 22, znver4): the 4 x 4 tile's loop
-is, per 32 columns, 8 vmovdqu64 / vmovdqu16 loads (4 weight rows, 4 activation rows) and 16
-vdpbf16ps zmm on register operands, with an add, a compare and a branch (not unrolled); the
-masked tail step the same with {k} masked loads (zeroing) and one kmovd.
+float32 lane. The activations come in groups of 4 rows interleaved step by step (`_group_rows`:
+a 4-row tile reads them as one sequential stream). Checked in the assembly (`inspect_asm`,
+LLVM 22, znver4): the 4 x 4 tile's loop is, per 32 columns, 4 weight-row loads, 4 activation
+loads (consecutive 64-byte lines) and 16 vdpbf16ps zmm on registers, unrolled 4 steps an
+iteration (64 vdpbf16ps, 32 vmovups, 2 adds and a branch); the 1 x 4 tile (the first pass
+over a block of weights) keeps 2 accumulators per pair (`_chains`), one weight-row load and 4
+vdpbf16ps with the activations as memory operands per step; the fallback's 4 x 4 loop is 8
+loads, 8 vpslld, 8 vpandq and 32 vfmadd231ps per step. The K tail is one more step with
+{k}-masked vmovdqu16 loads.
 
 Which instructions: the CPU numba compiles for (the host unless NUMBA_CPU_NAME /
 NUMBA_CPU_FEATURES name another) decides once, in `ISA`: "avx512bf16" (Cooper Lake, Sapphire
@@ -38,8 +43,20 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .tiles import (F32, I16, I32, I64, _declare, _fold, _load_vec, _loop, _rows,
-                    _target_features, _tile_vector, _vec)
+from .tiles import (
+    F32,
+    I16,
+    I32,
+    I64,
+    _declare,
+    _fold,
+    _load_vec,
+    _loop,
+    _rows,
+    _target_features,
+    _tile_vector,
+    _vec,
+)
 
 
 class _BFloat(ir.Type):

@@ -1,0 +1,144 @@
+"""GFLOP/s of the bfloat16 x bfloat16 products (issue 26: compute="bfloat16") against NumPy's
+float32 product (OpenBLAS sgemm, float32 copies of the same weights) and the float32-compute
+kernel for bfloat16 weights (`matmul_bf16`, small M only), on the same shapes in the same run.
+
+    python benchmarks/bench_bfloat16_products.py [--threads 2,1] [--rounds 5] [--shapes M,K,N ...]
+
+out (M, N) = x (M, K) @ w (N, K).T. Every round times each product on each shape in turn (the
+median of a few calls), so a machine that others share slows all of them alike; the table gives
+each product's median GFLOP/s over rounds and the median of the per-round time ratios
+(sgemm / bf16: above 1, the bfloat16 kernel is faster). numba's threads and BLAS's threads (threadpoolctl) are both set to
+each --threads in turn. The default shapes: t5-base's encoder (8 x 256 tokens, d_model 768,
+d_ff 3072), decoding steps of 1-8 rows with the weights in L3 and streamed from memory (a
+weight matrix larger than L3), and 16 / 64 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+
+import numpy as np
+
+DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "64,768,3072", "16,768,3072",
+                  "8,768,3072", "4,768,3072", "2,768,3072", "1,768,3072", "8,3072,768",
+                  "1,3072,768", "8,768,32768", "4,768,32768", "1,768,32768"]
+STREAM_MAX_ROWS = 64        # matmul_bf16 is timed up to this many rows (the kernels' range)
+
+
+def cpu() -> str:
+    """The CPU's name and the features that decide these products' instructions."""
+    name = platform.processor() or "?"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name in ("?", "x86_64", ""):
+                    name = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    wanted = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16"]
+    return f"{name}; " + " ".join(f for f in wanted if f in flags)
+
+
+def products(M: int, K: int, N: int, rng) -> dict:
+    """The products to time on one shape, each a call with its arguments bound."""
+    from minfer.kernels import bfloat16_products as bp
+    from minfer.kernels.float_products import matmul_bf16
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    wf = (w.astype(np.uint32) << 16).view(np.float32)        # the same weights in float32
+    out = np.empty((M, N), np.float32)
+    work = np.empty(bp.bmatmul_work_bytes(M, K), np.uint8)
+    calls = {"sgemm": lambda: np.matmul(x, wf.T, out=out),
+             "bf16": lambda: bp.bmatmul_bf16(x, w, out, work),
+             "bf16 fallback": lambda: bp.bmatmul_bf16_fallback(x, w, out, work)}
+    if M <= STREAM_MAX_ROWS:
+        calls["matmul_bf16"] = lambda: matmul_bf16(x, w, out)
+    return calls
+
+
+SETTLE_S = 0.2   # pause between two products: OpenBLAS's idle threads spin for a while after
+                 # a call (about 2^28 cycles), taking the cores from the next product's threads
+                 # (a 2-thread bf16 product right after sgemm ran at half its speed)
+
+
+def time_shape(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call, per round: the median of a few calls (as many as last ~30 ms,
+    at least 3) after one untimed call, each product in turn, SETTLE_S apart."""
+    for call in calls.values():
+        call()                                                # compile / warm caches
+    start = time.perf_counter()
+    calls["bf16"]()
+    repeat = max(3, int(0.03 / max(time.perf_counter() - start, 1e-6)))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            time.sleep(SETTLE_S)
+            call()
+            each = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                call()
+                each.append(time.perf_counter() - start)
+            times[name].append(statistics.median(each))
+    return times
+
+
+def ratio(times: dict[str, list[float]], slower: str) -> str:
+    """The median over rounds of `slower`'s time / bf16's ("-" when it was not timed)."""
+    if slower not in times:
+        return "-"
+    return f"{statistics.median(a / b for a, b in zip(times[slower], times['bf16'])):.2f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="2,1")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="M,K,N")
+    args = ap.parse_args()
+    from minfer import kernels
+    if kernels.active() is None:
+        print("the compiled kernels are off (MINFER_KERNELS=numpy or no numba)")
+        return 1
+    import llvmlite.binding as ll
+    import numba
+
+    from minfer.kernels import bfloat16_tiles
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        threadpool_limits = None
+    print(f"# {datetime.date.today().isoformat()}  {cpu()}")
+    print(f"# numba {numba.__version__}, LLVM {'.'.join(map(str, ll.llvm_version_info))}, "
+          f"target {ll.get_host_cpu_name()}; bf16 tiles: {bfloat16_tiles.describe()}; "
+          f"NumPy {np.__version__}")
+    rng = np.random.default_rng(0)
+    for threads in (int(t) for t in args.threads.split(",")):
+        numba.set_num_threads(threads)
+        if threadpool_limits is not None:
+            threadpool_limits(threads)
+        print(f"\n## {threads} thread(s){'' if threadpool_limits else ' (BLAS: its own threads)'}")
+        print(f"{'M':>5} {'K':>5} {'N':>6}  {'sgemm':>7} {'bf16':>7} {'fallbk':>7} "
+              f"{'mm_bf16':>7}  {'bf16/sgemm':>10} {'bf16/mm_bf16':>12}   (GFLOP/s)")
+        for shape in args.shapes:
+            M, K, N = (int(v) for v in shape.split(","))
+            flops = 2.0 * M * N * K
+            times = time_shape(products(M, K, N, rng), args.rounds)
+            rate = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
+
+            print(f"{M:>5} {K:>5} {N:>6}  {rate['sgemm']:>7.1f} {rate['bf16']:>7.1f} "
+                  f"{rate['bf16 fallback']:>7.1f} {rate.get('matmul_bf16', float('nan')):>7.1f}  "
+                  f"{ratio(times, 'sgemm'):>10} {ratio(times, 'matmul_bf16'):>12}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
