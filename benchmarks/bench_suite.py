@@ -13,12 +13,15 @@ config, see bench_t5.py):
   decode   batch 1, 32 source tokens, 64 forced new tokens, greedy      (new tokens / s)
   batch16  16 sources of 32 tokens, 64 forced new tokens each, greedy   (new tokens / s, all rows)
   encoder  16 x 128 source tokens through the encoder only              (source tokens / s)
+  encoder-8x256  8 x 256 source tokens through the encoder only         (source tokens / s)
   beam4    batch 1, beam search with 4 beams, 64 forced new tokens     (new tokens / s)
   xl       Transformer-XL scoring, run by bench_transfo_xl.py --json    (tokens / s)
 
 Engines: minfer (float32), minfer-float16 / -bfloat16 / -int8 / -int4 (`minfer.load(folder,
 dtype=...)`, computed in float32), minfer-int8-int8 / minfer-int4-int8 (the same weights with
-`compute="int8"`: int8 x int8 products), transformers (torch CPU, inference mode),
+`compute="int8"`: int8 x int8 products), minfer-bfloat16-bfloat16 (`compute="bfloat16"`:
+bfloat16 x bfloat16 products), transformers (torch CPU, inference mode, float32) and
+transformers-bfloat16 (the model in torch.bfloat16: oneDNN's bfloat16 products),
 ctranslate2-fp32 / -int8, onnxruntime-fp32 / -int8 (Optimum's export with past key values and
 its dynamic VNNI quantisation, run by ORTModelForSeq2SeqLM) and llama.cpp-f32 / -f16 / -q8_0 /
 -q4_0 (llama_t5_driver.cpp over llama.h: llama_encode, then llama_decode per token; decode and
@@ -64,17 +67,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_t5 as b5  # noqa: E402
 
-TASKS = ("decode", "batch16", "encoder", "beam4")
+TASKS = ("decode", "batch16", "encoder", "encoder-8x256", "beam4")
+ENCODER_TASKS = ("encoder", "encoder-8x256")
 # minfer engine -> (dtype, compute)
 MINFER_MODES = {"minfer": (None, None), "minfer-float16": ("float16", None),
-                "minfer-bfloat16": ("bfloat16", None), "minfer-int8": ("int8", None),
+                "minfer-bfloat16": ("bfloat16", "float32"), "minfer-int8": ("int8", None),
+                "minfer-bfloat16-bfloat16": ("bfloat16", "bfloat16"),
                 "minfer-int8-int8": ("int8", "int8"), "minfer-int4": ("int4", None),
                 "minfer-int4-int8": ("int4", "int8")}
 ONNX_ENGINES = {"onnxruntime-fp32": "fp32", "onnxruntime-int8": "int8"}
 LLAMA_ENGINES = {f"llama.cpp-{t}": t for t in ("f32", "f16", "q8_0", "q4_0")}
-ENGINES = (*MINFER_MODES, "transformers", "ctranslate2-fp32", "ctranslate2-int8", *ONNX_ENGINES,
+ENGINES = (*MINFER_MODES, "transformers", "transformers-bfloat16", "ctranslate2-fp32", "ctranslate2-int8", *ONNX_ENGINES,
            *LLAMA_ENGINES)
-LLAMA_TASKS = ("decode", "encoder")      # llama.cpp: one T5 sequence at a time, no beam search
+LLAMA_TASKS = ("decode", *ENCODER_TASKS)      # llama.cpp: one T5 sequence at a time, no beam search
 NEW = 64
 RESULT_MARK = "SUITE_RESULT "
 BUSY_LIMIT = 0.1  # others' share of the CPUs above which a row is marked unreliable
@@ -100,14 +105,20 @@ PEER_TARGETS = (
     ("batch16", "int8", EIGHT_BIT, ("ctranslate2-int8",), 1.5),
     ("encoder", "int8", EIGHT_BIT, ("onnxruntime-int8",), 1.25),
     ("encoder", "int8", EIGHT_BIT, ("ctranslate2-int8",), 1.5),
-    ("beam4", "float32", ("minfer",), ("ctranslate2-fp32",), 1.5))
+    ("beam4", "float32", ("minfer",), ("ctranslate2-fp32",), 1.5),
+    # issue 26's, on both encoder shapes
+    *((task, label, ours, peers, ratio) for task in ENCODER_TASKS for label, ours, peers, ratio in (
+        ("fastest", tuple(MINFER_MODES), ("onnxruntime-int8", "onnxruntime-fp32", "transformers",
+                                          "transformers-bfloat16", "ctranslate2-int8"), 1.25),
+        ("float32", ("minfer",), ("onnxruntime-fp32",), 1.0),
+        ("bfloat16", ("minfer-bfloat16-bfloat16",), ("transformers-bfloat16",), 1.25))))
 XL_TARGET = 4.0   # Transformer-XL scoring: minfer / transformers
 
 
 def sources(task: str) -> list[list[int]]:
     """The task's token-id sources (fixed seeds; eos last)."""
     rows, length = {"decode": (1, 32), "beam4": (1, 32), "batch16": (16, 32),
-                    "encoder": (16, 128)}[task]
+                    "encoder": (16, 128), "encoder-8x256": (8, 256)}[task]
     rng = random.Random(b5.INPUT_SEED + rows * 1000 + length)
     return [[rng.randrange(2, 32000) for _ in range(length - 1)] + [b5.EOS_ID] for _ in range(rows)]
 
@@ -115,7 +126,7 @@ def sources(task: str) -> list[list[int]]:
 def work_units(task: str) -> int:
     """What one call produces: new tokens (generation) or source tokens (encoder)."""
     srcs = sources(task)
-    return sum(map(len, srcs)) if task == "encoder" else len(srcs) * NEW
+    return sum(map(len, srcs)) if task in ENCODER_TASKS else len(srcs) * NEW
 
 
 # =================================================================================================
@@ -142,7 +153,7 @@ def work_minfer(model_dir: Path, task: str, runs: int, threads: int, mode: tuple
     dtype, compute = mode
     model = minfer.load(model_dir, dtype=dtype, compute=compute, num_threads=threads)
     srcs = sources(task)
-    if task == "encoder":
+    if task in ENCODER_TASKS:
         out, seconds = timed(lambda: model.encode(srcs), runs, compare=False)
         if dump:
             np.save(dump, np.asarray(out, np.float32))
@@ -157,7 +168,7 @@ def work_minfer(model_dir: Path, task: str, runs: int, threads: int, mode: tuple
     return {"seconds": seconds, "ids": out}
 
 
-def work_transformers(model_dir: Path, task: str, runs: int, threads: int, int8: bool,
+def work_transformers(model_dir: Path, task: str, runs: int, threads: int, precision: str,
                       dump: str | None) -> dict:
     import numpy as np
     import torch
@@ -165,15 +176,16 @@ def work_transformers(model_dir: Path, task: str, runs: int, threads: int, int8:
     from transformers import T5ForConditionalGeneration
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
-    model = T5ForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+    model = T5ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(sources(task), dtype=torch.long)  # equal lengths: no padding needed
-    if task == "encoder":
+    if task in ENCODER_TASKS:
         def enc():
             with torch.inference_mode():
                 return model.encoder(input_ids=ids).last_hidden_state
         out, seconds = timed(enc, runs, compare=False)
         if dump:
-            np.save(dump, out.numpy().astype(np.float32))
+            np.save(dump, out.float().numpy())
         return {"seconds": seconds, "torch_threads": torch.get_num_threads()}
     beams = 4 if task == "beam4" else 1
 
@@ -201,7 +213,7 @@ def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: 
     translator = ctranslate2.Translator(str(model_dir), device="cpu", inter_threads=1,
                                         intra_threads=threads)
     srcs = [[vocab[i] for i in row] for row in sources(task)]
-    steps = 1 if task == "encoder" else NEW
+    steps = 1 if task in ENCODER_TASKS else NEW
     beams = 4 if task == "beam4" else 1
 
     def translate(batch):
@@ -210,7 +222,7 @@ def work_ctranslate2(model_dir: Path, task: str, runs: int, threads: int, int8: 
         return [[token_to_id[t] for t in r.hypotheses[0]] for r in res]
     out, seconds = timed(lambda: translate(srcs), runs)
     result = {"seconds": seconds, "compute_type": translator.compute_type}
-    if task == "encoder":
+    if task in ENCODER_TASKS:
         # No encoder-only API: the row above is encoder + 1 decoding step. The same call on
         # 2-token sources (first token, eos) costs about that step plus a negligible encoder.
         # (An eos-only source returns at once without decoding, so it cannot serve.)
@@ -250,7 +262,7 @@ def work_onnxruntime(model_dir: Path, task: str, runs: int, threads: int, option
                                                  provider="CPUExecutionProvider", use_cache=True,
                                                  **onnx_file_names(model_dir))
     ids = torch.tensor(sources(task), dtype=torch.long)
-    if task == "encoder":
+    if task in ENCODER_TASKS:
         mask = torch.ones_like(ids)
 
         def enc():
@@ -292,6 +304,7 @@ def work_llama(model_path: Path, task: str, runs: int, threads: int, option: str
 
 
 WORKERS = {**{engine: work_minfer for engine in MINFER_MODES}, "transformers": work_transformers,
+           "transformers-bfloat16": work_transformers,
            "ctranslate2-fp32": work_ctranslate2, "ctranslate2-int8": work_ctranslate2,
            **{engine: work_onnxruntime for engine in ONNX_ENGINES},
            **{engine: work_llama for engine in LLAMA_ENGINES}}
@@ -300,9 +313,13 @@ WORKERS = {**{engine: work_minfer for engine in MINFER_MODES}, "transformers": w
 def worker(args) -> int:
     if args.profile:
         return profile_minfer(Path(args.model), args.profile, args.runs)
-    option = (MINFER_MODES[args.engine] if args.engine in MINFER_MODES
-              else ONNX_ENGINES.get(args.engine) or LLAMA_ENGINES.get(args.engine)
-              or args.engine.endswith("int8"))
+    if args.engine in MINFER_MODES:
+        option = MINFER_MODES[args.engine]
+    elif args.engine.startswith("transformers"):
+        option = "bfloat16" if args.engine == "transformers-bfloat16" else "float32"
+    else:
+        option = (ONNX_ENGINES.get(args.engine) or LLAMA_ENGINES.get(args.engine)
+                  or args.engine.endswith("int8"))
     result = WORKERS[args.engine](Path(args.model), args.task, args.runs, args.threads, option,
                                   args.dump)
     result["env_threads"] = {k: os.environ.get(k) for k in b5.thread_env(args.threads)}
@@ -320,7 +337,7 @@ def profile_minfer(model_dir: Path, task: str, runs: int) -> int:
     import minfer
     model = minfer.load(model_dir)
     srcs = sources(task)
-    if task == "encoder":
+    if task in ENCODER_TASKS:
         def call():
             model.encode(srcs)
     else:
@@ -505,7 +522,7 @@ def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
              "|---|---|---|---:|---:|---:|---|---:|---|"]
     for shape, tasks in results.items():
         for task, engines in tasks.items():
-            unit = "src tok/s" if task == "encoder" else "new tok/s"
+            unit = "src tok/s" if task in ENCODER_TASKS else "new tok/s"
             base = engines.get("minfer", {}).get("median")
             ref = engines.get("transformers", {})
             for engine, r in engines.items():
@@ -526,7 +543,7 @@ def table(results: dict, dumps: dict, xl: dict | None) -> list[str]:
                     ratio = f"{r['median'] / peer:.2f} vs {short}" if peer else ""
                 if engine == "transformers":
                     check = "reference"
-                elif task == "encoder":
+                elif task in ENCODER_TASKS:
                     check = encoder_check(dumps.get((shape, task), {}), engine)
                 elif ref.get("ids") is not None and r.get("ids") is not None:
                     check = compare_ids(ref["ids"], r["ids"], ref.get("margins"))
@@ -633,7 +650,7 @@ def write_chart(report: dict, path: Path) -> None:
         for task, rows in tasks.items():
             bars = [(e, rows[e]) for e in CHART_ENGINES if "median" in rows.get(e, {})]
             if bars:
-                unit = "source tokens/s" if task == "encoder" else "new tokens/s"
+                unit = "source tokens/s" if task in ENCODER_TASKS else "new tokens/s"
                 panels.append((f"{shape} {task}", unit, bars))
     xl = (report.get("xl") or {}).get("results", {})
     bars = [(e, xl[e]["score"]["tokens_per_s"]) for e in ("minfer", "transformers")
@@ -699,7 +716,11 @@ def machine_line(args) -> str:
         flags = fields.get("flags", "").split()
         flags = ", ".join(x for x in (
             f"family {fields['cpu family']} model {fields['model']}" if "model" in fields else "",
-            "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "")) if x)
+            "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else ""),
+            *(name for flag, name in (("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"),
+                                      ("avx512_fp16", "AVX512_FP16"), ("amx_tile", "AMX"))
+              if flag in flags),
+            "no AMX" if "amx_tile" not in flags else "") if x)
     except (OSError, KeyError):
         pass
 
@@ -787,8 +808,9 @@ def main() -> int:
                                            "beam search"}
                         continue
                     dump = None
-                    if task == "encoder" and engine in ("minfer", "minfer-int8", "minfer-int8-int8",
-                                                        "onnxruntime-fp32", "transformers"):
+                    if task in ENCODER_TASKS and engine in (
+                            "minfer", "minfer-int8", "minfer-int8-int8", "minfer-bfloat16-bfloat16",
+                            "onnxruntime-fp32", "transformers", "transformers-bfloat16"):
                         dump = str(Path(scratch.name) / f"{shape}-{engine}.npy")
                         dumps.setdefault((shape, task), {})[engine] = dump
                     r = run_engine(engine, folder, task, args.runs, args.threads, dump)

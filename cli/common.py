@@ -130,9 +130,11 @@ _MODEL_OPTIONS = [
                       "bfloat16, int8 (one scale per output channel), int4 (CPU; one scale per "
                       f"{INT4_GROUP} input channels) or auto (as the checkpoint stores them)."),
     click.option("--compute", default=None, metavar="MODE",
-                 help="What products compute in: CPU float32 (default) or int8 (int8/int4 "
-                      "weights x inputs rounded to int8, on VNNI where the CPU has it); CUDA "
-                      "float16 (default) or float32."),
+                 help="What products compute in: CPU float32 (default), int8 (int8/int4 "
+                      "weights x inputs rounded to int8, on VNNI where the CPU has it) or "
+                      "bfloat16 (bfloat16 weights x inputs rounded to bfloat16; the default for "
+                      "bfloat16 weights on a CPU with AVX512_BF16); CUDA float16 (default) or "
+                      "float32."),
     click.option("--workspace", default=None, metavar="SIZE",
                  help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
                       "--memory-limit, the part of the limit kept for them."),

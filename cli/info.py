@@ -7,15 +7,18 @@ import os
 
 import click
 
+from minfer import kernels
+
 from .common import emit, load_model, quiet_on_closed_pipe, with_model_options
 
 
 def compute_line(be) -> str:
-    """What the products compute in, and on which instructions when that is int8."""
-    if be.compute != "int8":
-        return be.compute
-    from minfer.kernels import int8_products
-    return f"int8 x int8 products: {int8_products()}"
+    """What the products compute in, and on which instructions when that is int8 or bfloat16."""
+    if be.compute == "int8":
+        return f"int8 x int8 products: {kernels.int8_products()}"
+    if be.compute == "bfloat16":
+        return f"bfloat16 x bfloat16 products: {kernels.bfloat16_instructions()}"
+    return be.compute
 
 
 def fits_verdict(need: int, free: int) -> str:

@@ -50,7 +50,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when CuPy finds a device).
     dtype: how the linear layers (and heads, embeddings) are stored: "float32" (CPU default;
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
-        computed in float32), "bfloat16" (CPU: stored 2 bytes, computed in float32), "int8"
+        computed in float32), "bfloat16" (CPU: stored 2 bytes; see compute), "int8"
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
         channels: io/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
@@ -60,8 +60,11 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         (default: weights widened, outputs as float32's up to rounding) or "int8" (int8 or int4
         weights: each product's input rows are rounded to int8 on the fly and multiplied as
         integers, on the CPU's dot-product instructions (VNNI) where it has them: faster, a
-        little less exact; with dtype unset it stores int8). CUDA: "float16" (default; float32
-        for float32 weights) or "float32".
+        little less exact; with dtype unset it stores int8) or "bfloat16" (bfloat16 weights:
+        each product's inputs rounded to bfloat16, the products of bfloat16 pairs summed in
+        float32, on AVX512_BF16 where the CPU has it; the default for bfloat16 weights on such a
+        CPU, float32 elsewhere; with dtype unset it stores bfloat16). CUDA: "float16" (default;
+        float32 for float32 weights) or "float32".
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory). With memory_limit: the part of the
         limit reserved for runs.
@@ -103,10 +106,13 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto" or dtype is None:
         # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
-        # needs a quantised one (int8 when the file's is not)
+        # needs a quantised one (int8 when the file's is not), compute="bfloat16" bfloat16
         dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
-        if compute is not None and _option_name(compute) == "int8" and dtype not in _QUANTISED_FORMATS:
+        mode = None if compute is None else _option_name(compute)
+        if mode == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
+        elif mode == "bfloat16":
+            dtype = "bfloat16"
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
     be.num_threads = _set_threads(num_threads)
     tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)

@@ -7,8 +7,8 @@ only there, lazily, so a CPU install never needs it).
 
 A backend also carries the weight dtype policy (`dtype` is the dtype of activations;
 `weight_format` names how linear layers are stored, see `io/formats.py`; `compute` what the
-products compute in, float32 / float16 or, on the CPU, int8 x int8) and the memory budget:
-without a limit the arena is a workspace for activations and caches and weights are ordinary
+products compute in, float32 / float16 or, on the CPU, int8 x int8 or bfloat16 x bfloat16) and
+the memory budget: without a limit the arena is a workspace for activations and caches and weights are ordinary
 arrays; with `memory_limit` the arena *is* the budget, and weights, streaming slots and workspace
 are all carved from it (see `params/runtime.py`).
 """
@@ -29,12 +29,19 @@ from .params.transfers import Transfers
 _FORMATS = {"cpu": ("float32", "float16", "bfloat16", "int8", "int4"),
             "cuda": ("float16", "float32", "int8")}
 _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
-# compute option -> the dtype activations are in. On the CPU "int8" keeps float32 activations
-# between the products and rounds each product's input rows to int8 (quantised formats only);
-# on CUDA the products run in the compute dtype.
-_COMPUTE = {"cpu": {"float32": "float32", "int8": "float32"},
+# compute option -> the dtype activations are in. On the CPU "int8" and "bfloat16" keep float32
+# activations between the products and round each product's inputs to int8 steps per row /
+# to bfloat16; on CUDA the products run in the compute dtype.
+_COMPUTE = {"cpu": {"float32": "float32", "int8": "float32", "bfloat16": "float32"},
             "cuda": {"float16": "float16", "float32": "float32"}}
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
+# the CPU compute modes that multiply only some weight formats, and what to say otherwise
+_COMPUTE_FORMATS = {
+    "int8": (QUANTISED_FORMATS, "compute='int8' multiplies int8 or int4 weights, not dtype "
+                                "{name!r}: use dtype='int8' or 'int4' (or leave dtype unset)"),
+    "bfloat16": (("bfloat16",), "compute='bfloat16' multiplies bfloat16 weights, not dtype "
+                                "{name!r}: use dtype='bfloat16' (or leave dtype unset)"),
+}
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32",
             "bf16": "bfloat16"}
 
@@ -46,7 +53,7 @@ class Backend:
     arena: Arena                  # every large activation / cache buffer comes from here
     dtype: Any                    # compute dtype of activations (and of non-linear weights)
     weight_format: str = "float32"    # how linear layers are stored (io/formats.py)
-    compute: str = "float32"          # what the products compute in ("int8": int8 x int8, CPU)
+    compute: str = "float32"          # what the products compute in (CPU: also "int8", "bfloat16")
     memory_limit: int | None = None   # the whole budget (weights + workspace), or None
     workspace: int | None = None      # bytes reserved for runs under a limit (None: planned)
     num_threads: int | None = None    # threads of the CPU kernels and BLAS (None: every core)
@@ -91,23 +98,27 @@ def option_name(value: Any) -> str:
     return _ALIASES.get(name, name)
 
 
-def resolve_dtype(device_kind: str, dtype: Any, compute: Any = None) -> tuple[np.dtype, str, str]:
+def resolve_dtype(device_kind: str, dtype: Any, compute: Any = None,
+                  bfloat16_products: bool = False) -> tuple[np.dtype, str, str]:
     """The `dtype` and `compute` options -> (the activations' dtype, weight format, compute
     name) for a device kind, or a clear error. compute=None: the device's default for that
-    format (CPU float32; CUDA float16, or float32 for float32 weights)."""
+    format (CPU float32, or bfloat16 for bfloat16 weights where `bfloat16_products`: the CPU
+    multiplies bfloat16 itself; CUDA float16, or float32 for float32 weights)."""
     name = _DEFAULT_DTYPE[device_kind] if dtype is None else option_name(dtype)
     if name not in _FORMATS[device_kind]:
         raise ConfigError(f"dtype {dtype!r} is not supported on device '{device_kind}' "
                           f"(supported: {', '.join(_FORMATS[device_kind])})")
     table = _COMPUTE[device_kind]
-    if compute is None:
-        mode = "float32" if device_kind == "cpu" or name == "float32" else "float16"
+    if compute is None and device_kind == "cpu":
+        mode = "bfloat16" if name == "bfloat16" and bfloat16_products else "float32"
+    elif compute is None:
+        mode = "float32" if name == "float32" else "float16"
     else:
         mode = option_name(compute)
         if mode not in table:
             raise ConfigError(f"compute {compute!r} is not supported on device '{device_kind}' "
                               f"(supported: {', '.join(table)})")
-    if mode == "int8" and name not in QUANTISED_FORMATS:
-        raise ConfigError(f"compute='int8' multiplies int8 or int4 weights, not dtype "
-                          f"{name!r}: use dtype='int8' or 'int4' (or leave dtype unset)")
+    formats, refusal = _COMPUTE_FORMATS.get(mode, (None, ""))
+    if formats is not None and name not in formats:
+        raise ConfigError(refusal.format(name=name))
     return np.dtype(table[mode]), name, mode

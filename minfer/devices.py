@@ -131,7 +131,8 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
         return cuda.make_cuda_backend(int(index), activations, weight_format, limit, reserve)
     if name != "cpu":
         raise ConfigError(f"device {device!r}: expected 'cpu', 'cuda', 'cuda:N' or 'auto'")
-    activations, weight_format, mode = resolve_dtype("cpu", dtype, compute)
+    activations, weight_format, mode = resolve_dtype("cpu", dtype, compute,
+                                                     kernels.bfloat16_native())
     if limit is not None and reserve is not None and reserve > limit:
         raise ConfigError(f"workspace {reserve} bytes exceeds memory_limit {limit} bytes")
     if limit is not None:

@@ -2,11 +2,15 @@
 the stored array itself, or a `PackedWeight` that multiplies itself), and how.
 
 What the products compute in is the backend's `compute` (backend.py): float32 by default (the
-weights are widened, the activations stay float32) or, on the CPU with int8 or int4 weights,
+weights are widened, the activations stay float32); on the CPU with int8 or int4 weights,
 "int8": each input row is rounded to int8 steps of its own (absmax / 127) and the products are
 integer dot products (`kernels/quantised_products.py`, on the CPU's VNNI instructions where it
-has them); without the compiled kernels the same rounding is applied and the product is taken in
-float32 (`quantise_rows`), so every path computes the same function.
+has them); on the CPU with bfloat16 weights, "bfloat16": each input is rounded to bfloat16 (to
+nearest even) and the products of bfloat16 pairs are summed in float32
+(`kernels/bfloat16_products.py`, on AVX512_BF16's vdpbf16ps where the CPU has it). Without the
+compiled kernels the same rounding is applied (`ROUNDINGS`) and the product is taken in float32,
+so every path computes the same function (bfloat16 x bfloat16 products are exact in float32;
+only the order of the sums differs).
 
 A slot whose stored dtype is not the compute dtype becomes a `PackedWeight`: on the CPU its
 small-M products (decoding: one row per sequence) run in the compiled kernels (minfer/kernels/),
@@ -25,7 +29,8 @@ import numpy as np
 
 from . import kernels
 from .arena import ALIGNMENT, align_up
-from .io.formats import SCALE_SUFFIX, WeightFormat, widen_cast, apply_scale, int4_group
+from .io.formats import (SCALE_SUFFIX, WeightFormat, apply_scale, int4_group, to_bfloat16_bits,
+                         widen_cast)
 
 # Blocks of packed rows are widened into a scratch for products of more rows than the kernels
 # take: BLAS repacks the whole input for every block, so blocks must be large for large inputs
@@ -53,6 +58,19 @@ def quantise_rows(xp: Any, x: Any) -> Any:
     return (q * step.astype(np.float32)).astype(np.float32, copy=False)
 
 
+def round_to_bfloat16(xp: Any, x: Any) -> Any:
+    """x (M, K) float32 with every value rounded to the nearest bfloat16 (ties to even), as
+    float32: what `compute="bfloat16"` multiplies (a CPU mode: x is a NumPy array), for the
+    products the compiled kernels do not take. NaN stays NaN; values past bfloat16's largest
+    round to infinity, as in the kernels."""
+    return (to_bfloat16_bits(x).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+# compute mode -> how the products' input rows are rounded (float32: not at all)
+ROUNDINGS: dict[str, Callable[[Any, Any], Any]] = {"int8": quantise_rows,
+                                                   "bfloat16": round_to_bfloat16}
+
+
 def takes_kernel(M: int, K: int) -> bool:
     """Whether an (M, K) @ (K, N) product goes to the compiled kernels (else to BLAS)."""
     return M <= KERNEL_MAX_ROWS and K >= KERNEL_MIN_INNER
@@ -68,25 +86,28 @@ class PackedWeight:
     stored: the format's stored matrix (out, in), or (out, in / 2) bytes for int4; shape: the
     logical (out, in); scale: (out,) or (out, groups) float32, or None; widen(src, dst): rows of
     `bits` -> float rows (unscaled); kernel(x, bits, [scale,] out): the compiled small-M product,
-    or None (off, or not on the CPU); qkernel(x, bits, scale, out, work): the compiled int8 x
-    int8 product of `compute="int8"`, or None; quantise_inputs: compute="int8" (activations
-    rounded to int8 steps before every product); bits: what the kernels read (the stored array,
-    or float16 viewed as its uint16 bits for the compiled code); scratch: the runtime's shared
-    flat float buffer (one product at a time; also where the int8 products quantise their
-    inputs), None for a slot already stored in the compute dtype (float32 on the CPU with the
-    kernels on: nothing to widen, BLAS reads it directly)."""
+    or None (off, or not on the CPU); compute: "float32", or the rounding of the inputs before
+    every product ("int8", "bfloat16": `ROUNDINGS`); rounded_kernel: the compiled product of that
+    compute mode, or None (int8: `(x, bits, scale, out, work)`; bfloat16: `(x, bits, out, work)`)
+    and work_bytes(M, K, groups) the scratch bytes it rounds M input rows into; bits: what the
+    kernels read (the stored array, or float16 viewed as its uint16 bits for the compiled code);
+    scratch: the runtime's shared flat float buffer (one product at a time; also where the
+    rounded products put their rounded inputs), None for a slot already stored in the compute
+    dtype (float32 on the CPU with the kernels on: nothing to widen, BLAS reads it directly)."""
 
     def __init__(self, stored: Any, scale: Any, widen: Callable[[Any, Any], None],
                  kernel: Callable | None, scratch: Any, bits: Any = None,
-                 shape: tuple[int, int] | None = None, qkernel: Callable | None = None,
-                 quantise_inputs: bool = False):
+                 shape: tuple[int, int] | None = None, compute: str = "float32",
+                 rounded_kernel: Callable | None = None,
+                 work_bytes: Callable[[int, int, int], int] | None = None):
         self.stored, self.scale, self.widen, self.kernel = stored, scale, widen, kernel
         self.bits = stored if bits is None else bits
         self.scratch = scratch
         self.shape = tuple(stored.shape) if shape is None else tuple(shape)
         self.plain = scratch is None      # stored in the compute dtype: no widening, no scale
-        self.qkernel, self.quantise_inputs = qkernel, quantise_inputs
-        self._work = None                 # the scratch as bytes (the int8 products' inputs)
+        self.rounding = ROUNDINGS.get(compute)
+        self.rounded_kernel, self.work_bytes = rounded_kernel, work_bytes
+        self._work = None                 # the scratch as bytes (the rounded products' inputs)
         self._groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
 
     def matmul(self, xp: Any, x: Any, out: Any) -> Any:
@@ -94,10 +115,10 @@ class PackedWeight:
         # (asked at every call: a process forked after the kernels' threads started must not
         # run them, minfer/kernels/)
         fast = self.kernel is not None and kernels.active() is not None
-        if self.quantise_inputs:
-            if fast and self.qkernel is not None and self.shape[1] >= KERNEL_MIN_INNER:
-                return self._int8_product(x, out)
-            x = quantise_rows(xp, x)      # the same rounding, multiplied in float32 below
+        if self.rounding is not None:
+            if fast and self.rounded_kernel is not None and self.shape[1] >= KERNEL_MIN_INNER:
+                return self._rounded_product(x, out)
+            x = self.rounding(xp, x)      # the same rounding, multiplied in float32 below
         if fast and takes_kernel(x.shape[0], self.shape[1]):
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
@@ -121,22 +142,23 @@ class PackedWeight:
             xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count, blas=True)
         return out
 
-    def _int8_product(self, x: Any, out: Any) -> Any:
-        """The compiled int8 x int8 product, over as many input rows at a time as the scratch
-        holds quantised (all of a decoding step's; an encoder pass's in parts)."""
+    def _rounded_product(self, x: Any, out: Any) -> Any:
+        """The compiled product of the compute mode, over as many input rows at a time as the
+        scratch holds rounded (all of a decoding step's; an encoder pass's in parts)."""
         x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         if self._work is None:
             self._work = self.scratch.view(np.uint8)
         M, K = x.shape
-        if kernels.quantised_bytes(M, K, self._groups) <= self._work.size:   # (decoding)
-            self.qkernel(x, self.bits, self.scale, out, self._work)
-            return out
         step = M
-        while step > 1 and kernels.quantised_bytes(step, K, self._groups) > self._work.size:
+        while step > 1 and self.work_bytes(step, K, self._groups) > self._work.size:
             step = (step + 1) // 2
+        step = step - step % 4 if step > 4 else step   # (the kernels' tiles take 4 rows)
         for a in range(0, M, step):
             b = min(M, a + step)
-            self.qkernel(x[a:b], self.bits, self.scale, out[a:b], self._work)
+            if self.scale is None:
+                self.rounded_kernel(x[a:b], self.bits, out[a:b], self._work)
+            else:
+                self.rounded_kernel(x[a:b], self.bits, self.scale, out[a:b], self._work)
         return out
 
     def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
@@ -185,12 +207,12 @@ class PackedWeight:
 
 
 def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: Any, scratch: Any,
-         compiled: Any, int8_inputs: bool = False) -> Any:
+         compiled: Any, compute: str = "float32") -> Any:
     """The stored arrays (on the device) of a slot in format `fmt` -> what `ops.linear`
     multiplies by: the array itself when it is already in the compute dtype (and no kernel runs
     it), else a PackedWeight. `compiled` is the compiled kernels on the CPU (`kernels.compiled()`:
-    the registry), or None; `int8_inputs`: compute="int8" (only quantised formats take it: the
-    backend checks)."""
+    the registry), or None; `compute`: the backend's compute mode ("int8" only for quantised
+    formats and "bfloat16" only for bfloat16 weights: the backend checks)."""
     w = arrays[name]
     own = compiled.BY_FORMAT[fmt.name] if compiled is not None else None
     if np.dtype(fmt.storage) == np.dtype(compute_dtype) and not fmt.scaled:
@@ -198,14 +220,14 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
     scale = arrays.get(name + SCALE_SUFFIX)
     shape = fmt.logical_shape(w.shape)
     if own is None:
-        return PackedWeight(w, scale, fmt.widen, None, scratch, shape=shape,
-                            quantise_inputs=int8_inputs)
+        return PackedWeight(w, scale, fmt.widen, None, scratch, shape=shape, compute=compute)
     bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
     # the int4 kernels take whole blocks of 64 columns per group; other sizes widen
     blocks = not fmt.grouped or int4_group(shape[1]) % 64 == 0
     kernel = own.product if blocks else None
-    qkernel = own.int8_product if blocks and int8_inputs else None
-    return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, qkernel, int8_inputs)
+    rounded = own.rounded.get(compute) if blocks else None
+    return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, compute,
+                        *(rounded or (None, None)))
 
 
 def scratch_bytes(fmt: WeightFormat, shape: tuple[int, int], compute_dtype: Any) -> int:

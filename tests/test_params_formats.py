@@ -6,7 +6,7 @@ from minfer import kernels
 from minfer.errors import ConfigError
 from minfer.io.formats import (FORMATS, INT4_GROUP, SCALE_SUFFIX, apply_scale, int4_group,
                                quantise_int4, quantise_int8, to_bfloat16_bits)
-from minfer.products import KERNEL_MAX_ROWS, PackedWeight, quantise_rows, wrap
+from minfer.products import KERNEL_MAX_ROWS, ROUNDINGS, PackedWeight, wrap
 
 rng = np.random.default_rng(1)
 
@@ -32,8 +32,11 @@ def test_bfloat16_bits_round_to_nearest_even():
     assert (err <= np.abs(wide) * 2.0 ** -8).all()                   # half a bfloat16 step
 
 
+# each format with the compute modes that multiply it
+COMPUTES = {"int8": ("float32", "int8"), "int4": ("float32", "int8"),
+            "bfloat16": ("float32", "bfloat16")}
 CASES = [(name, K, compute) for name in FORMATS for K in (48, 128)
-         for compute in (("float32", "int8") if FORMATS[name].scaled else ("float32",))]
+         for compute in COMPUTES.get(name, ("float32",))]
 
 
 @pytest.mark.parametrize("name,K,compute", CASES)
@@ -52,7 +55,7 @@ def test_every_format_multiplies_and_looks_up_what_it_stores(name, K, compute, m
         assert arrays[key].shape == shape and arrays[key].dtype == dtype
     scratch = np.empty(K * 9, np.float32)                     # 9 rows a block: several blocks
     packed = wrap(fmt, "w", arrays, np.float32, scratch, kernels.active(),
-                      int8_inputs=compute == "int8")
+                      compute=compute)
     stored = np.empty_like(w)                                 # what the format really holds
     if isinstance(packed, PackedWeight):
         assert packed.shape == w.shape
@@ -70,7 +73,7 @@ def test_every_format_multiplies_and_looks_up_what_it_stores(name, K, compute, m
             packed.matmul(np, x, out)
         else:
             np.matmul(x, packed.T, out=out)
-        inputs = quantise_rows(np, x) if compute == "int8" else x
+        inputs = ROUNDINGS[compute](np, x) if compute in ROUNDINGS else x
         np.testing.assert_allclose(out, inputs @ stored.T, rtol=1e-4, atol=1e-4)
     ids = np.array([0, 69, 5, 5])
     rows = np.empty((4, K), np.float32)

@@ -81,8 +81,8 @@ def test_the_numpy_path_computes_what_the_int8_kernels_do(t5_float32, monkeypatc
     monkeypatch.setattr(kernels, "_mode", "numpy")
     m = minfer.load(T5_DIR, dtype="int4", compute="int8")
     got = m.generate(prompts[sample])
-    assert all(p.qkernel is None for p in m.params["decoder"][0].params.values()
-               if hasattr(p, "qkernel"))
+    assert all(p.rounded_kernel is None for p in m.params["decoder"][0].params.values()
+               if hasattr(p, "rounded_kernel"))
     assert np.mean([g == w for g, w in zip(got, want[sample])]) >= MODES["int4", "int8"]
 
 

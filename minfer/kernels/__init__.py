@@ -354,6 +354,24 @@ def quantised_bytes(M: int, K: int, groups: int) -> int:
     return align_up(M * K, 64) + align_up(M * groups * 4, 64) + align_up(M * 4, 64)
 
 
+def bfloat16_native() -> bool:
+    """Whether the compiled kernels are selected here and the CPU they compile for multiplies
+    bfloat16 itself (AVX512_BF16's vdpbf16ps): then compute="bfloat16" is the default for
+    bfloat16 weights, faster than widening them to float32."""
+    if compiled() is None:
+        return False
+    from . import bfloat16_tiles
+    return bfloat16_tiles.ISA == "avx512bf16"
+
+
+def bfloat16_instructions() -> str:
+    """Which instructions compute="bfloat16" runs its products on here (`minfer info`)."""
+    if compiled() is None:
+        return "no compiled kernels: inputs rounded to bfloat16, products in float32 (NumPy)"
+    from . import bfloat16_tiles
+    return bfloat16_tiles.describe()
+
+
 def int8_products() -> str:
     """Which instructions compute="int8" runs its products on here (`minfer info`)."""
     k = compiled()

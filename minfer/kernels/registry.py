@@ -7,14 +7,16 @@ disk cache) at its first call; `warm_up` makes those first calls on tiny arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numba
 import numpy as np
 
-from . import float_products, quantised_products, step_ops, tiles, widening
+from . import (bfloat16_products, bfloat16_tiles, float_products, quantised_products, step_ops,
+               tiles, widening)
+from .bfloat16_products import bmatmul_bf16, bmatmul_work_bytes
 from .float_products import matmul_bf16, matmul_f16, matmul_f32, matmul_i4, matmul_i8
 from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback)
@@ -23,25 +25,37 @@ from .widening import widen_bf16, widen_f16, widen_i4, widen_i8
 
 # The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
-                                           step_ops, tiles))
+                                           step_ops, tiles, bfloat16_products, bfloat16_tiles))
+
+
+def _int8_work(M: int, K: int, groups: int) -> int:
+    from . import quantised_bytes   # (the package's: tests size the kernels' scratch with it)
+    return quantised_bytes(M, K, groups)
+
+
+def _bfloat16_work(M: int, K: int, groups: int) -> int:
+    return bmatmul_work_bytes(M, K)
 
 
 @dataclass(frozen=True)
 class FormatKernels:
     """The kernels of one storage format: its float32 product (small M), the widening of its
-    rows into float32 blocks (large M, then BLAS; None: already float32) and, for the quantised
-    formats, the int8 x int8 product of compute="int8"."""
+    rows into float32 blocks (large M, then BLAS; None: already float32) and `rounded`: by
+    compute mode, the product that rounds its inputs first and the scratch bytes it rounds
+    M rows of K columns into (the quantised formats: compute="int8"'s int8 x int8 product;
+    bfloat16: compute="bfloat16"'s bfloat16 x bfloat16 product)."""
     product: Callable
     widen: Callable | None = None
-    int8_product: Callable | None = None
+    rounded: dict[str, tuple[Callable, Callable[[int, int, int], int]]] = field(default_factory=dict)
 
 
 BY_FORMAT: dict[str, FormatKernels] = {
     "float32": FormatKernels(matmul_f32),
     "float16": FormatKernels(matmul_f16, widen_f16),
-    "bfloat16": FormatKernels(matmul_bf16, widen_bf16),
-    "int8": FormatKernels(matmul_i8, widen_i8, qmatmul_i8),
-    "int4": FormatKernels(matmul_i4, widen_i4, qmatmul_i4),
+    "bfloat16": FormatKernels(matmul_bf16, widen_bf16,
+                              {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
+    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}),
+    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}),
 }
 
 
@@ -65,6 +79,7 @@ def warm_up() -> None:
     work = np.empty(4096, np.uint8)
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
+    bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
     cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
     q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)

@@ -160,7 +160,7 @@ class WeightRuntime:
         scratch = None if self.scratch is None else self.scratch.view(dtype)
         return products.wrap(fmt, name, arrays, dtype, scratch,
                              kernels.compiled() if self._kernel_eligible else None,
-                             int8_inputs=self.be.compute == "int8")
+                             compute=self.be.compute)
 
     # -- running a stack --------------------------------------------------------------------------
     def _slot_params(self, unit: Unit, slot: int) -> dict[str, Any]:
