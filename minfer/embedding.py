@@ -179,11 +179,17 @@ def prompt_for(modules: SentenceModules | None, prompt_name: str | None,
 
 
 def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = None,
-          prompt: str | None = None, batch_size: int = DEFAULT_BATCH) -> np.ndarray:
+          prompt: str | None = None, batch_size: int = DEFAULT_BATCH,
+          dimensions: int | None = None) -> np.ndarray:
     """Texts -> (N, E) float32 embeddings (a single text: (1, E)); see the module docstring.
     Rows run in batches of similar length (at most `batch_size`; `encode` runs a batch in fewer
-    rows at a time when the arena cannot hold it); results keep the input order."""
+    rows at a time when the arena cannot hold it); results keep the input order. `dimensions`:
+    each vector cut to its first d entries, and scaled back to length 1 when the model
+    normalises its embeddings (OpenAI's `dimensions`, for models trained to be cut so)."""
     check_can_embed(model)
+    if dimensions is not None and (not isinstance(dimensions, int) or isinstance(dimensions, bool)
+                                   or dimensions < 1):
+        raise InputError(f"embed(): dimensions must be a positive integer, got {given(dimensions)}")
     tok = model.tokenizer
     if tok is None:
         raise InputError(f"embed() needs a tokenizer, and {model.folder} has none: encode token "
@@ -194,6 +200,9 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise InputError(f"embed(): batch_size must be a positive integer, got {batch_size!r:.40}")
     modules = model.sentence_modules
+    width = modules.dimension if modules is not None else model.config.d_model
+    if dimensions is not None and dimensions > width:   # before anything is encoded
+        raise InputError(f"dimensions {dimensions}: this model's embeddings have {width}")
     text_prompt = prompt_for(modules, prompt_name, prompt)
     ids = [tokens_of(model, text_prompt + t, modules) for t in texts]
     skip = 0   # prompt tokens left out of the pooling (include_prompt: false)
@@ -222,6 +231,14 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
             out = np.empty((len(ids), vectors.shape[1]), np.float32)
         out[rows] = vectors
     assert out is not None
+    return out if dimensions is None else shortened(out, dimensions, modules)
+
+
+def shortened(vectors: np.ndarray, dimensions: int, modules: SentenceModules | None) -> np.ndarray:
+    """(N, E) embeddings cut to (N, dimensions <= E), re-normalised when the head normalises."""
+    out = np.ascontiguousarray(vectors[:, :dimensions])
+    if modules is not None and any(isinstance(step, Normalize) for step in modules.steps):
+        return normalize(out).astype(np.float32, copy=False)
     return out
 
 

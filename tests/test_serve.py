@@ -385,8 +385,13 @@ def test_embeddings_equal_model_embed_and_the_encoder_cannot_complete():
                                   model.embed(texts[:1])[0])   # alone: no padding
             r = http.post("/v1/completions", json={"prompt": "hello"})
             assert r.status_code == 400 and "encoder only" in r.json()["error"]["message"]
-            r = http.post("/v1/embeddings", json={"input": "x", "dimensions": 3})
+            short = http.post("/v1/embeddings", json={"input": texts[0], "dimensions": 3}).json()
+            assert np.allclose(short["data"][0]["embedding"],
+                               model.embed(texts[:1], dimensions=3)[0], atol=1e-6)
+            width = model.embed(texts[:1]).shape[1]
+            r = http.post("/v1/embeddings", json={"input": "x", "dimensions": width + 1})
             assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+            assert f"this model's embeddings have {width}" in r.json()["error"]["message"]
             r = http.options("/v1/embeddings", headers={
                 "Origin": "https://app.test", "Access-Control-Request-Method": "POST"})
             assert r.headers["access-control-allow-origin"] == "https://app.test"

@@ -126,13 +126,16 @@ class Model(OwnsWeights, DecodingModel):
         return model
 
     def embed(self, texts: Any, *, prompt_name: str | None = None, prompt: str | None = None,
-              batch_size: int = 32) -> np.ndarray:
+              batch_size: int = 32, dimensions: int | None = None) -> np.ndarray:
         """Sentence embeddings (N, E) float32 of a text or a list of texts: the folder's
         sentence-transformers modules (pooling, Dense, Normalize; prompts by name or the
         default) over the encoder states, as `SentenceTransformer.encode` computes them; a folder
         without modules.json: the mean of the encoder states over each text's tokens
-        (minfer/embedding.py). A family with no encoder (Transformer-XL) refuses in one line."""
-        return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size)
+        (minfer/embedding.py). A family with no encoder (Transformer-XL) refuses in one line.
+        `dimensions`: the first d entries of each vector, re-normalised when the folder's head
+        normalises (OpenAI's `dimensions`)."""
+        return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size,
+                     dimensions=dimensions)
 
     # -- inputs and sizes -----------------------------------------------------------------------------
     def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:

@@ -184,7 +184,8 @@ def embed(job: Job, request: EmbeddingRequest, max_input_tokens: int) -> tuple[n
     windows = []
     for start in range(0, len(texts), EMBED_WINDOW):
         job.check()
-        windows.append(model.embed(texts[start:start + EMBED_WINDOW]))
+        windows.append(model.embed(texts[start:start + EMBED_WINDOW],
+                                   dimensions=request.dimensions))
     return np.concatenate(windows), sum(counts)
 
 

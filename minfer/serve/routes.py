@@ -356,10 +356,6 @@ async def _embeddings(service: Service, request: Request) -> Response:
         job = service.job(deadline)
         future = service.workers.submit(jobs.embed, job, req, service.limits.max_input_tokens)
         vectors, tokens = await service.wait(request, job, asyncio.wrap_future(future), deadline)
-        if req.dimensions is not None and req.dimensions != vectors.shape[1]:
-            raise APIError(400, f"dimensions {req.dimensions}: this model's embeddings have "
-                           f"{vectors.shape[1]} (minfer does not shorten them)",
-                           param="dimensions")
         service.metrics.tokens(tokens, 0)   # its prompt tokens, as its usage reports them
         return Response(responses.embeddings(vectors, service.name, tokens, req.base64),
                         media_type="application/json")

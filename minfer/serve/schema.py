@@ -39,7 +39,7 @@ DEFAULT_MAX_INPUTS = Limits.max_inputs
 # minfer's option -> the request field that sets it (for errors the library's checks raise)
 _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
              "num_return_sequences": "n", "num_beams": "best_of", "do_sample": "temperature",
-             "max_input_tokens": "truncate_prompt_tokens"}
+             "max_input_tokens": "truncate_prompt_tokens", "dimensions": "dimensions"}
 
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
