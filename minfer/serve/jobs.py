@@ -36,6 +36,7 @@ from ..errors import Cancelled, InputError
 from ..generation import Result, run
 from ..generation.batcher import batcher_of
 from ..generation.options import MAX_SEED
+from ..tokenizers.select import need_tokenizer
 from .schema import EmbeddingRequest, GenerationRequest
 
 
@@ -160,6 +161,19 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
             s.close()   # (a finished one: nothing; an abandoned one gives its memory back)
         count(sum(s.prompt_tokens for s in streams[::request.n]),   # sequence 0 of each prompt
               sum(s.new_tokens for s in streams))
+
+
+def tokenize(job: Job, prompt: str, add_special_tokens: bool) -> list[int]:
+    """The ids the model's prompt becomes (`</s>` as the family adds it, when asked)."""
+    job.check()
+    tok = need_tokenizer(job.model, "tokenize")
+    return tok.encode(prompt, add_eos=add_special_tokens and job.model.add_eos_to_prompt)
+
+
+def detokenize(job: Job, tokens: list[int]) -> str:
+    """The text of token ids, special tokens skipped (a tokenize round trip gives the text)."""
+    job.check()
+    return need_tokenizer(job.model, "detokenize").decode(tokens, skip_special_tokens=True)
 
 
 # Texts embedded per model.embed call: a cancelled request stops between windows (embed sorts

@@ -23,19 +23,21 @@ OUTCOME = "minfer.outcome"   # scope key: the status a streamed response's event
 # label's values stay few whatever paths clients ask for)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions",
              "/v1/embeddings": "embeddings", "/v1/models": "models", "/health": "health",
-             "/metrics": "metrics"}
+             "/metrics": "metrics", "/tokenize": "tokenize", "/detokenize": "detokenize"}
+# what answers without the API key: load balancers' and scrapers' paths
+OPEN_PATHS = ("/health", "/metrics")
 
 
 class RequireKey:
-    """ASGI middleware: /v1/* requests without `Authorization: Bearer KEY` get 401 (the scheme
-    in any case, as HTTP's are; the key compared in constant time)."""
+    """ASGI middleware: requests (but to OPEN_PATHS) without `Authorization: Bearer KEY` get 401
+    (the scheme in any case, as HTTP's are; the key compared in constant time)."""
 
     def __init__(self, app: Any, key: str):
         self.app = app
         self.expected = key.encode("ascii")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if not (hmac.compare_digest(given.strip(), self.expected)
                     and scheme.lower() == b"bearer"):

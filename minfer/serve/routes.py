@@ -3,7 +3,9 @@ any ASGI server can run or mount (`minfer serve` runs it with uvicorn: server.py
 
     POST /v1/completions        prompt (a string or a list), streamed or not
     POST /v1/chat/completions   messages, made one prompt by the chat rule (chat.py)
-    POST /v1/embeddings         input (a string or a list) -> model.embed
+    POST /v1/embeddings         input (a string or a list) -> model.embed (dimensions: cut)
+    POST /tokenize              prompt or messages -> the ids the model sees (vLLM's shape)
+    POST /detokenize            token ids -> text
     GET  /v1/models             the served model
     GET  /health                200 once the model is warmed up, 503 before
     GET  /metrics               Prometheus text format (metrics.py)
@@ -17,7 +19,7 @@ going away and for the request's deadline: either cancels the job, whose decodin
 step and gives its arena memory back. Every failure is OpenAI's error object (errors.py), also
 for unknown paths, wrong methods, refused hosts and bugs; the server stays up.
 
-With an API key, /v1/* requests need `Authorization: Bearer KEY` (compared in constant time);
+With an API key, requests need `Authorization: Bearer KEY` (compared in constant time);
 /health and /metrics stay open for load balancers and scrapers. CORS headers only for the origins
 given. With a host list (`allowed_hosts`; `serve` sets one when bound to a loopback address),
 a request whose Host header names another host gets 421: a page whose own name an attacker's
@@ -55,7 +57,8 @@ from .limits import Limits, clean_api_key
 from .middleware import OUTCOME, CheckHost, Count, RequireKey, host_names
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import (GenerationRequest, chat_request, check_model, completion_request,
-                     embedding_request, field_of, parse_body, settle)
+                     detokenize_request, embedding_request, field_of, parse_body, settle,
+                     tokenize_request)
 from .workers import Workers
 
 log = logging.getLogger("minfer.serve")
@@ -368,6 +371,36 @@ async def _embeddings(service: Service, request: Request) -> Response:
             service.finished(job)
 
 
+# -- tokenize, detokenize ---------------------------------------------------------------------------
+async def _tokenization(service: Service, request: Request, inverse: bool) -> Response:
+    """POST /tokenize -> {tokens, count, max_model_len}; POST /detokenize -> {prompt}: run in a
+    worker thread as every request is (limits, deadline, 429 when the queue is full)."""
+    deadline = _arrival(request) + service.limits.request_timeout
+    job = None
+    try:
+        body = await service.body(request)
+        check_model(body, service.name)
+        if inverse:
+            tokens = detokenize_request(body, service.model.config.vocab_size)
+            work = (jobs.detokenize, tokens)
+        else:
+            work = (jobs.tokenize, *tokenize_request(body))
+        job = service.job(deadline)
+        future = service.workers.submit(work[0], job, *work[1:])
+        got = await service.wait(request, job, asyncio.wrap_future(future), deadline)
+        if inverse:
+            return JSONResponse({"prompt": got})
+        return JSONResponse({"tokens": got, "count": len(got),
+                             "max_model_len": service.limits.max_input_tokens})
+    except _ClientGone:
+        return _client_gone(request)
+    except Exception as e:
+        return error_response(_api_error(e))
+    finally:
+        if job is not None:
+            service.finished(job)
+
+
 def _routes(service: Service) -> list[Route]:
     async def completions(request: Request) -> Response:
         return await _generation(service, request, chat=False)
@@ -381,6 +414,12 @@ def _routes(service: Service) -> list[Route]:
     async def models(request: Request) -> Response:
         return JSONResponse(responses.model_list(service.name, service.created))
 
+    async def tokenize(request: Request) -> Response:
+        return await _tokenization(service, request, inverse=False)
+
+    async def detokenize(request: Request) -> Response:
+        return await _tokenization(service, request, inverse=True)
+
     async def health(request: Request) -> Response:
         if not service.ready.is_set():
             return error_response(APIError(503, "the model is warming up"))
@@ -393,6 +432,8 @@ def _routes(service: Service) -> list[Route]:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"])]
 

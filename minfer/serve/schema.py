@@ -280,6 +280,33 @@ def field_of(message: str, prompt_field: str = "prompt") -> str | None:
     return _FIELD_OF.get(name, name if name in _SAME_NAME else None)
 
 
+# -- tokenize / detokenize --------------------------------------------------------------------------
+def tokenize_request(body: dict) -> tuple[str, bool]:
+    """POST /tokenize (vLLM's): `prompt` a string, or chat `messages` made one prompt by the chat
+    rule; `add_special_tokens` (default true: the ids a completion's prompt becomes) ->
+    (the text, whether to add them)."""
+    if "messages" in body and body["messages"] is not None:
+        if body.get("prompt") is not None:
+            raise APIError(400, "send prompt or messages, not both", param="messages")
+        prompt = chat_prompt(body["messages"])
+    else:
+        prompt = _get(body, "prompt", lambda v: isinstance(v, str), "a string")
+        if prompt is None:
+            raise APIError(400, "prompt (a string) or messages is required", param="prompt")
+    add = _boolean(body, "add_special_tokens")
+    return prompt, True if add is None else add
+
+
+def detokenize_request(body: dict, vocab_size: int) -> list[int]:
+    """POST /detokenize: `tokens` a list of token ids of the model's vocabulary."""
+    tokens = _get(body, "tokens", lambda v: isinstance(v, list) and all(
+        is_integer(t) and 0 <= t < vocab_size for t in v),
+        f"a list of token ids (integers in 0..{vocab_size - 1})")
+    if tokens is None:
+        raise APIError(400, "tokens is required: a list of token ids", param="tokens")
+    return [int(t) for t in tokens]
+
+
 # -- embeddings -------------------------------------------------------------------------------------
 @dataclass
 class EmbeddingRequest:
