@@ -123,7 +123,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
             raise ConfigError(f"{folder / 'modules.json'}: a sentence-transformers head needs an "
                               f"encoder, and a {model_class.family.name} model has none")
         if modules.pooling.dimension != loaded.config.d_model:
-            raise ConfigError(f"{modules.folder}: 'word_embedding_dimension' "
+            raise ConfigError(f"{modules.folder}: '{modules.pooling.dimension_key}' "
                               f"{modules.pooling.dimension} of the Pooling module does not fit the "
                               f"encoder's d_model {loaded.config.d_model}")
         loaded.sentence_modules = modules

@@ -4,13 +4,15 @@ The folder's `modules.json` lists its modules in the order they run, each with a
 inside the folder: a Transformer (the encoder: config.json and weights, in the folder itself when
 its path is "" or in a subfolder such as 0_Transformer, with sentence_bert_config.json's
 `max_seq_length` and `do_lower_case`), a Pooling (1_Pooling/config.json: which poolings, in
-sentence-transformers' order), Dense layers (their config.json's in/out features, bias and
+sentence-transformers' order; written in either of its two layouts, see `_pooling`), Dense layers (their config.json's in/out features, bias and
 activation; weights `linear.weight` / `linear.bias` in model.safetensors or pytorch_model.bin,
 the latter through the restricted unpickler) and Normalize. config_sentence_transformers.json
 may name prompts ("query": "query: ") and a default one.
 
-Type names are accepted in the old form (`sentence_transformers.models.Dense`) and with the class
-repeated (`sentence_transformers.models.Dense.Dense`); nothing is imported or executed from a
+Type names are accepted in the old form (`sentence_transformers.models.Dense`), with the class
+repeated (`sentence_transformers.models.Dense.Dense`) and as sentence-transformers 5.4+ writes
+them (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`,
+`sentence_transformers.base.modules.dense.Dense`: the class is the last part); nothing is imported or executed from a
 folder: an activation is one of a fixed list of torch class names, read as text. Every problem is
 a one-line CheckpointError naming the file and the field. The math is minfer/embedding.py.
 
@@ -38,6 +40,14 @@ MODULE_KINDS = ("Transformer", "Pooling", "Dense", "Normalize")
 # sentence-transformers' pooling flags, in the order its Pooling concatenates their outputs
 POOLING_MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens",
                  "weightedmean_tokens", "lasttoken")
+# sentence-transformers 5.4+ writes the modes as one string, `pooling_mode` (its Pooling's
+# POOLING_MODES names; several joined by "+", as its get_pooling_mode_str writes them), and the
+# width as `embedding_dimension`; older versions one `pooling_mode_<mode>` flag per mode and
+# `word_embedding_dimension`. Short name -> the flag's suffix above.
+POOLING_NAMES = {"cls": "cls_token", "max": "max_tokens", "mean": "mean_tokens",
+                 "mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                 "weightedmean": "weightedmean_tokens", "lasttoken": "lasttoken"}
+DIMENSION_KEYS = ("word_embedding_dimension", "embedding_dimension")   # old layout, 5.4+
 # torch activation classes a Dense layer may name (sentence-transformers writes the full path)
 ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
                "torch.nn.modules.activation.Tanh": "tanh",
@@ -58,8 +68,9 @@ LISTED = 8                   # names listed in a message at most
 @dataclass(frozen=True)
 class Pooling:
     modes: tuple[str, ...]      # of POOLING_MODES, in their order
-    dimension: int              # word_embedding_dimension: the encoder's d_model
+    dimension: int              # the encoder's d_model, as the file states it
     include_prompt: bool = True  # False: prompt tokens are left out of the pooling
+    dimension_key: str = "word_embedding_dimension"   # the key that stated it (messages)
 
     @property
     def out_features(self) -> int:
@@ -230,17 +241,45 @@ def _is_count(value: Any) -> bool:
 
 
 def _pooling(path: Path) -> Pooling:
+    """A Pooling module's settings in either layout (see POOLING_NAMES): the width and the
+    modes, in sentence-transformers' order of concatenation whichever order a string names
+    them. A file that mixes the layouts, states neither width or no mode is refused by name:
+    read half-way, it would pool differently from sentence-transformers."""
     source = path / "config.json"
     cfg = _settings(source, required=True)
-    dim = cfg.get("word_embedding_dimension")
+    given = [key for key in DIMENSION_KEYS if key in cfg]
+    if len(given) > 1:
+        raise CheckpointError(f"{source}: states both {' and '.join(map(repr, given))}; "
+                              "sentence-transformers writes one of them")
+    key = given[0] if given else (DIMENSION_KEYS[1] if "pooling_mode" in cfg else DIMENSION_KEYS[0])
+    dim = cfg.get(key)
     if not _is_width(dim):
-        raise CheckpointError(f"{source}: 'word_embedding_dimension' must be a positive integer "
+        raise CheckpointError(f"{source}: '{key}' must be a positive integer "
                               f"(at most {MAX_LENGTH}), got {shown(dim)}")
-    modes = [mode for mode in POOLING_MODES if _flag(cfg, f"pooling_mode_{mode}", False, source)]
-    if not modes:
-        raise CheckpointError(f"{source}: no pooling mode is switched on "
-                              f"(pooling_mode_{', pooling_mode_'.join(POOLING_MODES)})")
-    return Pooling(tuple(modes), dim, _flag(cfg, "include_prompt", True, source))
+    flags = [f"pooling_mode_{mode}" for mode in POOLING_MODES]
+    if "pooling_mode" in cfg:
+        mixed = [flag for flag in flags if flag in cfg]
+        if mixed:
+            raise CheckpointError(f"{source}: states both 'pooling_mode' and '{mixed[0]}'; "
+                                  "sentence-transformers writes one layout or the other")
+        modes = _named_modes(cfg["pooling_mode"], source)
+    else:
+        modes = [mode for mode, flag in zip(POOLING_MODES, flags) if _flag(cfg, flag, False, source)]
+        if not modes:
+            raise CheckpointError(f"{source}: no pooling mode is switched on "
+                                  f"('pooling_mode', or pooling_mode_{', pooling_mode_'.join(POOLING_MODES)})")
+    return Pooling(tuple(modes), dim, _flag(cfg, "include_prompt", True, source), key)
+
+
+def _named_modes(value: Any, source: Path) -> list[str]:
+    """`pooling_mode` "mean" (or "cls+mean") -> the modes in POOLING_MODES' order."""
+    names = value.lower().split("+") if isinstance(value, str) else None
+    if not names or any(name not in POOLING_NAMES for name in names) or len(set(names)) < len(names):
+        raise CheckpointError(f"{source}: 'pooling_mode' must name sentence-transformers' pooling "
+                              f"modes ({', '.join(POOLING_NAMES)}; several joined by '+'), "
+                              f"got {shown(value)}")
+    wanted = {POOLING_NAMES[name] for name in names}
+    return [mode for mode in POOLING_MODES if mode in wanted]
 
 
 def _flag(settings: dict, key: str, default: bool, source: Path) -> bool:
