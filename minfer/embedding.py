@@ -28,6 +28,7 @@ import numpy as np
 from . import kernels
 from .errors import InputError
 from .numerics import all_finite, non_finite, quiet
+from .padding import right_padded
 from .io.limits import quoted
 from .io.sentence_transformers import Dense, Normalize, Pooling, SentenceModules, listed
 
@@ -212,13 +213,7 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
     out: np.ndarray | None = None
     for start in range(0, len(order), batch_size):   # encode() splits what the arena cannot hold
         rows = order[start:start + batch_size]
-        width = max(len(ids[i]) for i in rows)
-        pad = model.token_ids.pad
-        grid = np.full((len(rows), width), pad, np.int64)
-        mask = np.zeros_like(grid)
-        for r, i in enumerate(rows):
-            grid[r, :len(ids[i])] = ids[i]
-            mask[r, :len(ids[i])] = 1
+        grid, mask = right_padded([ids[i] for i in rows], model.token_ids.pad)
         states = model.encode(grid, mask)
         pooled_mask = mask.copy()
         pooled_mask[:, :skip] = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from ..io.checkpoint import Checkpoint
 from ..io.limits import is_integer, short_repr
 from ..io.formats import weight_format
 from ..params.loader import load_params, plan_placement
+from .. import scoring
+from ..padding import right_padded
+from ..scoring import PairScore
 from ..params.runtime import OwnsWeights, WeightRuntime
 from .family import Family
 
@@ -136,6 +139,20 @@ class Model(OwnsWeights, DecodingModel):
         normalises (OpenAI's `dimensions`)."""
         return embed(self, texts, prompt_name=prompt_name, prompt=prompt, batch_size=batch_size,
                      dimensions=dimensions)
+
+    def score_pairs(self, sources: Any, targets: Any, *, batch_size: int = 16) -> list[PairScore]:
+        """How likely the model finds each target given its source (a seq2seq model): per pair
+        the target's ids (`</s>` last), each token's log-probability and their sum (`.total`,
+        `.mean`); one source scores every target, or two lists pair up (minfer/scoring.py)."""
+        return scoring.score_pairs(self, sources, targets, batch_size=batch_size)
+
+    def rerank(self, query: str, documents: Any, *, top_n: int | None = None,
+               words: tuple[str, str] = scoring.MONOT5_WORDS,
+               batch_size: int = 16) -> list[tuple[int, float]]:
+        """(document index, relevance) best first: monoT5's P("true") for a seq2seq model, the
+        cosine similarity of the embeddings for an encoder alone (minfer/scoring.py)."""
+        return scoring.rerank(self, query, documents, top_n=top_n, words=words,
+                              batch_size=batch_size)
 
     # -- inputs and sizes -----------------------------------------------------------------------------
     def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -301,18 +318,6 @@ def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",
         ids, mask = right_padded(rows, pad_id)
     if not mask.any(axis=1).all():
         raise InputError(f"attention_mask: row {int(np.argmin(mask.any(axis=1)))} masks every token")
-    return ids, mask
-
-
-def right_padded(rows: Sequence[Sequence[int]], pad_id: int,
-                 width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Checked token-id rows -> (B, width) int64 ids padded on the right with pad_id, and their
-    0/1 mask (width: the longest row when not given)."""
-    ids = np.full((len(rows), width or max(len(row) for row in rows)), pad_id, np.int64)
-    mask = np.zeros_like(ids)
-    for r, row in enumerate(rows):
-        ids[r, :len(row)] = row
-        mask[r, :len(row)] = 1
     return ids, mask
 
 

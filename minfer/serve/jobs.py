@@ -36,8 +36,9 @@ from ..errors import Cancelled, InputError
 from ..generation import Result, run
 from ..generation.batcher import batcher_of
 from ..generation.options import MAX_SEED
+from .. import scoring
 from ..tokenizers.select import need_tokenizer
-from .schema import EmbeddingRequest, GenerationRequest
+from .schema import EmbeddingRequest, GenerationRequest, RerankRequest, ScoreRequest
 
 
 class Job:
@@ -174,6 +175,52 @@ def detokenize(job: Job, tokens: list[int]) -> str:
     """The text of token ids, special tokens skipped (a tokenize round trip gives the text)."""
     job.check()
     return need_tokenizer(job.model, "detokenize").decode(tokens, skip_special_tokens=True)
+
+
+def score(job: Job, request: ScoreRequest, max_input_tokens: int) -> tuple[list[float], int]:
+    """Each pair's score and the tokens read: a seq2seq model's log-likelihood of text_2 given
+    text_1 (summed, or per token with `normalize`), else the cosine similarity of the two
+    embeddings; a text over max_input_tokens is refused before anything runs."""
+    job.check()
+    model = job.model
+    first = _counts(model, "text_1", request.texts_1, max_input_tokens)
+    second = _counts(model, "text_2", request.texts_2, max_input_tokens)
+    pairs = max(len(first), len(second))          # a single text is read once per pair
+    tokens = sum(first) * (pairs // len(first)) + sum(second) * (pairs // len(second))
+    if not scoring.has_decoder(model):
+        return [float(s) for s in scoring.similarities(model, request.texts_1,
+                                                       request.texts_2)], tokens
+    scored = model.score_pairs(request.texts_1, request.texts_2)
+    return [p.mean if request.normalize else p.total for p in scored], tokens
+
+
+def rerank(job: Job, request: RerankRequest, max_input_tokens: int) -> tuple[list, int]:
+    """(index, relevance) best first (model.rerank) and the tokens read."""
+    job.check()
+    model = job.model
+    if scoring.has_decoder(model):   # each document inside monoT5's template
+        texts = [scoring.MONOT5_TEMPLATE.format(query=request.query, document=d)
+                 for d in request.documents]
+        tokens = sum(_counts(model, "documents", texts, max_input_tokens))
+    else:
+        tokens = (sum(_counts(model, "query", [request.query], max_input_tokens))
+                  + sum(_counts(model, "documents", request.documents, max_input_tokens)))
+    return model.rerank(request.query, request.documents, top_n=request.top_n), tokens
+
+
+def _counts(model: Any, field: str, texts: list[str], max_input_tokens: int) -> list[int]:
+    """Each text's token count as the model reads it (an embedding model: as embed cuts it),
+    or an InputError naming the first over max_input_tokens as the request sent it."""
+    if scoring.has_decoder(model):
+        tok = need_tokenizer(model, "scoring")
+        counts = [len(tok.encode(text, add_eos=model.add_eos_to_prompt)) for text in texts]
+    else:
+        counts = token_counts(model, texts)
+    for i, n in enumerate(counts):
+        if n > max_input_tokens:
+            raise InputError(f"{field}[{i}]: {n} tokens, more than this server's limit of "
+                             f"{max_input_tokens} (serve --max-input-tokens)")
+    return counts
 
 
 # Texts embedded per model.embed call: a cancelled request stops between windows (embed sorts

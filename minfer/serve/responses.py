@@ -102,6 +102,23 @@ def embeddings(vectors: np.ndarray, model: str, prompt_tokens: int, as_base64: b
     return b"".join(parts)
 
 
+def scores(values: list[float], model: str, created: int, tokens: int) -> dict[str, Any]:
+    """POST /v1/score's answer (vLLM's shape)."""
+    return {"id": new_id("score"), "object": "list", "created": created, "model": model,
+            "data": [{"index": i, "object": "score", "score": v} for i, v in enumerate(values)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def ranking(ranked: list, documents: list[str], keep_documents: bool, model: str,
+            tokens: int) -> dict[str, Any]:
+    """POST /v1/rerank's answer (Cohere's and Jina's shape), best first."""
+    return {"id": new_id("rerank"), "model": model,
+            "results": [{"index": i, "relevance_score": s,
+                         **({"document": {"text": documents[i]}} if keep_documents else {})}
+                        for i, s in ranked],
+            "usage": {"total_tokens": tokens}}
+
+
 def _json(body: Any) -> bytes:
     """Compact JSON bytes (NaN or infinity refused, as JSON has neither)."""
     return json.dumps(body, ensure_ascii=False, allow_nan=False,

@@ -6,6 +6,8 @@ any ASGI server can run or mount (`minfer serve` runs it with uvicorn: server.py
     POST /v1/embeddings         input (a string or a list) -> model.embed (dimensions: cut)
     POST /tokenize              prompt or messages -> the ids the model sees (vLLM's shape)
     POST /detokenize            token ids -> text
+    POST /v1/score              text_1 x text_2 -> log-likelihoods (seq2seq) or cosines (vLLM's)
+    POST /v1/rerank, /rerank    query + documents -> best first: monoT5's P(true), or cosines
     GET  /v1/models             the served model
     GET  /health                200 once the model is warmed up, 503 before
     GET  /metrics               Prometheus text format (metrics.py)
@@ -39,7 +41,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Iterable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -57,8 +59,8 @@ from .limits import Limits, clean_api_key
 from .middleware import OUTCOME, CheckHost, Count, RequireKey, host_names
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import (GenerationRequest, chat_request, check_model, completion_request,
-                     detokenize_request, embedding_request, field_of, parse_body, settle,
-                     tokenize_request)
+                     detokenize_request, embedding_request, field_of, parse_body,
+                     rerank_request, score_request, settle, tokenize_request)
 from .workers import Workers
 
 log = logging.getLogger("minfer.serve")
@@ -371,34 +373,65 @@ async def _embeddings(service: Service, request: Request) -> Response:
             service.finished(job)
 
 
-# -- tokenize, detokenize ---------------------------------------------------------------------------
-async def _tokenization(service: Service, request: Request, inverse: bool) -> Response:
-    """POST /tokenize -> {tokens, count, max_model_len}; POST /detokenize -> {prompt}: run in a
-    worker thread as every request is (limits, deadline, 429 when the queue is full)."""
+# -- tokenize, detokenize, score, rerank ------------------------------------------------------------
+# What such a request runs: from its checked body, the job function, its arguments after the
+# job, and how its result becomes the answer
+Plan = tuple[Callable[..., Any], tuple, Callable[[Any], Response]]
+
+
+async def _in_worker(service: Service, request: Request, plan: Callable[[dict], Plan],
+                     prompt_field: str = "prompt") -> Response:
+    """A request that runs one job in a worker thread, as every request does (limits, deadline,
+    429 when the queue is full, disconnects), answered by its plan."""
     deadline = _arrival(request) + service.limits.request_timeout
     job = None
     try:
         body = await service.body(request)
         check_model(body, service.name)
-        if inverse:
-            tokens = detokenize_request(body, service.model.config.vocab_size)
-            work = (jobs.detokenize, tokens)
-        else:
-            work = (jobs.tokenize, *tokenize_request(body))
+        work, args, answer = plan(body)
         job = service.job(deadline)
-        future = service.workers.submit(work[0], job, *work[1:])
-        got = await service.wait(request, job, asyncio.wrap_future(future), deadline)
-        if inverse:
-            return JSONResponse({"prompt": got})
-        return JSONResponse({"tokens": got, "count": len(got),
-                             "max_model_len": service.limits.max_input_tokens})
+        future = service.workers.submit(work, job, *args)
+        return answer(await service.wait(request, job, asyncio.wrap_future(future), deadline))
     except _ClientGone:
         return _client_gone(request)
     except Exception as e:
-        return error_response(_api_error(e))
+        return error_response(_api_error(e, prompt_field))
     finally:
         if job is not None:
             service.finished(job)
+
+
+def _tokenize(service: Service, body: dict) -> Plan:
+    """POST /tokenize -> {tokens, count, max_model_len}."""
+    return (jobs.tokenize, tokenize_request(body),
+            lambda ids: JSONResponse({"tokens": ids, "count": len(ids),
+                                      "max_model_len": service.limits.max_input_tokens}))
+
+
+def _detokenize(service: Service, body: dict) -> Plan:
+    """POST /detokenize -> {prompt}."""
+    return (jobs.detokenize, (detokenize_request(body, service.model.config.vocab_size),),
+            lambda text: JSONResponse({"prompt": text}))
+
+
+def _score(service: Service, body: dict) -> Plan:
+    """POST /v1/score -> {data: [{index, score}], usage}."""
+    def answer(got: tuple[list[float], int]) -> Response:
+        service.metrics.tokens(got[1], 0)
+        return JSONResponse(responses.scores(got[0], service.name, service.created, got[1]))
+    return (jobs.score, (score_request(body, service.limits.max_inputs),
+                         service.limits.max_input_tokens), answer)
+
+
+def _rerank(service: Service, body: dict) -> Plan:
+    """POST /v1/rerank, /rerank -> {results: [{index, relevance_score, document?}], usage}."""
+    req = rerank_request(body, service.limits.max_inputs)
+
+    def answer(got: tuple[list, int]) -> Response:
+        service.metrics.tokens(got[1], 0)
+        return JSONResponse(responses.ranking(got[0], req.documents, req.return_documents,
+                                              service.name, got[1]))
+    return jobs.rerank, (req, service.limits.max_input_tokens), answer
 
 
 def _routes(service: Service) -> list[Route]:
@@ -414,11 +447,11 @@ def _routes(service: Service) -> list[Route]:
     async def models(request: Request) -> Response:
         return JSONResponse(responses.model_list(service.name, service.created))
 
-    async def tokenize(request: Request) -> Response:
-        return await _tokenization(service, request, inverse=False)
-
-    async def detokenize(request: Request) -> Response:
-        return await _tokenization(service, request, inverse=True)
+    def in_worker(plan: Callable[[Service, dict], Plan], prompt_field: str = "prompt"):
+        async def endpoint(request: Request) -> Response:
+            return await _in_worker(service, request, lambda body: plan(service, body),
+                                    prompt_field)
+        return endpoint
 
     async def health(request: Request) -> Response:
         if not service.ready.is_set():
@@ -432,8 +465,11 @@ def _routes(service: Service) -> list[Route]:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/tokenize", in_worker(_tokenize), methods=["POST"]),
+            Route("/detokenize", in_worker(_detokenize), methods=["POST"]),
+            Route("/v1/score", in_worker(_score, "text_1"), methods=["POST"]),
+            Route("/v1/rerank", in_worker(_rerank, "documents"), methods=["POST"]),
+            Route("/rerank", in_worker(_rerank, "documents"), methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"])]
 

@@ -41,6 +41,9 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
              "num_return_sequences": "n", "num_beams": "best_of", "do_sample": "temperature",
              "max_input_tokens": "truncate_prompt_tokens", "dimensions": "dimensions"}
 
+# request fields the serving jobs' own messages begin with
+_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents")
+
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
 
@@ -271,12 +274,14 @@ def field_of(message: str, prompt_field: str = "prompt") -> str | None:
     """The request field a library message's leading name stands for ("inputs": the prompts or
     texts, which the request sent as `prompt_field`; so does a word-level tokenizer's "word ...
     is not in the vocabulary", which names no row)."""
-    word = re.match(r"[a-z_]+", message)
+    word = re.match(r"[a-z_][a-z_0-9]*", message)
     name = word.group(0) if word else ""
     if name in ("inputs", prompt_field):
         return prompt_field
     if name == "word" and "not in the vocabulary" in message:   # the tokenizer's, on a prompt
         return prompt_field
+    if name in _REQUEST_FIELDS:
+        return name
     return _FIELD_OF.get(name, name if name in _SAME_NAME else None)
 
 
@@ -305,6 +310,62 @@ def detokenize_request(body: dict, vocab_size: int) -> list[int]:
     if tokens is None:
         raise APIError(400, "tokens is required: a list of token ids", param="tokens")
     return [int(t) for t in tokens]
+
+
+# -- score, rerank ----------------------------------------------------------------------------------
+@dataclass
+class ScoreRequest:
+    texts_1: list[str]      # one text, or as many as texts_2
+    texts_2: list[str]
+    normalize: bool         # a seq2seq model's score per target token instead of the sum
+
+
+def score_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> ScoreRequest:
+    """POST /v1/score (vLLM's): `text_1` a string or a list, `text_2` a string or a list; one
+    text_1 scores every text_2, or the lists pair up."""
+    texts = []
+    for field in ("text_1", "text_2"):
+        value = _strings(body, field)
+        if value is None:
+            raise APIError(400, f"{field} is required: a string or a non-empty list of strings",
+                           param=field)
+        _check_count(value, field, "texts", max_inputs)
+        texts.append(value)
+    if len(texts[0]) not in (1, len(texts[1])) and len(texts[1]) != 1:
+        raise APIError(400, f"text_1 has {len(texts[0])} texts and text_2 {len(texts[1])}: send "
+                       "one text_1, or as many as text_2", param="text_2")
+    return ScoreRequest(texts[0], texts[1], bool(_boolean(body, "normalize")))
+
+
+@dataclass
+class RerankRequest:
+    query: str
+    documents: list[str]
+    top_n: int | None
+    return_documents: bool
+
+
+def rerank_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> RerankRequest:
+    """POST /v1/rerank, /rerank (Cohere's and Jina's shape): `query` a string, `documents`
+    strings or {"text": ...} objects, `top_n`, `return_documents` (default true)."""
+    query = _get(body, "query", lambda v: isinstance(v, str), "a string")
+    if query is None:
+        raise APIError(400, "query is required: a string", param="query")
+    raw = body.get("documents")
+    if not isinstance(raw, list) or not raw:
+        raise APIError(400, "documents is required: a non-empty list of strings or "
+                       "{\"text\": ...} objects", param="documents")
+    _check_count(raw, "documents", "documents", max_inputs)
+    documents = []
+    for i, d in enumerate(raw):
+        text = d.get("text") if isinstance(d, dict) else d
+        if not isinstance(text, str):
+            raise APIError(400, f"documents[{i}] must be a string or an object with a text "
+                           f"string, got {short_repr(d)}", param="documents")
+        documents.append(text)
+    keep = _boolean(body, "return_documents")
+    return RerankRequest(query, documents, _integer(body, "top_n", 1),
+                         True if keep is None else keep)
 
 
 # -- embeddings -------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finit
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
 from ...tokenizers.select import need_tokenizer
-from ..base import PLAN_MAX, Model, as_batch, right_padded
+from ...padding import right_padded
+from ..base import PLAN_MAX, Model, as_batch
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
 from .family import FAMILY

@@ -1,0 +1,181 @@
+"""Scores of given texts (issue 29): how likely a seq2seq model finds each target given its
+source (`score_pairs`), and documents ranked for a query (`rerank`): monoT5's rule for a seq2seq
+model, cosine similarity of the embeddings for a sentence-embedding model.
+
+Both run the model's teacher-forced `forward` (encoder, then the decoder over the given ids at
+once) in batches whose logits stay within LOGITS_BUDGET bytes, so a 250k-word vocabulary does not
+make a batch of long targets a gigabyte. A target's ids are those transformers' tokenizer gives
+as labels (`</s>` closing them), fed after the decoder start token: its score is the sum (or,
+`normalize`, the mean) of each token's log-probability, the log-softmax of the logits before
+any sampling setting, as transformers' `-loss * len` computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .embedding import text_list
+from .errors import InputError
+from .padding import right_padded
+from .tokenizers.select import need_tokenizer
+
+LOGITS_BUDGET = 256 << 20       # bytes of float32 logits one forward pass may return
+MONOT5_TEMPLATE = "Query: {query} Document: {document} Relevant:"
+MONOT5_WORDS = ("true", "false")   # monoT5's labels: P(first) of the two at the first step
+
+
+@dataclass(frozen=True)
+class PairScore:
+    """One (source, target) pair: the target's token ids (`</s>` last), each one's
+    log-probability given the source and the tokens before it, and their sum."""
+    token_ids: list[int]
+    token_logprobs: list[float]
+
+    @property
+    def total(self) -> float:
+        return float(np.sum(self.token_logprobs, dtype=np.float64))
+
+    @property
+    def mean(self) -> float:
+        return self.total / len(self.token_logprobs)
+
+
+def score_pairs(model: Any, sources: str | Sequence[str], targets: str | Sequence[str],
+                batch_size: int = 16) -> list[PairScore]:
+    """Each target's log-likelihood given its source; one source scores every target, or the
+    two lists pair up (equal lengths)."""
+    _check_seq2seq(model, "score_pairs()")
+    sources, targets = _paired(sources, targets, "score_pairs()", "sources", "targets")
+    tok = need_tokenizer(model, "score_pairs()")
+    src = [tok.encode(s, add_eos=model.add_eos_to_prompt) for s in sources]
+    tgt = [tok.encode(t, add_eos=True) for t in targets]
+    start = model.token_ids.start
+    out: list[PairScore | None] = [None] * len(src)
+    for rows in _batches(model, [len(t) for t in tgt], batch_size):
+        ids, mask = right_padded([src[i] for i in rows], model.token_ids.pad)
+        dec, _ = right_padded([[start] + tgt[i][:-1] for i in rows], model.token_ids.pad)
+        logits = model.forward(ids, dec, mask)                         # (b, T, V)
+        for r, i in enumerate(rows):
+            n = len(tgt[i])
+            logprobs = _log_softmax(logits[r, :n])                     # (n, V)
+            picked = logprobs[np.arange(n), tgt[i]]
+            out[i] = PairScore(tgt[i], [float(v) for v in picked])
+    return out   # type: ignore[return-value]
+
+
+def rerank(model: Any, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
+           words: tuple[str, str] = MONOT5_WORDS, batch_size: int = 16) -> list[tuple[int, float]]:
+    """(document index, relevance) best first, at most `top_n`. A model with a decoder: monoT5's
+    P(words[0]) from the softmax over the two words' logits at the first decoder step of
+    MONOT5_TEMPLATE; an encoder alone (a sentence-embedding model): the cosine similarity of the
+    query's and each document's embeddings."""
+    if not isinstance(query, str):
+        raise InputError(f"rerank(): query must be a string, got {type(query).__name__}")
+    documents = text_list(documents, "rerank()")
+    if not documents:
+        raise InputError("rerank(): expected a document or a non-empty list of documents")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
+        raise InputError(f"rerank(): top_n must be a positive integer, got {top_n!r:.40}")
+    if has_decoder(model):
+        scores = _monot5(model, query, documents, words, batch_size)
+    else:
+        scores = _cosines(model, query, documents, batch_size)
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
+    return [(i, float(scores[i])) for i in order[:top_n]]
+
+
+def similarities(model: Any, texts_1: str | Sequence[str], texts_2: str | Sequence[str],
+                 batch_size: int = 16) -> np.ndarray:
+    """Cosine similarity of each pair's embeddings (one text against a list, or two lists of one
+    length): what a sentence-embedding model scores pairs by."""
+    a, b = _paired(texts_1, texts_2, "similarities()", "texts_1", "texts_2")
+    vectors = model.embed(a + b, batch_size=batch_size).astype(np.float64)
+    va, vb = vectors[:len(a)], vectors[len(a):]
+    norms = np.maximum(np.linalg.norm(va, axis=1) * np.linalg.norm(vb, axis=1), 1e-24)
+    return np.einsum("ij,ij->i", va, vb) / norms
+
+
+def has_decoder(model: Any) -> bool:
+    """Whether the model scores texts by its decoder (seq2seq) rather than by embeddings."""
+    return bool(getattr(model, "is_encoder_decoder", False)) and "decoder" in model.parts
+
+
+def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str],
+            batch_size: int) -> np.ndarray:
+    tok = need_tokenizer(model, "rerank()")
+    pair = []
+    for word in words:
+        ids = tok.encode(word, add_eos=False)
+        if len(ids) != 1:
+            raise InputError(f"rerank(): the word {word!r:.40} is {len(ids)} tokens in this "
+                             "model's vocabulary; monoT5's rule needs one token per word")
+        pair.append(ids[0])
+    inputs = [tok.encode(MONOT5_TEMPLATE.format(query=query, document=d),
+                         add_eos=model.add_eos_to_prompt) for d in documents]
+    scores = np.empty(len(documents), np.float64)
+    for rows in _batches(model, [1] * len(documents), batch_size):
+        ids, mask = right_padded([inputs[i] for i in rows], model.token_ids.pad)
+        first = np.full((len(rows), 1), model.token_ids.start, np.int64)
+        two = model.forward(ids, first, mask)[:, 0, pair].astype(np.float64)   # (b, 2)
+        two -= two.max(axis=1, keepdims=True)
+        p = np.exp(two)
+        scores[rows] = p[:, 0] / p.sum(axis=1)
+    return scores
+
+
+def _cosines(model: Any, query: str, documents: list[str], batch_size: int) -> np.ndarray:
+    vectors = model.embed([query, *documents], batch_size=batch_size).astype(np.float64)
+    norms = np.maximum(np.linalg.norm(vectors, axis=1), 1e-12)
+    return (vectors[1:] @ vectors[0]) / (norms[1:] * norms[0])
+
+
+def _batches(model: Any, lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Row indices in batches of at most batch_size whose (rows, longest, vocabulary) float32
+    logits stay within LOGITS_BUDGET; rows of similar length together (shortest first)."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise InputError(f"batch_size must be a positive integer, got {batch_size!r:.40}")
+    per_token = 4 * model.config.vocab_size
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, rows = [], []
+    for i in order:
+        longest = max([lengths[j] for j in rows] + [lengths[i]])
+        if rows and (len(rows) == batch_size or (len(rows) + 1) * longest * per_token > LOGITS_BUDGET):
+            batches.append(rows)
+            rows = []
+        rows.append(i)
+    if rows:
+        batches.append(rows)
+    return batches
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """Rows of logits (n, V) -> log-probabilities, in float64 (sums over long targets)."""
+    x = x.astype(np.float64)
+    top = x.max(axis=1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+
+
+def _paired(a: Any, b: Any, what: str, a_name: str, b_name: str) -> tuple[list[str], list[str]]:
+    """One text against a list, or two lists of one length -> two lists of one length."""
+    one_a, one_b = isinstance(a, str), isinstance(b, str)
+    a, b = text_list(a, what), text_list(b, what)
+    if not a or not b:
+        raise InputError(f"{what}: {a_name} and {b_name} must not be empty")
+    if one_a or len(a) == 1:
+        a = a * len(b)
+    elif one_b or len(b) == 1:
+        b = b * len(a)
+    if len(a) != len(b):
+        raise InputError(f"{what}: {len(a)} {a_name} and {len(b)} {b_name}: give one of them, "
+                         "or as many of each")
+    return a, b
+
+
+def _check_seq2seq(model: Any, what: str) -> None:
+    if not has_decoder(model):
+        raise InputError(f"{what} needs an encoder-decoder model with its decoder; "
+                         f"{model.folder} is {getattr(model.family, 'name', 'another kind')}"
+                         f"{' (encoder only)' if getattr(model, 'is_encoder_decoder', False) else ''}")

@@ -1,0 +1,142 @@
+"""model.score_pairs and model.rerank (issue 29): log-likelihoods of given targets equal the
+log-softmax of `forward`'s logits (itself checked against transformers by the parity tests),
+monoT5's P("true"), cosine similarity for an embedding model, batching that changes nothing,
+one-line errors."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from factories import write_t5
+
+import minfer
+from minfer import InputError, scoring
+
+ROOT = Path(__file__).resolve().parent.parent
+DATES = ROOT / "weights" / "tiny-t5-dates"
+ST = ROOT / "weights" / "family" / "st_sentence_t5"
+T5_TOKENIZER = Path("/work/shared/t5-tokenizer")
+
+
+@pytest.fixture(scope="module")
+def dates():
+    return minfer.load(DATES)
+
+
+def reference_logprobs(model, source: str, target: str) -> np.ndarray:
+    """log p(target token t | source, tokens < t) from one forward pass, in NumPy float64."""
+    src = model.tokenizer.encode(source)
+    tgt = model.tokenizer.encode(target)
+    logits = model.forward([src], [[model.token_ids.start] + tgt[:-1]])[0].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    return logp[np.arange(len(tgt)), tgt]
+
+
+def test_pair_scores_are_the_targets_log_softmax_under_forward(dates):
+    source = "date: 4th of July 1976"
+    targets = ["1976-07-04", "1977-07-04", "a longer target that is not a date at all"]
+    got = dates.score_pairs(source, targets)
+    assert [g.token_ids for g in got] == [dates.tokenizer.encode(t) for t in targets]
+    for g, t in zip(got, targets):
+        want = reference_logprobs(dates, source, t)
+        assert np.allclose(g.token_logprobs, want, atol=1e-4)
+        assert g.total == pytest.approx(want.sum(), abs=1e-3)
+        assert g.mean == pytest.approx(want.mean(), abs=1e-4)
+    # the model's own answer is the likeliest, the wrong year next, nonsense last
+    assert got[0].total > got[1].total > got[2].total
+
+
+def test_pairs_in_any_batch_size_and_order_score_the_same(dates):
+    sources = ["date: 1 May 2001", "date: 12 March 1999", "date: 30 Dec 1850"]
+    targets = ["2001-05-01", "1999-03-12", "1850-12-30"]
+    one_by_one = [dates.score_pairs(s, t)[0].token_logprobs for s, t in zip(sources, targets)]
+    together = dates.score_pairs(sources, targets, batch_size=2)
+    for a, b in zip(one_by_one, together):
+        assert np.allclose(a, b.token_logprobs, atol=1e-5)
+
+
+def test_small_logit_budgets_cut_the_batches(dates, monkeypatch):
+    monkeypatch.setattr(scoring, "LOGITS_BUDGET", 4 * dates.config.vocab_size * 12)
+    lengths = [3, 9, 4, 11, 5]
+    batches = scoring._batches(dates, lengths, 16)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 12
+
+
+@pytest.mark.parametrize("sources,targets,said", [
+    (["a", "b"], ["x", "y", "z"], "2 sources and 3 targets"),
+    ([], ["x"], "must not be empty"),
+    ("a", [1], "not a string"),
+])
+def test_bad_pairs_are_one_line(dates, sources, targets, said):
+    with pytest.raises(InputError, match=said):
+        dates.score_pairs(sources, targets)
+
+
+def test_models_without_a_decoder_refuse_pair_scores():
+    with pytest.raises(InputError, match="needs an encoder-decoder model with its decoder"):
+        minfer.load(ST).score_pairs("a", "b")
+
+
+def test_monot5_relevance_is_p_true_at_the_first_step(dates):
+    """Words that are one token in the tiny vocabulary stand for "true" / "false"."""
+    words = ("July", "date")
+    ids = [dates.tokenizer.encode(w, add_eos=False) for w in words]
+    assert all(len(i) == 1 for i in ids)
+    docs = ["first document", "second one, a bit longer", "third"]
+    got = dates.rerank("a query", docs, words=words, batch_size=2)
+    assert sorted(i for i, _ in got) == [0, 1, 2]
+    assert [s for _, s in got] == sorted((s for _, s in got), reverse=True)
+    for i, score in got:
+        text = scoring.MONOT5_TEMPLATE.format(query="a query", document=docs[i])
+        logits = dates.forward([dates.tokenizer.encode(text)], [[0]])[0, 0].astype(np.float64)
+        two = logits[[ids[0][0], ids[1][0]]]
+        assert score == pytest.approx(np.exp(two[0]) / np.exp(two).sum(), abs=1e-6)
+    assert dates.rerank("a query", docs, words=words, top_n=2) == got[:2]
+
+
+def test_monot5_words_must_be_single_tokens(dates):
+    with pytest.raises(InputError, match="monoT5's rule needs one token per word"):
+        dates.rerank("q", ["d"])      # "true" is several pieces in the tiny vocabulary
+
+
+@pytest.mark.skipif(not T5_TOKENIZER.is_dir(), reason="the real T5 tokenizer is not here")
+def test_a_monot5_shaped_model_reads_the_real_true_and_false(tmp_path):
+    folder = write_t5(tmp_path / "mono", seed=5, vocab_size=32128, d_model=32, d_kv=8,
+                      num_heads=4, d_ff=64, num_layers=2, num_decoder_layers=2)
+    for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(T5_TOKENIZER / name, folder / name)
+    m = minfer.load(folder)
+    true, false = (m.tokenizer.encode(w, add_eos=False) for w in scoring.MONOT5_WORDS)
+    assert len(true) == len(false) == 1
+    docs = ["Cats are small furry animals.", "The stock market fell.", "Purring cats."]
+    got = dict(m.rerank("what are cats?", docs))
+    for i, d in enumerate(docs):
+        text = scoring.MONOT5_TEMPLATE.format(query="what are cats?", document=d)
+        logits = m.forward([m.tokenizer.encode(text)], [[0]])[0, 0].astype(np.float64)
+        two = logits[[true[0], false[0]]]
+        assert got[i] == pytest.approx(np.exp(two[0]) / np.exp(two).sum(), abs=1e-6)
+
+
+def test_an_embedding_model_ranks_by_cosine_similarity():
+    m = minfer.load(ST)
+    docs = ["a cat sat", "the market fell", "cats sit"]
+    got = m.rerank("a cat", docs, top_n=3)
+    v = m.embed(["a cat", *docs]).astype(np.float64)
+    cos = v[1:] @ v[0] / (np.linalg.norm(v[1:], axis=1) * np.linalg.norm(v[0]))
+    assert [i for i, _ in got] == list(np.argsort(-cos))
+    assert np.allclose([s for _, s in got], np.sort(cos)[::-1], atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs,said", [
+    (dict(query=5, documents=["d"]), "query must be a string"),
+    (dict(query="q", documents=[]), "non-empty list of documents"),
+    (dict(query="q", documents=["d"], top_n=0), "top_n must be a positive integer"),
+])
+def test_bad_rerank_calls_are_one_line(kwargs, said):
+    with pytest.raises(InputError, match=said):
+        minfer.load(ST).rerank(**kwargs)
