@@ -4,7 +4,9 @@
 its index, or (only when there are no safetensors) a torch.save'd pytorch_model.bin read by
 `torch_pickle.py` without running pickle code. Names are unique across files, the index must
 match the shards, and int8 / int4 weights written by `minfer convert` are read back through their
-scales.
+scales. fp8 tensors (F8_E4M3, F8_E5M2) are widened exactly (`tensors.FP8_BFLOAT16`), and a file
+in ComfyUI's *scaled fp8* convention (see `_find_fp8`) is read as fp8 x its scales.
+`single_file.py` opens one .safetensors file without a config.json through the same class.
 
 This module does no math beyond dtype widening; the model families say which names and shapes
 they need (their weight tables) and `params/loader.py` checks them.
@@ -13,6 +15,7 @@ they need (their weight tables) and `params/loader.py` checks them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -23,12 +26,20 @@ from ..errors import CheckpointError
 from .formats import QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
-from .tensors import FLOAT_CODES, TensorInfo, bf16_to_float32
+from .tensors import (FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32,
+                      fp8_to_bfloat16_bits, fp8_to_float32)
 from .torch_pickle import TorchFile
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"   # used only when there are no safetensors
+# ComfyUI's scaled fp8 (comfy/utils.py convert_old_quants, comfy/ops.py scaled_fp8_ops): a tensor
+# named SCALED_FP8_MARKER marks the file (its dtype names the fp8 format; float32 stands for
+# F8_E4M3), and every fp8 matrix `L.weight` has a float32 `L.scale_weight` (a 0-d scalar as
+# ComfyUI writes it; one per output row is read too): its value is fp8 x scale. `L.scale_input`
+# only scales the inputs of an fp8 x fp8 product ComfyUI may run; it is no part of the weight.
+SCALED_FP8_MARKER = "scaled_fp8"
+FP8_SCALE_SUFFIX, FP8_INPUT_SCALE_SUFFIX = ".scale_weight", ".scale_input"
 
 
 class Checkpoint:
@@ -39,7 +50,12 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a folder")
         self.config = read_json(self.folder / "config.json", required=True)
-        self.files: list[SafetensorsFile] = [_open_weights(p) for p in self._weight_files()]
+        self._open(self._weight_files())
+
+    def _open(self, paths: list[Path]) -> None:
+        """Open the weight files and index their tensors (the scales of quantised and fp8 ones
+        hidden behind their weights)."""
+        self.files: list[SafetensorsFile] = [_open_weights(p) for p in paths]
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files:
             for name in f.tensors:
@@ -56,6 +72,7 @@ class Checkpoint:
         # otherwise load silently and generate garbage. False skips it (a file known good).
         self.check_values = True
         self._scales = self._find_scales()
+        self._fp8 = self._find_fp8()
 
     def _find_scales(self) -> dict[str, tuple[str, WeightFormat]]:
         """Quantised weights written by `minfer convert --dtype int8 | int4`: `W` in the format's
@@ -96,6 +113,124 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: holds weights quantised as both "
                                   f"{' and '.join(sorted(found))}; convert it again")
         return found.pop() if found else None
+
+    def _find_fp8(self) -> dict[str, "_Fp8"]:
+        """fp8 tensors: each widened exactly on read, and in a scaled file (SCALED_FP8_MARKER)
+        multiplied by its scale. What a tensor is presented as (`info(name).dtype`) is what it
+        is read as: BF16 (its values are bfloat16s: an unscaled fp8, or one whose scales are
+        powers of two in range) or F32 (fp8 x scale is in general no bfloat16: 4 significant
+        bits times a float32's 24); so a bfloat16 or float32 model reads them without a
+        second rounding. The marker and the scales are hidden from `names()`."""
+        marker = self._where.pop(SCALED_FP8_MARKER, None)
+        found: dict[str, _Fp8] = {}
+        if marker is not None:
+            code = marker.tensors[SCALED_FP8_MARKER].dtype
+            if code not in (*FP8_CODES, "F32"):
+                raise CheckpointError(f"{marker.path}: tensor '{SCALED_FP8_MARKER}' (the mark of "
+                                      "a scaled fp8 file) must be F8_E4M3, F8_E5M2 or F32, got "
+                                      f"{code}")
+            for name in [n for n in self._where if n.endswith(FP8_SCALE_SUFFIX)]:
+                found[name[:-len(FP8_SCALE_SUFFIX)] + ".weight"] = self._fp8_scale(name)
+            for name in [n for n in self._where if n.endswith(FP8_INPUT_SCALE_SUFFIX)]:
+                if name[:-len(FP8_INPUT_SCALE_SUFFIX)] + ".weight" in found:
+                    del self._where[name]
+        for name, f in self._where.items():
+            code = f.tensors[name].dtype
+            if code not in FP8_CODES:
+                continue
+            if name not in found:
+                if marker is not None:
+                    layer = name[:-len(".weight")] if name.endswith(".weight") else name
+                    raise CheckpointError(f"{f.path}: tensor '{quoted(name)}' is {code} without "
+                                          f"its scale '{quoted(layer + FP8_SCALE_SUFFIX)}' in a "
+                                          f"scaled fp8 file (it holds '{SCALED_FP8_MARKER}')")
+                found[name] = _Fp8(code)
+            else:
+                found[name] = dataclasses.replace(found[name], code=code)
+        return found
+
+    def _fp8_scale(self, scale_name: str) -> "_Fp8":
+        """A scaled fp8 weight's scale (read now: a few bytes a matrix), checked: a float
+        tensor, finite, one value or one per row of its weight, which must be fp8."""
+        f = self._where.pop(scale_name)
+        info = f.tensors[scale_name]
+        weight = scale_name[:-len(FP8_SCALE_SUFFIX)] + ".weight"
+        wf = self._where.get(weight)
+        what = f"{f.path}: tensor '{quoted(scale_name)}'"
+        if wf is None:
+            raise CheckpointError(f"{what} scales '{quoted(weight)}', which the file does not hold")
+        winfo = wf.tensors[weight]
+        if winfo.dtype not in FP8_CODES:
+            raise CheckpointError(f"{what} scales '{quoted(weight)}', which is {winfo.dtype}, not "
+                                  "fp8 (F8_E4M3 or F8_E5M2)")
+        rows = winfo.shape[0] if winfo.shape else 1
+        size = int(np.prod(info.shape)) if info.shape else 1
+        if info.dtype not in ("F32", "F16", "BF16") or size not in (1, rows) or len(info.shape) > 2:
+            raise CheckpointError(f"{what} must be a float32 scale (one value, or one per row of "
+                                  f"'{quoted(weight)}' {list(winfo.shape)}), got {info.dtype} "
+                                  f"{list(info.shape)}")
+        raw = f.raw(scale_name, mmap=False)
+        scale = (bf16_to_float32(raw) if info.dtype == "BF16" else raw).astype(np.float32).reshape(-1)
+        if not np.isfinite(scale).all():
+            raise CheckpointError(f"{what} holds {float(scale[~np.isfinite(scale)][0]):g}: a "
+                                  "scale must be finite".replace("nan", "NaN"))
+        return _Fp8("", scale, scale_name)
+
+    def holds_fp8(self) -> bool:
+        return bool(self._fp8)
+
+    def file_dtype(self, name: str) -> str:
+        """The dtype code of tensor `name` in its file (fp8 ones as stored, unlike `info`)."""
+        return self._where[name].tensors[name].dtype
+
+    def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact weight format that holds every matrix of this checkpoint exactly
+        (what a file with fp8 loads as when dtype is unset): bfloat16 on the CPU when every
+        matrix is a bfloat16 (fp8, power-of-two-scaled fp8, BF16), float16 when every matrix
+        is a float16 (fp8, F16; CUDA's half format), else float32. `matrices`: the names the
+        weight format applies to (the model's linear slots' sources; default: every 2-D
+        tensor), as norms and position-bias tables stay in the compute dtype."""
+        fits = {"bfloat16", "float16", "float32"}
+        for name in self.names():
+            if (len(self.info(name).shape) != 2 if matrices is None else name not in matrices):
+                continue
+            fp8 = self._fp8.get(name)
+            code = self.info(name).dtype
+            fits &= ({"bfloat16", "float16", "float32"} if fp8 is not None and fp8.scale is None
+                     else {"bfloat16", "float32"} if code == "BF16"
+                     else {"float16", "float32"} if code == "F16" else {"float32"})
+        order = ("bfloat16", "float16") if device_kind == "cpu" else ("float16",)
+        return next((f for f in order if f in fits), "float32")
+
+    def storage_note(self) -> str:
+        """What the fp8 tensors were read as, for `minfer info` ("" without fp8): per file
+        dtype, how many tensors and what they became."""
+        if not self._fp8:
+            return ""
+        groups: dict[str, int] = {}
+        for name, fp8 in self._fp8.items():
+            if fp8.scale is None:
+                key = f"{fp8.code} -> bfloat16 values (exact)"
+            elif self.info(name).dtype == "BF16":
+                key = (f"{fp8.code} x {FP8_SCALE_SUFFIX[1:]} -> bfloat16 values (exact: "
+                       "power-of-two scales)")
+            else:
+                key = (f"{fp8.code} x {FP8_SCALE_SUFFIX[1:]} -> float32 products (scales not "
+                       "powers of two)")
+            groups[key] = groups.get(key, 0) + 1
+        return "; ".join(f"{key}: {n} tensor{'s' * (n != 1)}" for key, n in groups.items())
+
+    def _fp8_values(self, name: str, raw: np.ndarray, rows: tuple[int, int] | None) -> np.ndarray:
+        """fp8 bytes (or rows a..b of them) -> float32 values: widened, times the scale."""
+        fp8 = self._fp8[name]
+        out = fp8_to_float32(raw, fp8.code)
+        if fp8.scale is not None:
+            scale = fp8.scale
+            if scale.size > 1:
+                scale = scale[rows[0]:rows[1]] if rows is not None else scale
+                scale = scale.reshape((-1,) + (1,) * (out.ndim - 1))
+            out *= scale      # float32 x float32, rounded as torch's float32 product rounds it
+        return out
 
     def _weight_files(self) -> list[Path]:
         """The weight files, in the order of preference (index, single file, pytorch_model.bin).
@@ -163,6 +298,8 @@ class Checkpoint:
         info = self._where[name].tensors[name]
         if name in self._scales:
             info = dataclasses.replace(info, shape=self._scales[name][1].logical_shape(info.shape))
+        elif name in self._fp8:     # what it is read as (file_dtype: as stored)
+            info = dataclasses.replace(info, dtype=self._fp8[name].read_as)
         return info
 
     def read(self, name: str, dtype: Any = np.float32,
@@ -180,7 +317,9 @@ class Checkpoint:
                 scale = scale[rows[0]:rows[1]]
             out = fmt.decode(raw, scale, fmt.logical_shape(raw.shape)).astype(dtype, copy=False)
         else:
-            if info.dtype == "BF16":
+            if name in self._fp8:
+                raw = self._fp8_values(name, raw, rows)
+            elif info.dtype == "BF16":
                 raw = bf16_to_float32(raw)
             if np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize < raw.dtype.itemsize:
                 # narrowing (to float16): a value beyond its range would silently become inf
@@ -223,6 +362,14 @@ class Checkpoint:
         model whose weight format matches the file reads, with no float32 copy."""
         f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
+        if name in self._fp8:             # its bfloat16 bits, or float32 products
+            values = self._fp8_values(name, raw, rows)
+            if self.check_values:
+                check_weight_values(values, f"{info.file}: tensor '{quoted(name)}'",
+                                    rows[0] if rows else 0)
+            if self._fp8[name].read_as == "BF16":
+                return (values.view(np.uint32) >> 16).astype(np.uint16), None
+            return values, None
         if self.use_mmap:                 # a private copy, not a view of the mapped file
             raw = np.array(raw)
         if name not in self._scales:
@@ -237,6 +384,35 @@ class Checkpoint:
         scale_name, _ = self._scales[name]
         scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)
         return raw, np.array(scale if rows is None else scale[rows[0]:rows[1]], np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fp8:
+    """An fp8 tensor: its format and, in a scaled file, its scales (float32, one or per row)."""
+    code: str
+    scale: np.ndarray | None = None
+    scale_name: str = ""
+
+    @functools.cached_property
+    def read_as(self) -> str:
+        """The dtype code its values are exactly: BF16 unless a scale makes them float32s."""
+        return "BF16" if self.scale is None or _bfloat16_scales(self.scale, self.code) else "F32"
+
+
+# fp8 format -> (exponent of its largest finite value + 1, exponent of its smallest step): a
+# power-of-two scale 2^k keeps fp8 x 2^k a bfloat16 (<= 4 significant bits) while the product
+# neither overflows (k + top <= 127) nor drops below the smallest normal float (k + step >= -126)
+_FP8_EXPONENTS = {"F8_E4M3": (9, -9), "F8_E5M2": (16, -16)}
+
+
+def _bfloat16_scales(scale: np.ndarray, code: str) -> bool:
+    """Whether every scale is a power of two (or 0) for which fp8 x scale stays a bfloat16."""
+    bits = scale.astype(np.float32).view(np.uint32)
+    top, step = _FP8_EXPONENTS[code]
+    exponent = ((bits >> 23) & 0xFF).astype(np.int64) - 127
+    zero = (bits & 0x7FFFFFFF) == 0
+    power = ((bits & 0x7FFFFF) == 0) & (exponent + top <= 127) & (exponent + step >= -126)
+    return bool((power | zero).all())
 
 
 # Largest magnitude a weight may hold. Real weights stay below ~1e4; float32 read with the wrong
