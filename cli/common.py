@@ -118,11 +118,15 @@ class ModelOptions:
     subfolder: str | None = None
     tokenizer_subfolder: str | None = None
     parts: str | None = None
+    config: str | None = None
+    tokenizer: str | None = None
 
 
 _MODEL_OPTIONS = [
     click.option("--model", "-m", required=True, metavar="NAME_OR_PATH",
-                 help="Hub name (t5-small, google/flan-t5-base, ...) or a local folder in the HF layout."),
+                 help="Hub name (t5-small, google/flan-t5-base, ...), a local folder in the HF "
+                      "layout, or one .safetensors file of a T5 / UMT5 encoder (e.g. ComfyUI's "
+                      "t5xxl_fp8_e4m3fn_scaled.safetensors; config inferred from its tensors)."),
     click.option("--revision", default=None, help="Hub revision (branch, tag or commit)."),
     click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or auto."),
     click.option("--dtype", default=None, metavar="DTYPE",
@@ -150,7 +154,12 @@ _MODEL_OPTIONS = [
                  help="Read the tokenizer from this folder of the same repo, e.g. tokenizer_2."),
     click.option("--parts", type=click.Choice(["all", "encoder"]), default=None,
                  help="Load only the encoder of a full T5 checkpoint (encode / embed), or all  "
-                      "[default: what the folder holds]."),
+                      "[default: what the folder holds; a single file: encoder]."),
+    click.option("--config", default=None, metavar="PATH",
+                 help="A single file's config.json (or a folder holding one) instead of the "
+                      "config inferred from its tensors."),
+    click.option("--tokenizer", default=None, metavar="FOLDER",
+                 help="A folder with the tokenizer files to use (a single file has none)."),
 ]
 _MODEL_FIELDS = [f.name for f in fields(ModelOptions)]
 
@@ -172,7 +181,7 @@ _LOAD_ARGUMENTS = {"device": "--device", "dtype": "--dtype", "compute": "--compu
                    "workspace": "--workspace", "memory_limit": "--memory-limit",
                    "num_threads": "--threads", "revision": "--revision",
                    "subfolder": "--subfolder", "tokenizer_subfolder": "--tokenizer-subfolder",
-                   "parts": "--parts"}
+                   "parts": "--parts", "config": "--config", "tokenizer": "--tokenizer"}
 
 
 def load_model(opts: ModelOptions) -> Any:
@@ -185,7 +194,8 @@ def load_model(opts: ModelOptions) -> Any:
                            compute=opts.compute, memory_limit=opts.memory_limit,
                            offline=True if opts.offline else None, num_threads=opts.threads,
                            subfolder=opts.subfolder,
-                           tokenizer_subfolder=opts.tokenizer_subfolder, parts=opts.parts)
+                           tokenizer_subfolder=opts.tokenizer_subfolder, parts=opts.parts,
+                           config=opts.config, tokenizer=opts.tokenizer)
     except minfer.ConfigError as e:
         if re.match(rf"({'|'.join(_LOAD_ARGUMENTS)})\b[ :=]", str(e)):
             fail(with_flags(str(e), _LOAD_ARGUMENTS), EXIT_USAGE)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # What load() uses is imported under private names: the package's namespace holds only its
 # public surface (__all__) and its submodules.
+import dataclasses as _dataclasses
 import functools as _functools
 import os as _os
 from pathlib import Path as _Path
@@ -15,16 +16,19 @@ from typing import Any as _Any
 
 from . import errors
 from .backend import QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
-from .devices import make_backend as _make_backend
+from .devices import cuda_available as _cuda_available, make_backend as _make_backend
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
                      MinferError, ModelNotFoundError, NonFiniteError, StreamingError,
                      TokenizerError)
 from .hub import check_subfolder as _check_subfolder, resolve_model as _resolve_model
 from .io.checkpoint import Checkpoint as _Checkpoint, read_json as _read_json
 from .io.sentence_transformers import read_sentence_modules as _read_sentence_modules
+from .io.single_file import SingleFile as _SingleFile, is_single_file as _is_single_file
 from .kernels import set_threads as _set_threads
 from .models.registry import model_class_of as _model_class_of
+from .params.table import Linear as _Linear
 from .models.t5 import T5Config, T5Model
+from .models.t5.config import config_from_tensors as _config_from_tensors
 from .models.transfo_xl import XLConfig, XLModel, XLSession
 from .tokenizers import has_tokenizer as _has_tokenizer, load_tokenizer as _load_tokenizer
 from .io.formats import FORMATS as _FORMATS
@@ -41,12 +45,31 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
          num_threads: int | None = None,
          revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, parts: str | None = None, subfolder: str | None = None,
-         tokenizer_subfolder: str | None = None, **options: _Any) -> T5Model | XLModel:
-    """Load a model by hub name or from a local folder in the Hugging Face layout.
+         tokenizer_subfolder: str | None = None, config: str | _Path | None = None,
+         tokenizer: str | _Path | None = None, **options: _Any) -> T5Model | XLModel:
+    """Load a model by hub name, from a local folder in the Hugging Face layout, or from a
+    single .safetensors file.
 
     model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
         huggingface_hub cache) or a folder with config.json and model.safetensors (or an index and
-        shards, or a pytorch_model.bin read without executing pickle code).
+        shards, or a pytorch_model.bin read without executing pickle code), or one .safetensors
+        file of a T5 / UMT5 encoder in Hugging Face's tensor names with no config.json, as
+        ComfyUI and model hubs ship them (t5xxl_fp16.safetensors,
+        t5xxl_fp8_e4m3fn_scaled.safetensors, umt5_xxl_fp8_e4m3fn_scaled.safetensors): its
+        config is inferred from its tensors (layers, d_model, d_ff, heads and buckets from the
+        position bias, gated FF -> v1.1's gated-gelu, a bias in every block -> UMT5; see
+        models/t5/config.py's config_from_tensors) and it loads as an encoder (parts="all"
+        reads a decoder the file holds). Tensors may be F32, F16, BF16, F8_E4M3 or F8_E5M2
+        (widened exactly), and ComfyUI's scaled fp8 (each fp8 weight times its float32
+        scale_weight) is read as fp8 x scale. With dtype unset such a file loads in the most
+        compact format that holds its matrices exactly: bfloat16 for fp8 (or fp8 with
+        power-of-two scales) on the CPU, float16 on CUDA, float32 for other scaled fp8;
+        `minfer info` says what the fp8 tensors became.
+    config: a single file's config.json (its path, or a folder holding one) instead of the
+        inferred config: for a file whose shapes do not say everything (another
+        layer_norm_epsilon, a LongT5). Only with a single file.
+    tokenizer: a folder with tokenizer files (tokenizer.json, spiece.model, ...) to use: what a
+        single file needs to read text; for a folder model it replaces the folder's own.
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when CuPy finds a device).
     dtype: how the linear layers (and heads, embeddings) are stored: "float32" (CPU default;
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
@@ -96,18 +119,38 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
                      offline=offline, cache_dir=cache_dir, parts=parts, subfolder=subfolder,
                      tokenizer_subfolder=tokenizer_subfolder)
-    root = folder = _resolve_model(model, revision, offline=offline, token=token,
-                                  cache_dir=cache_dir, subfolder=subfolder,
-                                  also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
-    for _ in range(len(_check_subfolder(subfolder).split("/")) if subfolder else 0):
-        root = root.parent
-    modules = _read_sentence_modules(folder)
-    ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
-    model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
+    # a single file's config and tokenizer folders (absolute); absent when not given
+    recipe.update({k: _local_path(v) for k, v in (("config", config), ("tokenizer", tokenizer))
+                   if v is not None})
+    single = _is_single_file(model)
+    if single is not None:
+        for name, value in (("subfolder", subfolder), ("tokenizer_subfolder", tokenizer_subfolder)):
+            if value:
+                raise ConfigError(f"{name}={value!r}: {single} is a single file, not a folder "
+                                  "(tokenizer= names a tokenizer folder)")
+        ckpt, model_class, parts = _open_single_file(single, config, parts)
+        root = folder = ckpt.folder
+        modules = None
+    else:
+        if config is not None:
+            raise ConfigError(f"config={config!r}: only a single .safetensors file takes a "
+                              "config.json from elsewhere; a model folder has its own")
+        root = folder = _resolve_model(model, revision, offline=offline, token=token,
+                                      cache_dir=cache_dir, subfolder=subfolder,
+                                      also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
+        for _ in range(len(_check_subfolder(subfolder).split("/")) if subfolder else 0):
+            root = root.parent
+        modules = _read_sentence_modules(folder)
+        ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
+        model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
     if dtype == "auto" or dtype is None:
-        # a quantised checkpoint stays in its format unless asked otherwise; compute="int8"
-        # needs a quantised one (int8 when the file's is not), compute="bfloat16" bfloat16
-        dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
+        # a quantised checkpoint stays in its format unless asked otherwise; fp8 loads in the
+        # most compact format that holds it exactly; compute="int8" needs a quantised one (int8
+        # when the file's is not), compute="bfloat16" bfloat16
+        if ckpt.holds_fp8():
+            dtype = ckpt.exact_format(_device_kind(device), _matrices(model_class, ckpt, parts))
+        else:
+            dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
         mode = None if compute is None else _option_name(compute)
         if mode == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
@@ -115,9 +158,15 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
             dtype = "bfloat16"
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
     be.num_threads = _set_threads(num_threads)
-    tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
-    loaded = model_class.load(ckpt, be, _read_json(ckpt.folder / "generation_config.json"), tokenizer,
-                         recorder, parts)
+    if tokenizer is not None:
+        tokenizer = _tokenizer_folder(tokenizer)
+    elif single is None:
+        tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
+    generation = None if single is not None else _read_json(ckpt.folder / "generation_config.json")
+    loaded = model_class.load(ckpt, be, generation, tokenizer, recorder, parts)
+    note = _source_note(ckpt, single)
+    if note and hasattr(loaded.config, "source_note"):   # minfer info's "weights" line
+        loaded.config = _dataclasses.replace(loaded.config, source_note=note)
     if modules is not None:
         if not hasattr(loaded, "encode"):
             raise ConfigError(f"{folder / 'modules.json'}: a sentence-transformers head needs an "
@@ -132,6 +181,84 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     else:
         loaded.set_load_call(None, "it was loaded with the private _recorder option (test events)")
     return loaded
+
+
+def _open_single_file(path: _Path, config: _Any, parts: str | None) -> tuple[_Any, _Any, str]:
+    """A single .safetensors file: its config (inferred from its tensors, or config=), the model
+    class, the parts it loads as (an encoder unless asked) and every name and shape checked
+    against the weight table, each problem one line naming the file (or the config) and the
+    tensor, before any weight is read."""
+    ckpt = _SingleFile(path)
+    if config is None:
+        ckpt.config = _config_from_tensors(ckpt.shapes(), str(path))
+        what = "the T5 config inferred from its tensors"
+    else:
+        ckpt.use_config(config)
+        what = f"the config in {ckpt.config_source}"
+    model_class = _model_class_of(ckpt.config, ckpt.config_source)
+    family = model_class.family
+    parts = "encoder" if parts is None and family.with_parts is not None else parts
+    cfg = family.config.from_hf(ckpt.config, ckpt.config_source)
+    if family.with_parts is not None:
+        cfg = family.with_parts(cfg, ckpt.names(), parts, str(path))
+    table = family.weight_table(cfg)
+    ckpt.check_names(table.tensors, table.optional, table.aliases, what)
+    return ckpt, model_class, parts
+
+
+def _matrices(model_class: _Any, ckpt: _Any, parts: str | None) -> set[str]:
+    """The tensors the weight format applies to: the sources of the model's linear slots (and
+    the names that may stand in for them)."""
+    family = model_class.family
+    source = getattr(ckpt, "config_source", str(ckpt.folder / "config.json"))
+    cfg = family.config.from_hf(ckpt.config, source)
+    if family.with_parts is not None:
+        cfg = family.with_parts(cfg, ckpt.names(), parts, str(ckpt.folder))
+    table = family.weight_table(cfg)
+    entries = [*table.fixed.values(), *(e for _, unit in table.units() for e in unit.values())]
+    sources = {s for e in entries if isinstance(e, _Linear) for s in e.sources}
+    return sources | {a for s in sources for a in table.aliases.get(s, ())}
+
+
+def _source_note(ckpt: _Any, single: _Path | None) -> str:
+    """minfer info's line on where the weights came from: a single file and its config, and
+    what its fp8 tensors became ("" for a plain folder)."""
+    parts = []
+    if single is not None:
+        inferred = ckpt.config_source == str(single)
+        parts.append(f"single file {single.name}, config "
+                     + ("inferred from its tensors" if inferred else f"from {ckpt.config_source}"))
+    if ckpt.holds_fp8():
+        parts.append(ckpt.storage_note())
+    return "; ".join(parts)
+
+
+def _device_kind(device: _Any) -> str:
+    """'cuda' or 'cpu' for a device option (make_backend checks its spelling)."""
+    name = device.strip().lower() if isinstance(device, str) else ""
+    if name == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    return "cuda" if name.startswith("cuda") else "cpu"
+
+
+def _tokenizer_folder(where: _Any) -> _Any:
+    """tokenizer=: the tokenizer of a local folder, which must hold one."""
+    if not isinstance(where, (str, _os.PathLike)) or not _os.fspath(where).strip():
+        raise ConfigError(f"tokenizer={where!r}: expected a folder holding tokenizer files")
+    folder = _Path(where).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"tokenizer={_os.fspath(where)!r}: no such folder (a folder holding "
+                          "tokenizer.json, spiece.model or the like)")
+    if not _has_tokenizer(folder):
+        raise TokenizerError(f"{folder}: no tokenizer files (tokenizer={_os.fspath(where)!r})")
+    return _load_tokenizer(folder)
+
+
+def _local_path(value: _Any) -> _Any:
+    """A local path option as an absolute path (for the recipe), anything else as given."""
+    if isinstance(value, (str, _os.PathLike)) and _os.fspath(value).strip():
+        return _os.path.abspath(_Path(_os.fspath(value)).expanduser())
+    return value
 
 
 def _tokenizer(root: _Path, subfolder: str | None, *folders: _Path) -> _Any:
@@ -154,7 +281,7 @@ def _recipe(model: _Any, **arguments: _Any) -> dict[str, _Any]:
     folder as an absolute path (another process may run in another working directory); no token
     (the other side authenticates with its own HF_TOKEN)."""
     text = _os.fspath(model) if isinstance(model, (str, _os.PathLike)) else model
-    if isinstance(text, str) and text.strip() and _is_folder(text):
+    if isinstance(text, str) and text.strip() and (_is_folder(text) or _is_single_file(text)):
         text = _os.path.abspath(_Path(text).expanduser())
     return {"model": text, **arguments}
 

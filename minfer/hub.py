@@ -224,7 +224,8 @@ def _local_folder(name: str | os.PathLike) -> Path | None:
                                  "folder nor a hub repo id)") from None
     if exists:
         raise ModelNotFoundError(f"'{_shortened(text, 200)}' is a file, not a model folder: pass "
-                                 "the folder holding config.json and the weights")
+                                 "the folder holding config.json and the weights (minfer.load "
+                                 "reads a single .safetensors file itself)")
     raise ModelNotFoundError(f"no such folder '{_shortened(text, 200)}': check the path "
                              "(hub repo ids look like 'org/name')")
 

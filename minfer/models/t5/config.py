@@ -10,15 +10,19 @@ UMT5 (Chung et al. 2023, "UniMax") is T5 v1.1 with a relative-attention bias tab
 self-attention layer instead of only block 0's (`bias_per_layer`). An encoder-only model
 (`encoder_only`: a T5EncoderModel / MT5EncoderModel / UMT5EncoderModel save, or a full checkpoint
 loaded with parts="encoder") declares only the shared embedding and the encoder.
+
+A single .safetensors file of an encoder (ComfyUI's t5xxl_*.safetensors, umt5_xxl_*) has no
+config.json: `config_from_tensors` infers one from its tensors' names and shapes.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from ... import ops
-from ...errors import ConfigError
+from ...errors import CheckpointError, ConfigError
 from ...generation.protocol import TokenIds
 from ...io.limits import shown
 from ..config import MAX_COUNT, MAX_VOCAB, MAX_WIDTH, ConfigReader, model_type_of
@@ -51,6 +55,9 @@ class T5Config:
     encoder_attention: str = "full"   # "full" (T5); LongT5: "local" or "transient-global"
     local_radius: int = 0             # LongT5: a query attends to keys at most this far away
     global_block_size: int = 0        # LongT5 transient-global: tokens per global token
+    # where the weights came from when that is more than a folder's config.json says: a single
+    # file, its inferred config, what its fp8 tensors were read as (`minfer info`'s "weights")
+    source_note: str = ""
 
     @property
     def inner(self) -> int:
@@ -94,6 +101,8 @@ class T5Config:
             if self.encoder_attention == "transient-global":
                 attention += f", one global token per {self.global_block_size} tokens"
             facts.append(("encoder attention", attention + "; memory linear in the input"))
+        if self.source_note:
+            facts.append(("weights", self.source_note))
         return facts
 
     def summary(self) -> str:
@@ -176,3 +185,85 @@ class T5Config:
             raise ConfigError(f"{folder}: holds only an encoder (no decoder.* tensors, as a "
                               "T5EncoderModel saves it): it loads with parts='encoder' (or none)")
         return replace(self, encoder_only=parts == "encoder")
+
+
+# What a single file's tensors cannot say, as Hugging Face's T5Config / UMT5Config default them
+# (and ComfyUI's T5 hard-codes the distance): every released T5, mT5 and UMT5 uses these.
+INFERRED_DEFAULTS = dict(relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+                         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+_BLOCK = re.compile(r"(encoder|decoder)\.block\.(\d+)\.")
+
+
+def config_from_tensors(shapes: Mapping[str, tuple[int, ...]], source: str) -> dict:
+    """The config.json of the T5 / UMT5 encoder whose tensors (Hugging Face's names) have these
+    `shapes`, as far as the shapes say it: vocabulary and d_model from the embedding, layers
+    from the encoder's blocks, heads and buckets from block 0's relative_attention_bias
+    (buckets x heads), d_kv from q (heads x d_kv rows), d_ff from the FF input; a gated FF
+    (wi_0 / wi_1) is v1.1's gated-gelu (gelu_new, untied head; mT5 and UMT5 too), an ungated
+    one v1.0's relu (tied head); a bias table in every block is UMT5. The rest is
+    INFERRED_DEFAULTS. A file that is no T5 encoder, or whose shapes disagree with each other,
+    is a one-line CheckpointError naming `source` and the tensor; the model's weight table
+    checks every other name and shape against the result."""
+    def shape(name: str, rank: int) -> tuple[int, ...]:
+        got = shapes[name]
+        if len(got) != rank or not all(got):
+            raise CheckpointError(f"{source}: tensor '{name}' has shape {list(got)}, not a T5 "
+                                  f"{'matrix' if rank == 2 else 'vector'}")
+        return got
+
+    attn = "encoder.block.{}.layer.0.SelfAttention"
+    embedding = next((n for n in ("shared.weight", "encoder.embed_tokens.weight") if n in shapes),
+                     None)
+    if embedding is None or f"{attn.format(0)}.q.weight" not in shapes:
+        longt5 = any(".LocalSelfAttention." in n or ".TransientGlobalSelfAttention." in n
+                     for n in shapes)
+        some = ", ".join(f"'{n}'" for n in list(shapes)[:3]) or "no tensors"
+        raise CheckpointError(
+            f"{source}: not a T5 / UMT5 encoder in Hugging Face's names (no 'shared.weight' and "
+            f"'{attn.format(0)}.q.weight'; it holds {some}, ...)"
+            + ("; a LongT5 file needs config= (its config.json)" if longt5 else ""))
+    vocab, d_model = shape(embedding, 2)
+    blocks = {"encoder": set(), "decoder": set()}
+    for name in shapes:
+        m = _BLOCK.match(name)
+        if m:
+            blocks[m.group(1)].add(int(m.group(2)))
+    layers = max(blocks["encoder"]) + 1
+    missing = sorted(set(range(layers)) - blocks["encoder"])
+    if missing:
+        raise CheckpointError(f"{source}: encoder block {missing[0]} is missing (the file holds "
+                              f"blocks up to {layers - 1})")
+    bias = f"{attn.format(0)}.relative_attention_bias.weight"
+    if bias not in shapes:
+        raise CheckpointError(f"{source}: tensor '{bias}' is missing: a T5 encoder's block 0 "
+                              "holds the position bias (buckets x heads)")
+    buckets, heads = shape(bias, 2)
+    inner, q_in = shape(f"{attn.format(0)}.q.weight", 2)
+    if q_in != d_model or inner % heads:
+        raise CheckpointError(f"{source}: tensor '{attn.format(0)}.q.weight' has shape "
+                              f"{[inner, q_in]}: no T5 with d_model {d_model} (from "
+                              f"'{embedding}') and {heads} heads (from '{bias}') has it "
+                              f"(expected [{heads} x d_kv, {d_model}])")
+    with_bias = [i for i in range(layers)
+                 if f"{attn.format(i)}.relative_attention_bias.weight" in shapes]
+    per_layer = layers > 1 and len(with_bias) == layers
+    if len(with_bias) not in (1, layers):
+        first = next(i for i in range(layers) if i not in with_bias)
+        raise CheckpointError(f"{source}: tensor '{attn.format(first)}.relative_attention_bias."
+                              "weight' is missing: some blocks after block 0 have a position "
+                              "bias (UMT5: every block has one; T5: only block 0)")
+    ff = "encoder.block.0.layer.1.DenseReluDense"
+    gated = f"{ff}.wi_0.weight" in shapes
+    wi = f"{ff}.wi_0.weight" if gated else f"{ff}.wi.weight"
+    if wi not in shapes:
+        raise CheckpointError(f"{source}: tensor '{ff}.wi_0.weight' (gated FF) or "
+                              f"'{ff}.wi.weight' is missing")
+    d_ff = shape(wi, 2)[0]
+    decoder = max(blocks["decoder"]) + 1 if blocks["decoder"] else layers
+    return dict(
+        model_type="umt5" if per_layer else "t5", vocab_size=vocab, d_model=d_model,
+        d_kv=inner // heads, num_heads=heads, d_ff=d_ff, num_layers=layers,
+        num_decoder_layers=decoder, relative_attention_num_buckets=buckets,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        dense_act_fn="gelu_new" if gated else "relu", is_gated_act=gated,
+        tie_word_embeddings=not gated, **INFERRED_DEFAULTS)
