@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import CheckpointError
 from .limits import (MAX_ARRAY_BYTES, MAX_NAME_CHARS, MAX_RANK, MAX_TENSORS, parse_json,
                      quoted)
-from .tensors import STORAGE, TensorInfo
+from .tensors import FILE_STORAGE as STORAGE, TensorInfo
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
 # What a header may take beyond its entries (metadata, padding), and per entry: a name of

@@ -25,9 +25,11 @@ STORAGE = {
     "BF16": np.dtype("<u2"),  # widened to float32 on read: bf16 is the top half of an fp32
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
-    "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),   # fp8 codes, widened on read
 }
+# fp8 codes, stored as their bytes and widened on read. Apart from STORAGE, whose dtypes name
+# their codes one to one (convert.py writes a uint8 array as U8)
 FP8_CODES = ("F8_E4M3", "F8_E5M2")
+FILE_STORAGE = {**STORAGE, **{code: np.dtype("u1") for code in FP8_CODES}}   # what a file may hold
 FLOAT_CODES = ("F64", "F32", "F16", "BF16", *FP8_CODES)
 
 
