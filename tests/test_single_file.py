@@ -424,3 +424,19 @@ def test_a_single_file_model_pickles_as_its_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     back = pickle.loads(pickle.dumps(m))
     np.testing.assert_array_equal(back.embed(["a text"]), m.embed(["a text"]))
+
+
+def test_a_whole_t5_in_one_file_loads_its_decoder_when_asked(tmp_path):
+    """A file with a decoder still loads as an encoder; parts="all" reads the whole model, as
+    its folder does (v1.1: untied head; v1.0: tied)."""
+    from factories import write_t5
+    for name, flavour in (("v1_1", dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+                          ("v1_0", dict(feed_forward_proj="relu", tie_word_embeddings=True))):
+        folder = write_t5(tmp_path / name, relative_attention_num_buckets=32,
+                          relative_attention_max_distance=128, **flavour)
+        single = shutil.copy(folder / "model.safetensors", tmp_path / f"{name}.safetensors")
+        assert minfer.load(single).parts == ("encoder",)
+        want = minfer.load(folder, compute="float32").generate(IDS.tolist(), max_new_tokens=6)
+        got = minfer.load(single, parts="all", compute="float32").generate(IDS.tolist(),
+                                                                          max_new_tokens=6)
+        assert got == want

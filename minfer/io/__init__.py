@@ -1,7 +1,8 @@
 """Tensor files and model folders: safetensors, torch pickle files, the folder that holds them.
 
-`Checkpoint(folder)` is the entry point; the readers beneath it validate everything a file claims
-(sizes, offsets, dtypes) before allocating, and never run pickle code.
+`Checkpoint(folder)` is the entry point (`single_file.SingleFile(path)` for one .safetensors file
+without its folder); the readers beneath it validate everything a file claims (sizes, offsets,
+dtypes) before allocating, and never run pickle code.
 """
 
 from .checkpoint import Checkpoint, read_json
