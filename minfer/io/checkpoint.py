@@ -26,8 +26,7 @@ from ..errors import CheckpointError
 from .formats import QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
-from .tensors import (FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32,
-                      fp8_to_bfloat16_bits, fp8_to_float32)
+from .tensors import FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32, fp8_to_float32
 from .torch_pickle import TorchFile
 
 WEIGHTS_NAME = "model.safetensors"
