@@ -184,7 +184,7 @@ def test_concurrent_requests_are_decoded_together(server):
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -2}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "   "}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400,

@@ -63,7 +63,7 @@ def test_openai_fields_map_onto_generate_options(body, want):
     ({"stop": [1]}, "stop", "string or a non-empty list"),
     ({"use_beam_search": True}, "best_of", "greater than 1"),
     ({"best_of": 3}, "best_of", "needs use_beam_search"),
-    ({"logprobs": 2}, "logprobs", "not supported"),
+    ({"logprobs": 21}, "logprobs", "at most 20"),
     ({"echo": True}, "echo", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens", "limit of 512"),

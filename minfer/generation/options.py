@@ -44,6 +44,7 @@ MAX_SEED = 2**64 - 1
 MAX_TEMPERATURE = 1e3
 MIN_BEAM_TEMPERATURE = 1e-3
 MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3
+MAX_LOGPROBS = 20              # alternatives per token at most (OpenAI's and vLLM's cap)
 MAX_LOG_LENGTH_PENALTY = 80.0   # |length_penalty| * ln(longest length): float32 max is ~e**88
 
 
@@ -109,6 +110,10 @@ def _seed(v: Any) -> int | None:
     return None if v is None else _integer(0, MAX_SEED)(v)
 
 
+def _logprobs(v: Any) -> int | None:
+    return None if v is None else _integer(0, MAX_LOGPROBS)(v)
+
+
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_new_tokens": _integer(1, MAX_LENGTH),
     "min_new_tokens": _integer(0, MAX_LENGTH),
@@ -124,6 +129,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "num_return_sequences": _integer(1, MAX_ROWS),
     "stop": _stop,
     "seed": _seed,
+    "logprobs": _logprobs,
 }
 _HINTS = {"seed": " (leave it unset for a random seed)"}
 
@@ -144,6 +150,9 @@ class GenerationOptions:
     num_return_sequences: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # each new token's log-probability (the log-softmax of the model's scores before any
+    # processor, as vLLM reports them) and this many alternatives (0: none); None: not kept
+    logprobs: int | None = None
 
     def validate(self, origin: dict[str, str] | None = None) -> "GenerationOptions":
         """The options checked and normalised (Python scalars, stop a tuple). `origin` names the

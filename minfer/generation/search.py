@@ -9,6 +9,7 @@ and early_stopping True / False / "never" behave as HF defines them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -29,6 +30,32 @@ class Hypothesis:
     tokens: list[int]                  # decoder ids, starting with the start token
     score: float = 0.0
     finish_reason: str = "length"      # "eos", "length" or "stop"
+    # with the logprobs option: per new token its log-probability and the best alternatives
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class StepLogprobs:
+    """One step's log-probabilities of the live rows, in the order of the step's tokens."""
+    chosen: np.ndarray                 # (b,) float32: each row's token
+    top_ids: np.ndarray                # (b, k) int64: the k likeliest tokens, best first
+    top_values: np.ndarray             # (b, k) float32: their log-probabilities
+
+
+def step_logprobs(logits: np.ndarray, tokens: np.ndarray, k: int) -> StepLogprobs:
+    """Rows of raw scores (b, V) and the tokens chosen from them (b,) -> their log-softmax at
+    those tokens and the k best, a chunk of rows at a time (the copies stay a few MiB)."""
+    b = len(tokens)
+    chosen = np.empty(b, np.float32)
+    top_ids, top_values = np.empty((b, k), np.int64), np.empty((b, k), np.float32)
+    for a, e in row_chunks(*logits.shape):
+        lp = log_softmax(logits[a:e])                                      # (r, V)
+        chosen[a:e] = lp[np.arange(e - a), tokens[a:e]]
+        if k:
+            top_ids[a:e] = top_k_indices(lp, k)
+            top_values[a:e] = np.take_along_axis(lp, top_ids[a:e], axis=1)
+    return StepLogprobs(chosen, top_ids, top_values)
 
 
 class Decoding(Request):
@@ -49,6 +76,7 @@ class Decoding(Request):
         self.seqs = np.empty((B, opts.max_new_tokens + 1), np.int64)  # (b, 1+N)
         self.seqs[:, 0] = state.first_tokens
         self.t = 0
+        self.logprobs: collections.deque[StepLogprobs] = collections.deque()  # one per event
 
     def ready(self) -> bool:
         """Drop the rows that ended at the last step (eos, or a stop string the consumer found);
@@ -76,6 +104,8 @@ class Decoding(Request):
         for a, b in row_chunks(*logits.shape):   # the processors' copies stay a few MiB
             tokens[a:b] = self._choose(logits[a:b], self.seqs[a:b, :t + 1])
         self.seqs[:, t + 1] = tokens
+        if opts.logprobs is not None:
+            self.logprobs.append(step_logprobs(logits, tokens, opts.logprobs))
         self.t = t + 1
         if self.t == opts.max_new_tokens or (tokens[:, None] == self.eos).any(axis=1).all():
             self.finished = True
@@ -172,7 +202,8 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     """Greedy or sampled decoding of a padded batch. Yields (rows, tokens) each step: the batch row
     indices still running and the token each chose. Rows that emit eos, or that the consumer adds to
     `stopped` (stop strings), leave the batch: the state drops them so they cost nothing more.
-    `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield.
+    `info`, if given, receives "first": the (B,) tokens fed at step 0, before the first yield,
+    and with the logprobs option "logprobs": the StepLogprobs of the step just yielded.
     `repeat`: each input decodes as that many consecutive rows (num_return_sequences).
     Steps are taken together with the other requests decoding on the model at the same time
     (batcher.py). Closing the generator releases the decode state. `cancel` (a threading.Event)
@@ -197,6 +228,10 @@ def token_loop(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.n
     batcher.join(decoding, release=stack.close)
     try:
         while (event := batcher.next_event(decoding)) is not None:
+            if opts.logprobs is not None:   # (advance adds one an event)
+                entry = decoding.logprobs.popleft()
+                if info is not None:
+                    info["logprobs"] = entry
             yield event
     finally:
         batcher.leave(decoding)

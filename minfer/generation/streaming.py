@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..errors import Cancelled
+from ..errors import Cancelled, InputError
 from ..tokenizers import IncrementalDecoder
 from .batcher import batcher_of
 from .options import GenerationOptions
@@ -138,6 +138,8 @@ def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind:
     `start_decoding` replaces the model's (a session continuing its memory); `on_done(tokens)`
     receives the generated ids when the stream ends, however it ends; `info` receives "tokens"
     (as they come) and "reason" (how it ended); `cancel`: see token_loop."""
+    if opts.logprobs is not None:
+        raise InputError("logprobs are not given with stream=True yet: use return_details=True")
     eos = set(model.token_ids.eos)
     text = _RowText(tok, opts.stop, eos) if kind != "ids" or opts.stop else None
     info = {} if info is None else info

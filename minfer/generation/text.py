@@ -29,7 +29,7 @@ from .planning import BadRow, BatchPlanner, plan_batches, take_window
 from ..tokenizers.select import need_tokenizer
 from .prompts import TRUNCATION_CURE, check_prompt, normalise_inputs, row_names
 from .protocol import DecodingModel
-from .search import Hypothesis, beam_search, token_loop
+from .search import Hypothesis, StepLogprobs, beam_search, step_logprobs, token_loop
 from .streaming import StopMatcher, Stream, _RowText, stream_tokens
 
 
@@ -44,6 +44,10 @@ class Result:
     new_tokens: int
     seconds: float = 0.0         # the time of the batch the row ran in
     score: float | None = None   # beam score (length-penalised log-probability)
+    # with the logprobs option: each new token's log-probability (the log-softmax of the
+    # model's scores before temperature and penalties) and its best alternatives (id, value)
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None     # a row that could not run: why, naming it (then text is None,
                                  # token_ids empty and finish_reason "error")
 
@@ -228,7 +232,26 @@ class _Call:
 def _finish(model: DecodingModel, h: Hypothesis, text: str | None, reason: str, prompt_len: int,
             score: float | None = None) -> Result:
     ids = h.tokens if model.is_encoder_decoder else h.tokens[1:]
-    return Result(text, ids, reason, prompt_len, len(h.tokens) - 1, score=score)
+    return Result(text, ids, reason, prompt_len, len(h.tokens) - 1, score=score,
+                  token_logprobs=h.token_logprobs, top_logprobs=h.top_logprobs)
+
+
+def _keep_logprobs(hyps: list[Hypothesis], rows: np.ndarray, step: StepLogprobs) -> None:
+    """One step's log-probabilities onto the hypotheses of its rows."""
+    for j, r in enumerate(rows):
+        hyps[r].token_logprobs.append(float(step.chosen[j]))
+        hyps[r].top_logprobs.append([(int(i), float(v))
+                                     for i, v in zip(step.top_ids[j], step.top_values[j])])
+
+
+def _beam_logprobs(model: DecodingModel, prompt: np.ndarray, h: Hypothesis, k: int) -> None:
+    """A finished beam's per-token log-probabilities from one teacher-forced pass over its
+    tokens (the values the search saw at each of its steps, up to float32 rounding)."""
+    logits = model.teacher_forced_logits(prompt, np.asarray([h.tokens[:-1]], np.int64))[0]   # (n, V)
+    step = step_logprobs(logits, np.asarray(h.tokens[1:], np.int64), k)
+    h.token_logprobs = [float(v) for v in step.chosen]
+    h.top_logprobs = [[(int(i), float(v)) for i, v in zip(ids, vals)]
+                      for ids, vals in zip(step.top_ids, step.top_values)]
 
 
 def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: GenerationOptions,
@@ -239,8 +262,16 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
     prompt_lens = mask.sum(axis=1)
     enc_dec = model.is_encoder_decoder
     if opts.num_beams > 1:
+        if opts.logprobs is not None and not hasattr(model, "teacher_forced_logits"):
+            raise InputError("logprobs with beam search needs an encoder-decoder model "
+                             "(the beams' tokens are scored by one teacher-forced pass)")
         results = []
-        for i, hyps in enumerate(beam_search(model, ids, mask, opts, rng, cancel)):
+        beams = beam_search(model, ids, mask, opts, rng, cancel)
+        if opts.logprobs is not None:
+            for i, hyps in enumerate(beams):
+                for h in hyps:
+                    _beam_logprobs(model, ids[i:i + 1, :int(prompt_lens[i])], h, opts.logprobs)
+        for i, hyps in enumerate(beams):
             row = []
             for h in hyps:
                 text, reason = None, h.finish_reason
@@ -255,11 +286,16 @@ def _run_batch(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, opts: Ge
     texts = [_RowText(tok, opts.stop, eos) for _ in hyps] if tok is not None else None
     stopped: set[int] = set()
     info: dict = {}
+    if opts.logprobs is not None:
+        for h in hyps:
+            h.token_logprobs, h.top_logprobs = [], []
     for step, (rows, tokens) in enumerate(token_loop(model, ids, mask, opts, rng, stopped=stopped,
                                                      info=info, repeat=n, cancel=cancel)):
         if step == 0:
             for h, first in zip(hyps, info["first"]):
                 h.tokens.append(int(first))
+        if opts.logprobs is not None:
+            _keep_logprobs(hyps, rows, info["logprobs"])
         for r, t in zip(rows, tokens):
             hyps[r].tokens.append(int(t))
             if t in eos:

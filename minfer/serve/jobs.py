@@ -38,6 +38,7 @@ from ..generation.batcher import batcher_of
 from ..generation.options import MAX_SEED
 from .. import scoring
 from ..tokenizers.select import need_tokenizer
+from . import responses
 from .schema import EmbeddingRequest, GenerationRequest, RerankRequest, ScoreRequest
 
 
@@ -89,16 +90,22 @@ class Job:
 Count = Callable[[int, int], None]   # (prompt tokens, generated tokens): the metrics
 
 
-def complete(job: Job, request: GenerationRequest, count: Count) -> list[list[Result]]:
+def complete(job: Job, request: GenerationRequest, count: Count,
+             chat: bool = False) -> tuple[list[list[Result]], list[list[dict | None]]]:
+    """Every prompt's results, and with the logprobs option each one's logprobs object (made
+    here, in the worker: it decodes every token)."""
     job.check()
-    job.model.check_can_generate()
+    model = job.model
+    model.check_can_generate()
     try:
-        _, results = run(job.model, request.prompts, cancel=job.cancelled, **request.options)
+        _, results = run(model, request.prompts, cancel=job.cancelled, **request.options)
     except Cancelled:
         raise job.stopped() from None
     count(sum(row[0].prompt_tokens for row in results),
           sum(r.new_tokens for row in results for r in row))
-    return results
+    logprobs = [[responses.token_logprobs(model.tokenizer, r, chat, model.is_encoder_decoder)
+                 for r in row] for row in results]
+    return results, logprobs
 
 
 # What `stream` emits (the event loop reads them in this order for each choice):

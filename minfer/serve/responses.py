@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ..tokenizers import IncrementalDecoder
+
 DONE = b"data: [DONE]\n\n"
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
@@ -31,6 +33,43 @@ def new_id(kind: str) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_logprobs(tok: Any, result: Any, chat: bool, encoder_decoder: bool) -> dict | None:
+    """A result's log-probabilities as OpenAI shapes them: a completion's {tokens,
+    token_logprobs, top_logprobs, text_offset}, a chat answer's {content: [{token, logprob, bytes,
+    top_logprobs}]}. Each chosen token's text is the piece it adds to the decoded text (so they
+    join to it; a skipped special token adds ""), an alternative's its own decoding."""
+    if result.token_logprobs is None:
+        return None
+    ids = result.token_ids[1:] if encoder_decoder else result.token_ids
+    pieces = _pieces(tok, ids) if tok is not None else [str(i) for i in ids]
+
+    def text(i: int) -> str:
+        return tok.decode([i], skip_special_tokens=False) if tok is not None else str(i)
+    if chat:
+        return {"content": [
+            {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
+             "top_logprobs": [{"token": text(i), "logprob": v,
+                               "bytes": list(text(i).encode("utf-8"))} for i, v in top]}
+            for piece, lp, top in zip(pieces, result.token_logprobs, result.top_logprobs)]}
+    offsets, at = [], 0
+    for piece in pieces:
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": pieces, "token_logprobs": result.token_logprobs,
+            "top_logprobs": [{text(i): v for i, v in top} for top in result.top_logprobs],
+            "text_offset": offsets}
+
+
+def _pieces(tok: Any, ids: list[int]) -> list[str]:
+    """The text each id adds to the decoding of all of them (the last one also what was held
+    back)."""
+    decoder = IncrementalDecoder(tok)
+    pieces = [decoder.push(i) for i in ids]
+    if pieces:
+        pieces[-1] += decoder.flush()
+    return pieces
 
 
 def event(body: dict[str, Any]) -> bytes:
@@ -53,15 +92,18 @@ class Answer:
         kind = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, choices: Iterable[tuple[int, str, str]], use: dict[str, int]) -> dict[str, Any]:
-        """The non-streamed response: choices as (index, text, minfer's finish reason)."""
+    def whole(self, choices: Iterable[tuple[int, str, str, dict | None]],
+              use: dict[str, int]) -> dict[str, Any]:
+        """The non-streamed response: choices as (index, text, minfer's finish reason, the
+        logprobs object or None)."""
         out = []
-        for index, text, reason in choices:
+        for index, text, reason, logprobs in choices:
             choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(reason)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                choice["logprobs"] = logprobs
             else:
-                choice.update(text=text, logprobs=None)
+                choice.update(text=text, logprobs=logprobs)
             out.append(choice)
         return {**self._head(False), "choices": out, "usage": use}
 

@@ -224,9 +224,10 @@ async def _generation(service: Service, request: Request, chat: bool) -> Respons
             response = await _start_stream(service, request, job, req, answer, start, deadline)
             job = None   # the response's own now: it lets go of the job when it ends
             return response
-        future = service.workers.submit(jobs.complete, job, req, service.metrics.tokens)
-        results = await service.wait(request, job, asyncio.wrap_future(future), deadline)
-        choices = [(i * req.n + j, r.text, r.finish_reason)
+        future = service.workers.submit(jobs.complete, job, req, service.metrics.tokens, chat)
+        results, logprobs = await service.wait(request, job, asyncio.wrap_future(future),
+                                               deadline)
+        choices = [(i * req.n + j, r.text, r.finish_reason, logprobs[i][j])
                    for i, row in enumerate(results) for j, r in enumerate(row)]
         use = responses.usage(sum(row[0].prompt_tokens for row in results),
                               sum(r.new_tokens for row in results for r in row))

@@ -3,7 +3,7 @@ mapped onto the options `model.generate` and `model.embed` take.
 
 Completions and chat completions share the sampling fields; vLLM's extras are read under vLLM's
 names. Unknown fields are ignored, as OpenAI's API ignores them; a known field that asks for
-something minfer does not do (logprobs, echo, suffix, logit_bias, presence or frequency
+something minfer does not do (echo, suffix, logit_bias, presence or frequency
 penalties, tools, a JSON response format) is refused rather than silently dropped. A null field is
 unset. The mapping (README "Serving" lists it for users):
 
@@ -17,6 +17,7 @@ unset. The mapping (README "Serving" lists it for users):
     min_tokens                          min_new_tokens
     ignore_eos                          min_new_tokens = max_new_tokens (eos cannot end it early)
     truncate_prompt_tokens              cut longer prompts to this many tokens (truncation)
+    logprobs (completions: k; chat: true + top_logprobs k)   logprobs=k (non-streamed answers)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..errors import InputError
-from ..generation.options import BATCH_OPTION_NAMES, resolve_options
+from ..generation.options import BATCH_OPTION_NAMES, MAX_LOGPROBS, resolve_options
 from ..io.limits import is_integer, short_repr
 from .chat import chat_prompt
 from .errors import APIError, in_request_words
@@ -42,7 +43,7 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
              "max_input_tokens": "truncate_prompt_tokens", "dimensions": "dimensions"}
 
 # request fields the serving jobs' own messages begin with
-_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents")
+_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs")
 
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
@@ -53,8 +54,8 @@ MAX_STOP = 16
 
 # OpenAI fields minfer cannot honour: refused unless they ask for nothing (null, false, 0, "",
 # an empty list or object)
-_UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-                "frequency_penalty", "tools", "functions", "prompt_logprobs")
+_UNSUPPORTED = ("echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty", "tools",
+                "functions", "prompt_logprobs")
 
 
 # -- the body ---------------------------------------------------------------------------------------
@@ -145,7 +146,9 @@ def completion_request(body: dict, max_tokens: int, max_input_tokens: int,
                        param="prompt")
     prompts = _strings(body, "prompt")
     _check_count(prompts, "prompt", "prompts", max_inputs)
-    return _generation(body, prompts, "max_tokens", max_tokens, max_input_tokens, max_inputs)
+    logprobs = _integer(body, "logprobs", 0)          # the alternatives per token
+    return _generation(body, prompts, "max_tokens", max_tokens, max_input_tokens, max_inputs,
+                       _at_most(logprobs, "logprobs"))
 
 
 def chat_request(body: dict, max_tokens: int, max_input_tokens: int,
@@ -157,8 +160,18 @@ def chat_request(body: dict, max_tokens: int, max_input_tokens: int,
                        param="response_format")
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
+    wanted = _boolean(body, "logprobs")
+    top = _at_most(_integer(body, "top_logprobs", 0), "top_logprobs")
+    if top is not None and not wanted:
+        raise APIError(400, "top_logprobs needs \"logprobs\": true", param="top_logprobs")
     return _generation(body, [chat_prompt(body.get("messages"))], limit_field, max_tokens,
-                       max_input_tokens, max_inputs)
+                       max_input_tokens, max_inputs, (top or 0) if wanted else None)
+
+
+def _at_most(k: int | None, field: str) -> int | None:
+    if k is not None and k > MAX_LOGPROBS:
+        raise APIError(400, f"{field} must be at most {MAX_LOGPROBS}, got {k}", param=field)
+    return k
 
 
 def _check_count(values: list, field: str, what: str, max_inputs: int) -> None:
@@ -185,7 +198,8 @@ def _check_sequences(prompts: int, n: int, beams: tuple[int | None, str],
 
 
 def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: int,
-                max_input_tokens: int, max_inputs: int) -> GenerationRequest:
+                max_input_tokens: int, max_inputs: int,
+                logprobs: int | None = None) -> GenerationRequest:
     for name in _UNSUPPORTED:
         if body.get(name):
             raise APIError(400, f"{name} is not supported by minfer's server", param=name)
@@ -216,6 +230,9 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's limit of "
                        f"{max_input_tokens} prompt tokens", param="truncate_prompt_tokens")
     stream = bool(_boolean(body, "stream"))
+    if stream and logprobs is not None:
+        raise APIError(400, "logprobs are not given in streamed responses yet: send them "
+                       "without stream", param="logprobs")
     usage = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     include_usage = usage.get("include_usage", False)
     if not isinstance(include_usage, bool):
@@ -236,7 +253,8 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         length_penalty=_number(body, "length_penalty"), early_stopping=early,
         stop=stop, seed=_integer(body, "seed"),
         repetition_penalty=_number(body, "repetition_penalty"),
-        max_input_tokens=truncate or max_input_tokens, truncation=truncate is not None or None)
+        max_input_tokens=truncate or max_input_tokens, truncation=truncate is not None or None,
+        logprobs=logprobs)
     return GenerationRequest(prompts, options, n, stream, include_usage,
                              bool(_boolean(body, "ignore_eos")))
 

@@ -228,6 +228,11 @@ class T5Model(Model):
                 raise non_finite(self, "logits", where)
             return logits
 
+    def teacher_forced_logits(self, input_ids: Any, decoder_input_ids: Any) -> np.ndarray:
+        """Logits (B, T_dec, V) of given decoder ids (generation scores finished beams' tokens
+        with them: the `logprobs` option)."""
+        return self.forward(input_ids, decoder_input_ids)
+
     @contextlib.contextmanager
     def start_decoding(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                        max_len: int, repeat: int = 1) -> Iterator[T5DecodeState]:
