@@ -4,7 +4,9 @@ model, cosine similarity of the embeddings for a sentence-embedding model.
 
 Both run the model's teacher-forced `forward` (encoder, then the decoder over the given ids at
 once) in batches whose logits stay within LOGITS_BUDGET bytes, so a 250k-word vocabulary does not
-make a batch of long targets a gigabyte. A target's ids are those transformers' tokenizer gives
+make a batch of long targets a gigabyte; a batch the arena cannot hold runs as two halves (down to
+one row), and `cancel` (a threading.Event: a server's client gone) stops the work between
+batches with `Cancelled`. A target's ids are those transformers' tokenizer gives
 as labels (`</s>` closing them), fed after the decoder start token: its score is the sum (or,
 `normalize`, the mean) of each token's log-probability, the log-softmax of the logits before
 any sampling setting, as transformers' `-loss * len` computes it.
@@ -13,16 +15,18 @@ any sampling setting, as transformers' `-loss * len` computes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .embedding import text_list
-from .errors import InputError
+from .errors import ArenaExhausted, Cancelled, InputError
 from .padding import right_padded
 from .tokenizers.select import need_tokenizer
 
 LOGITS_BUDGET = 256 << 20       # bytes of float32 logits one forward pass may return
+SCORE_CHUNK_ROWS = 16           # rows of logits turned into log-probabilities at a time
+EMBED_WINDOW = 256              # texts per embed call of `similarities` (cancel between them)
 MONOT5_TEMPLATE = "Query: {query} Document: {document} Relevant:"
 MONOT5_WORDS = ("true", "false")   # monoT5's labels: P(first) of the two at the first step
 
@@ -44,7 +48,7 @@ class PairScore:
 
 
 def score_pairs(model: Any, sources: str | Sequence[str], targets: str | Sequence[str],
-                batch_size: int = 16) -> list[PairScore]:
+                batch_size: int = 16, cancel: Any = None) -> list[PairScore]:
     """Each target's log-likelihood given its source; one source scores every target, or the
     two lists pair up (equal lengths)."""
     _check_seq2seq(model, "score_pairs()")
@@ -54,20 +58,22 @@ def score_pairs(model: Any, sources: str | Sequence[str], targets: str | Sequenc
     tgt = [tok.encode(t, add_eos=True) for t in targets]
     start = model.token_ids.start
     out: list[PairScore | None] = [None] * len(src)
-    for rows in _batches(model, [len(t) for t in tgt], batch_size):
+
+    def run(rows: list[int]) -> None:
         ids, mask = right_padded([src[i] for i in rows], model.token_ids.pad)
         dec, _ = right_padded([[start] + tgt[i][:-1] for i in rows], model.token_ids.pad)
         logits = model.forward(ids, dec, mask)                         # (b, T, V)
         for r, i in enumerate(rows):
-            n = len(tgt[i])
-            logprobs = _log_softmax(logits[r, :n])                     # (n, V)
-            picked = logprobs[np.arange(n), tgt[i]]
+            picked = picked_logprobs(logits[r, :len(tgt[i])], tgt[i])
             out[i] = PairScore(tgt[i], [float(v) for v in picked])
+    for rows in _batches(model, [len(t) for t in tgt], batch_size):
+        _in_halves(run, rows, cancel)
     return out   # type: ignore[return-value]
 
 
 def rerank(model: Any, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
-           words: tuple[str, str] = MONOT5_WORDS, batch_size: int = 16) -> list[tuple[int, float]]:
+           words: tuple[str, str] = MONOT5_WORDS, batch_size: int = 16,
+           cancel: Any = None) -> list[tuple[int, float]]:
     """(document index, relevance) best first, at most `top_n`. A model with a decoder: monoT5's
     P(words[0]) from the softmax over the two words' logits at the first decoder step of
     MONOT5_TEMPLATE; an encoder alone (a sentence-embedding model): the cosine similarity of the
@@ -80,20 +86,27 @@ def rerank(model: Any, query: str, documents: str | Sequence[str], *, top_n: int
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
         raise InputError(f"rerank(): top_n must be a positive integer, got {top_n!r:.40}")
     if has_decoder(model):
-        scores = _monot5(model, query, documents, words, batch_size)
+        scores = _monot5(model, query, documents, words, batch_size, cancel)
     else:
-        scores = _cosines(model, query, documents, batch_size)
+        scores = similarities(model, query, documents, batch_size, cancel)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     return [(i, float(scores[i])) for i in order[:top_n]]
 
 
 def similarities(model: Any, texts_1: str | Sequence[str], texts_2: str | Sequence[str],
-                 batch_size: int = 16) -> np.ndarray:
+                 batch_size: int = 16, cancel: Any = None) -> np.ndarray:
     """Cosine similarity of each pair's embeddings (one text against a list, or two lists of one
-    length): what a sentence-embedding model scores pairs by."""
+    length): what a sentence-embedding model scores pairs by. Each distinct text is embedded
+    once, EMBED_WINDOW texts a call (cancel is checked between calls)."""
     a, b = _paired(texts_1, texts_2, "similarities()", "texts_1", "texts_2")
-    vectors = model.embed(a + b, batch_size=batch_size).astype(np.float64)
-    va, vb = vectors[:len(a)], vectors[len(a):]
+    unique = list(dict.fromkeys(a + b))
+    where = {t: i for i, t in enumerate(unique)}
+    parts = []
+    for start in range(0, len(unique), EMBED_WINDOW):
+        _check(cancel)
+        parts.append(model.embed(unique[start:start + EMBED_WINDOW], batch_size=batch_size))
+    vectors = np.concatenate(parts).astype(np.float64)
+    va, vb = vectors[[where[t] for t in a]], vectors[[where[t] for t in b]]
     norms = np.maximum(np.linalg.norm(va, axis=1) * np.linalg.norm(vb, axis=1), 1e-24)
     return np.einsum("ij,ij->i", va, vb) / norms
 
@@ -104,7 +117,7 @@ def has_decoder(model: Any) -> bool:
 
 
 def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str],
-            batch_size: int) -> np.ndarray:
+            batch_size: int, cancel: Any) -> np.ndarray:
     tok = need_tokenizer(model, "rerank()")
     pair = []
     for word in words:
@@ -116,20 +129,36 @@ def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str]
     inputs = [tok.encode(MONOT5_TEMPLATE.format(query=query, document=d),
                          add_eos=model.add_eos_to_prompt) for d in documents]
     scores = np.empty(len(documents), np.float64)
-    for rows in _batches(model, [1] * len(documents), batch_size):
+
+    def run(rows: list[int]) -> None:
         ids, mask = right_padded([inputs[i] for i in rows], model.token_ids.pad)
         first = np.full((len(rows), 1), model.token_ids.start, np.int64)
         two = model.forward(ids, first, mask)[:, 0, pair].astype(np.float64)   # (b, 2)
         two -= two.max(axis=1, keepdims=True)
         p = np.exp(two)
         scores[rows] = p[:, 0] / p.sum(axis=1)
+    for rows in _batches(model, [1] * len(documents), batch_size):
+        _in_halves(run, rows, cancel)
     return scores
 
 
-def _cosines(model: Any, query: str, documents: list[str], batch_size: int) -> np.ndarray:
-    vectors = model.embed([query, *documents], batch_size=batch_size).astype(np.float64)
-    norms = np.maximum(np.linalg.norm(vectors, axis=1), 1e-12)
-    return (vectors[1:] @ vectors[0]) / (norms[1:] * norms[0])
+def _in_halves(run: Callable[[list[int]], None], rows: list[int], cancel: Any) -> None:
+    """run(rows), or, when the arena cannot hold that batch now, its two halves (down to one
+    row, whose ArenaExhausted is the caller's); `cancel` checked before each."""
+    _check(cancel)
+    try:
+        run(rows)
+    except ArenaExhausted:
+        if len(rows) == 1:
+            raise
+        half = len(rows) // 2
+        _in_halves(run, rows[:half], cancel)
+        _in_halves(run, rows[half:], cancel)
+
+
+def _check(cancel: Any) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("cancelled")
 
 
 def _batches(model: Any, lengths: list[int], batch_size: int) -> list[list[int]]:
@@ -151,11 +180,18 @@ def _batches(model: Any, lengths: list[int], batch_size: int) -> list[list[int]]
     return batches
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    """Rows of logits (n, V) -> log-probabilities, in float64 (sums over long targets)."""
-    x = x.astype(np.float64)
-    top = x.max(axis=1, keepdims=True)
-    return x - top - np.log(np.exp(x - top).sum(axis=1, keepdims=True))
+def picked_logprobs(logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """Rows of logits (n, V) and one token per row -> that token's log-probability (n,) float64,
+    a few rows at a time (float32 copies of SCORE_CHUNK_ROWS rows, sums in float64): no (n, V)
+    float64 array."""
+    n = len(tokens)
+    out = np.empty(n, np.float64)
+    for a in range(0, n, SCORE_CHUNK_ROWS):
+        x = logits[a:a + SCORE_CHUNK_ROWS]
+        top = x.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(x - top).sum(axis=1, dtype=np.float64)) + top[:, 0]
+        out[a:a + len(x)] = x[np.arange(len(x)), tokens[a:a + len(x)]] - lse
+    return out
 
 
 def _paired(a: Any, b: Any, what: str, a_name: str, b_name: str) -> tuple[list[str], list[str]]:

@@ -140,3 +140,44 @@ def test_an_embedding_model_ranks_by_cosine_similarity():
 def test_bad_rerank_calls_are_one_line(kwargs, said):
     with pytest.raises(InputError, match=said):
         minfer.load(ST).rerank(**kwargs)
+
+
+def test_a_batch_the_arena_cannot_hold_runs_in_halves(tmp_path):
+    """A small workspace: the 16-pair batch does not fit at once; halves do, with the same
+    values as a roomy arena gives."""
+    sources = [f"date: {d} May 2001" for d in range(1, 17)]
+    targets = [f"2001-05-{d:02d}" for d in range(1, 17)]
+    want = minfer.load(DATES).score_pairs(sources, targets)
+    small = minfer.load(DATES, workspace="1MiB")
+    rows, forward = [], small.forward
+
+    def counted(input_ids, *args, **kwargs):
+        rows.append(len(input_ids))
+        return forward(input_ids, *args, **kwargs)
+    small.forward = counted
+    got = small.score_pairs(sources, targets)
+    assert rows[0] == 16 and max(rows[1:]) < 16      # the whole batch ran out: halves ran
+    for a, b in zip(want, got):
+        assert np.allclose(a.token_logprobs, b.token_logprobs, atol=1e-5)
+
+
+def test_a_cancel_stops_the_work_between_batches(dates, monkeypatch):
+    import threading
+    cancel = threading.Event()
+    calls = []
+    forward = dates.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        cancel.set()              # the client leaves during the first batch
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(dates, "forward", counted)
+    with pytest.raises(minfer.Cancelled):
+        scoring.score_pairs(dates, "date: 1 May 2001", ["a"] * 8, batch_size=2, cancel=cancel)
+    assert len(calls) == 1
+    cancel.clear()
+    calls.clear()
+    with pytest.raises(minfer.Cancelled):
+        scoring.rerank(dates, "q", ["d"] * 8, words=("July", "date"), batch_size=2,
+                       cancel=cancel)
+    assert len(calls) == 1

@@ -2,6 +2,7 @@
 (tests/test_scoring.py checks those against forward's logits), in vLLM's and Cohere's shapes, for
 a seq2seq model and a sentence-embedding model; limits and errors as the other endpoints. Real
 server processes on 127.0.0.1 (a free port), stopped by the module."""
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,13 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
 import minfer
+from factories import write_t5
 from serve_process import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 DATES = ROOT / "weights" / "tiny-t5-dates"
 ST = ROOT / "weights" / "family" / "st_sentence_t5"
+T5_TOKENIZER = Path("/work/shared/t5-tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +48,29 @@ def test_score_gives_each_targets_log_likelihood(dates_server):
     assert got["usage"]["prompt_tokens"] == tokens and got["object"] == "list"
 
 
-def test_rerank_orders_documents_by_monot5_relevance(dates_server):
-    model = minfer.load(DATES)
-    docs = ["date: 1 May 2001", {"text": "the 4th of July"}, "nothing"]
-    texts = [d if isinstance(d, str) else d["text"] for d in docs]
+def test_rerank_refuses_words_the_vocabulary_spells_in_pieces(dates_server):
     with dates_server.client() as http:
-        r = http.post("/v1/rerank", json={"query": "July", "documents": docs, "top_n": 2})
-        assert r.status_code == 400 and "'true' is" in r.json()["error"]["message"]
-    # the tiny vocabulary has no single-token "true": the library call with words it has
-    ranked = model.rerank("July", texts, words=("July", "date"))
-    assert len(ranked) == 3
+        r = http.post("/v1/rerank", json={"query": "July", "documents": ["a", "b"]})
+    assert r.status_code == 400 and "'true' is 4 tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.skipif(not T5_TOKENIZER.is_dir(), reason="the real T5 tokenizer is not here")
+def test_rerank_orders_documents_by_monot5_relevance(tmp_path_factory):
+    folder = write_t5(tmp_path_factory.mktemp("mono") / "m", seed=5, vocab_size=32128,
+                      d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=2,
+                      num_decoder_layers=2)
+    for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(T5_TOKENIZER / name, folder / name)
+    docs = ["Cats are small furry animals.", {"text": "The stock market fell."}, "Purring cats."]
+    texts = [d if isinstance(d, str) else d["text"] for d in docs]
+    want = minfer.load(folder).rerank("what are cats?", texts)   # (checked against forward in
+    with serving(folder) as server, server.client() as http:     # tests/test_scoring.py)
+        got = http.post("/v1/rerank", json={"query": "what are cats?", "documents": docs,
+                                            "top_n": 2}).json()
+    assert [r["index"] for r in got["results"]] == [i for i, _ in want[:2]]
+    assert np.allclose([r["relevance_score"] for r in got["results"]],
+                       [s for _, s in want[:2]], atol=1e-6)
+    assert [r["document"]["text"] for r in got["results"]] == [texts[i] for i, _ in want[:2]]
 
 
 def test_an_embedding_model_scores_and_reranks_by_cosine(st_server):
@@ -74,6 +90,9 @@ def test_an_embedding_model_scores_and_reranks_by_cosine(st_server):
     assert np.allclose([r["relevance_score"] for r in ranked["results"]], cos[order], atol=1e-5)
     assert bare["results"] == [{"index": int(order[0]),
                                 "relevance_score": ranked["results"][0]["relevance_score"]}]
+    with st_server.client() as http:
+        r = http.post("/v1/score", json={"text_1": "a", "text_2": "b", "normalize": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "normalize"
 
 
 @pytest.mark.parametrize("path,body,param", [

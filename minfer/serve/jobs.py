@@ -194,10 +194,17 @@ def score(job: Job, request: ScoreRequest, max_input_tokens: int) -> tuple[list[
     second = _counts(model, "text_2", request.texts_2, max_input_tokens)
     pairs = max(len(first), len(second))          # a single text is read once per pair
     tokens = sum(first) * (pairs // len(first)) + sum(second) * (pairs // len(second))
-    if not scoring.has_decoder(model):
-        return [float(s) for s in scoring.similarities(model, request.texts_1,
-                                                       request.texts_2)], tokens
-    scored = model.score_pairs(request.texts_1, request.texts_2)
+    try:
+        if not scoring.has_decoder(model):
+            if request.normalize:
+                raise InputError("normalize applies to a seq2seq model's log-likelihoods; this "
+                                 "model scores pairs by cosine similarity")
+            return [float(s) for s in scoring.similarities(
+                model, request.texts_1, request.texts_2, cancel=job.cancelled)], tokens
+        scored = scoring.score_pairs(model, request.texts_1, request.texts_2,
+                                     cancel=job.cancelled)
+    except Cancelled:
+        raise job.stopped() from None
     return [p.mean if request.normalize else p.total for p in scored], tokens
 
 
@@ -212,7 +219,11 @@ def rerank(job: Job, request: RerankRequest, max_input_tokens: int) -> tuple[lis
     else:
         tokens = (sum(_counts(model, "query", [request.query], max_input_tokens))
                   + sum(_counts(model, "documents", request.documents, max_input_tokens)))
-    return model.rerank(request.query, request.documents, top_n=request.top_n), tokens
+    try:
+        return scoring.rerank(model, request.query, request.documents, top_n=request.top_n,
+                              cancel=job.cancelled), tokens
+    except Cancelled:
+        raise job.stopped() from None
 
 
 def _counts(model: Any, field: str, texts: list[str], max_input_tokens: int) -> list[int]:

@@ -43,7 +43,7 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
              "max_input_tokens": "truncate_prompt_tokens", "dimensions": "dimensions"}
 
 # request fields the serving jobs' own messages begin with
-_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs")
+_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs", "normalize")
 
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
