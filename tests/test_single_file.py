@@ -323,6 +323,13 @@ def test_fp8_weights_without_their_scale_in_a_scaled_file(tmp_path):
                         "config inferred from its tensors")
 
 
+def test_comfyuis_newer_quantised_layout_is_named_as_unsupported(tmp_path):
+    tensors = encoder_tensors({**SMALL, **V1_1})
+    scale = "encoder.block.0.layer.0.SelfAttention.k.weight_scale"
+    one_line_error(rewrite(tmp_path, tensors, **{scale: np.ones((), np.float32)}),
+                   "ComfyUI's newer quantised layout .* is not supported yet")
+
+
 def test_shapes_that_no_t5_config_fits(tmp_path):
     tensors = encoder_tensors({**SMALL, **V1_1})
     q = "encoder.block.0.layer.0.SelfAttention.q.weight"
@@ -335,6 +342,9 @@ def test_shapes_that_no_t5_config_fits(tmp_path):
     assert str(tmp_path / "bad.safetensors") in msg
     one_line_error(rewrite(tmp_path, tensors, drop=[k for k in tensors if ".block.1." in k]),
                    "encoder block 1 is missing")
+    far = "encoder.block.1000000000000.layer.0.SelfAttention.q.weight"   # nothing sized by it
+    one_line_error(rewrite(tmp_path, tensors, **{far: np.zeros((24, 24), np.float32)}),
+                   "encoder block 1000000000000: more than 65536 blocks")
     one_line_error(rewrite(tmp_path, tensors, drop=["encoder.block.1.layer.0.SelfAttention.v.weight"]),
                    r"tensor 'encoder.block.1.layer.0.SelfAttention.v.weight' is missing \(the T5 "
                    r"config inferred from its tensors needs it\)")

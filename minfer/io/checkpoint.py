@@ -26,7 +26,8 @@ from ..errors import CheckpointError
 from .formats import QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
-from .tensors import FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32, fp8_to_float32
+from .tensors import (FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32, fp8_to_bfloat16_bits,
+                      fp8_to_float32)
 from .torch_pickle import TorchFile
 
 WEIGHTS_NAME = "model.safetensors"
@@ -219,6 +220,14 @@ class Checkpoint:
             groups[key] = groups.get(key, 0) + 1
         return "; ".join(f"{key}: {n} tensor{'s' * (n != 1)}" for key, n in groups.items())
 
+    @staticmethod
+    def _check_bits(bits: np.ndarray, info: Any, name: str, rows: tuple[int, int] | None) -> None:
+        """check_weight_values over bfloat16 bits (uint16), widened a chunk at a time."""
+        flat = bits.reshape(-1)
+        for a in range(0, flat.size, _CHECK_CHUNK):
+            check_weight_values(bf16_to_float32(flat[a:a + _CHECK_CHUNK]),
+                                f"{info.file}: tensor '{quoted(name)}'", rows[0] if rows else 0)
+
     def _fp8_values(self, name: str, raw: np.ndarray, rows: tuple[int, int] | None) -> np.ndarray:
         """fp8 bytes (or rows a..b of them) -> float32 values: widened, times the scale."""
         fp8 = self._fp8[name]
@@ -361,7 +370,13 @@ class Checkpoint:
         model whose weight format matches the file reads, with no float32 copy."""
         f, info = self._located(name, rows)
         raw = f.raw(name, self.use_mmap, rows)
-        if name in self._fp8:             # its bfloat16 bits, or float32 products
+        fp8 = self._fp8.get(name)
+        if fp8 is not None and fp8.scale is None:   # its bfloat16 bits by table: no float32 copy
+            bits = fp8_to_bfloat16_bits(raw, fp8.code)
+            if self.check_values:
+                self._check_bits(bits, info, name, rows)
+            return bits, None
+        if fp8 is not None:               # scaled: float32 products (bfloat16 bits if exact)
             values = self._fp8_values(name, raw, rows)
             if self.check_values:
                 check_weight_values(values, f"{info.file}: tensor '{quoted(name)}'",
@@ -373,12 +388,10 @@ class Checkpoint:
             raw = np.array(raw)
         if name not in self._scales:
             if self.check_values:
-                flat = raw.reshape(-1)
-                for a in range(0, flat.size, _CHECK_CHUNK):   # bfloat16 widened a chunk at a time
-                    chunk = flat[a:a + _CHECK_CHUNK]
-                    if info.dtype == "BF16":
-                        chunk = bf16_to_float32(chunk)
-                    check_weight_values(chunk, f"{info.file}: tensor '{quoted(name)}'")
+                if info.dtype == "BF16":
+                    self._check_bits(raw, info, name, None)
+                else:
+                    check_weight_values(raw.reshape(-1), f"{info.file}: tensor '{quoted(name)}'")
             return raw, None
         scale_name, _ = self._scales[name]
         scale = self._scale_where[scale_name].raw(scale_name, self.use_mmap)

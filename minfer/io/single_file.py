@@ -86,6 +86,12 @@ class SingleFile(Checkpoint):
                 raise CheckpointError(f"{self.path}: tensor '{quoted(name)}' is missing ({what} "
                                       "needs it)")
         unexpected = sorted(present - set(tensors) - set(optional))
+        comfy = [n for n in unexpected if n.endswith((".comfy_quant", ".weight_scale"))
+                 or n == "_quantization_metadata"]
+        if comfy:   # ComfyUI's newer quantised layout: say so rather than "no part of it"
+            raise CheckpointError(f"{self.path}: tensor '{quoted(comfy[0])}': ComfyUI's newer "
+                                  "quantised layout (comfy_quant / weight_scale) is not supported "
+                                  "yet; its scaled_fp8 layout and plain fp8 / F16 / BF16 files are")
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
             raise CheckpointError(f"{self.path}: unexpected tensor '{quoted(unexpected[0])}'{more}: "

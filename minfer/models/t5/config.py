@@ -228,11 +228,17 @@ def config_from_tensors(shapes: Mapping[str, tuple[int, ...]], source: str) -> d
         m = _BLOCK.match(name)
         if m:
             blocks[m.group(1)].add(int(m.group(2)))
+    for stack, numbers in blocks.items():   # (a block number is the file's: any size)
+        if not numbers:
+            continue
+        top = max(numbers)
+        if top >= MAX_COUNT:
+            raise CheckpointError(f"{source}: {stack} block {top}: more than {MAX_COUNT} blocks")
+        if len(numbers) != top + 1:   # the first gap, found in O(blocks)
+            gap = next(i for i in range(len(numbers) + 1) if i not in numbers)
+            raise CheckpointError(f"{source}: {stack} block {gap} is missing (the file holds "
+                                  f"blocks up to {top})")
     layers = max(blocks["encoder"]) + 1
-    missing = sorted(set(range(layers)) - blocks["encoder"])
-    if missing:
-        raise CheckpointError(f"{source}: encoder block {missing[0]} is missing (the file holds "
-                              f"blocks up to {layers - 1})")
     bias = f"{attn.format(0)}.relative_attention_bias.weight"
     if bias not in shapes:
         raise CheckpointError(f"{source}: tensor '{bias}' is missing: a T5 encoder's block 0 "
