@@ -25,7 +25,8 @@ _DEFAULTS = Limits()
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Port to listen on (0: any free port, printed on stderr).")
 @click.option("--api-key", envvar="MINFER_API_KEY", default=None, metavar="KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/* (or set MINFER_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on every path but /health and /metrics "
+                   "(or set MINFER_API_KEY).")
 @click.option("--served-model-name", default=None, metavar="NAME",
               help="The model name clients send and /v1/models lists  [default: --model].")
 @click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
@@ -61,8 +62,8 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
           max_waiting, max_body_size, max_tokens, max_inputs, max_input_tokens, request_timeout,
           grace_period, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
-    /v1/embeddings, /v1/models, /health and /metrics. Concurrent requests are decoded together
-    (continuous batching)."""
+    /v1/embeddings, /v1/models, vLLM's /tokenize, /detokenize and /v1/score, /v1/rerank,
+    /health and /metrics. Concurrent requests are decoded together (continuous batching)."""
     from minfer.arena import parse_bytes
     try:
         from minfer.serve import app, serve as run_server

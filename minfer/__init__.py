@@ -155,8 +155,16 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         if mode == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
         elif mode == "bfloat16":
+            if dtype in _QUANTISED_FORMATS:   # int8 x scale is no bfloat16: a second rounding
+                raise ConfigError(f"compute='bfloat16' multiplies bfloat16 weights, and "
+                                  f"{ckpt.folder} stores {dtype}: use compute='int8', or "
+                                  "dtype='bfloat16' to widen them")
             dtype = "bfloat16"
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
+    if compute is None and be.compute == "bfloat16":
+        # chosen for this CPU (AVX512_BF16): a copy elsewhere (a pickle, a Ray worker) computes
+        # the same, on another CPU's widening build
+        recipe["compute"] = "bfloat16"
     be.num_threads = _set_threads(num_threads)
     if tokenizer is not None:
         tokenizer = _tokenizer_folder(tokenizer)

@@ -168,3 +168,25 @@ def test_under_a_memory_limit_streamed_layers_give_the_unlimited_ids(folder):
     assert m.weight_plan.streamed and m.backend.compute == "bfloat16"
     assert m.generate(IDS, max_new_tokens=8, min_new_tokens=8) == want
     assert m.backend.arena.stats().peak <= m.backend.memory_limit
+
+
+def test_a_default_bfloat16_compute_travels_with_the_model():
+    """Chosen by this CPU's features, it is recorded: a pickled copy on a CPU without
+    AVX512_BF16 computes the same function instead of falling back to float32."""
+    import pickle
+    m = minfer.load(T5_DIR, dtype="bfloat16")
+    assert m.load_recipe["compute"] == ("bfloat16" if kernels.bfloat16_native() else None)
+    back = pickle.loads(pickle.dumps(m))
+    assert back.backend.compute == m.backend.compute
+
+
+def test_a_quantised_checkpoint_is_not_rounded_again_to_bfloat16(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minfer", "convert", "--model", str(T5_DIR),
+                           "--output", str(tmp_path / "q8"), "--dtype", "int8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for dtype in (None, "auto"):
+        with pytest.raises(minfer.ConfigError, match="stores int8: use compute='int8'"):
+            minfer.load(tmp_path / "q8", dtype=dtype, compute="bfloat16")
+    m = minfer.load(tmp_path / "q8", dtype="bfloat16", compute="bfloat16")   # asked: widened
+    assert (m.backend.weight_format, m.backend.compute) == ("bfloat16", "bfloat16")

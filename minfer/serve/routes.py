@@ -494,8 +494,8 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
     """The OpenAI-compatible ASGI app serving `model` (from minfer.load).
 
     name: the model name clients send and /v1/models lists (default: the name or folder it
-        was loaded from). api_key: required as `Authorization: Bearer KEY` on /v1/*
-        (surrounding whitespace stripped; empty, control or non-ASCII characters: InputError).
+        was loaded from). api_key: required as `Authorization: Bearer KEY` on every path but
+        /health and /metrics (surrounding whitespace stripped; empty, control or non-ASCII characters: InputError).
     cors_origins: origins allowed by CORS (none by default: no CORS headers).
     allowed_hosts: if given, only requests whose Host header names a loopback address or one
         of these ("*": any) are served, others get 421 (default: any host; `serve` restricts
