@@ -8,27 +8,41 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _iget_num_threads
 
 from . import tiles
-from .float_products import BLOCK
 from .widening import I8
-
 
 
 # -- int8 x int8 products (compute="int8") ----------------------------------------------------------------
 # Each input row is quantised on the fly, symmetric, one scale per row (absmax / 127, round to
-# nearest even), the integer products run on the dot-product instructions (`tiles`: 4-row x
-# 4-column tiles of vpdpbusd, int32 sums) and each output is sum * row scale * weight scale. The
-# quantised rows, their sums and scales go to `work`, the runtime's widening scratch (the caller
+# nearest even), the integer products run on the dot-product instructions (`tiles`: tiles of R
+# weight rows x C input rows of vpdpbusd, int32 sums) and each output is sum * row scale * weight
+# scale. The quantised rows, their sums and scales go to `work`, the runtime's scratch (the caller
 # passes as many rows at a time as fit: `kernels.quantised_bytes`). `best` False runs the tiles
 # built for `tiles.FALLBACK` instead (what a CPU without VNNI runs; the tests compare both).
-_tile = tiles.make_tile({True: tiles.ISA, False: tiles.FALLBACK})
+#
+# Layout of the quantised rows (`_place`), M x K bytes as before: rows in groups of 4, each
+# group's first K // 64 * 64 columns interleaved 64 at a time (row c's step s at byte
+# s * 256 + c * 64 of the group), then the 4 rows' last K % 64 columns one row after another;
+# the M % 4 rows past the last group plainly, row after row. A 4-row tile then reads its input
+# rows as one sequential stream (as the bfloat16 products do: bfloat16_products.py).
+#
+# Blocking (as bfloat16_products.py's, measured in benchmarks/bench_int8_products.py): tasks of
+# up to MAX_BLOCK weight rows under prange (fewer, down to MIN_BLOCK, where a thread would get
+# fewer than 2); in a task the first (up to) 4 input rows take the weight rows one at a time
+# (1 x 4 tiles: the weights stream in from memory in order, and the block lands in L2), then each
+# further group of 4 input rows takes them 4 at a time (4 x 4 tiles: 16 vpdpbusd per 8 loads,
+# the 4 input rows in L1), the last M % 4 rows 4 x 1. Every sum runs over the whole of K at once
+# (exact int32; a block of 128 rows of K = 3072 int8 is 384 KiB, within L2, so no K chunking).
+_tile = tiles.make_group_tile({True: tiles.ISA, False: tiles.FALLBACK})
 OFFSET_BEST, OFFSET_FALLBACK = tiles.offset(tiles.ISA), tiles.offset(tiles.FALLBACK)
-WIDTH_BEST, WIDTH_FALLBACK = tiles.width(tiles.ISA), tiles.width(tiles.FALLBACK)
+STEP = tiles.STEP                        # columns (bytes) of a row interleaved at a time
 I4 = tiles.INT4               # the tiles' kinds: I8 (the int8 storage format) and I4
 assert tiles.INT8 == I8
 QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows quantise in parallel
+MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
 
 
 @intrinsic
@@ -49,79 +63,135 @@ def _bits_f32(typingctx, v):
     return types.float32(types.int32), codegen
 
 
-@njit(cache=True)
-def _quantise_row(xr, qr, sums, G):
-    """qr = round(xr * 127 / absmax) (int8), sums[g] = sum of group g (G columns each) of qr;
-    returns the row's scale absmax / 127 (NaN when the row holds inf or NaN: its outputs are NaN,
-    which generation names; 0 for a zero row)."""
+@njit(inline="always")
+def _place(M, K, m):
+    """Where quantised row m is (`_carve`'s int8 buffer, byte offsets): (base, rs, ss, tb, ts),
+    its step s (columns s * STEP ..) at base + s * ss, its last K % STEP columns at tb; rows
+    m + c of the same group (or, past the groups, the next rows) at base + c * rs and tb + c * ts."""
+    main = K // STEP * STEP
+    if m < M // 4 * 4:
+        g0, c = (m // 4) * 4 * K, m % 4
+        return g0 + c * STEP, STEP, 4 * STEP, g0 + 4 * main + c * (K - main), K - main
+    return m * K, K, STEP, m * K + main, K
+
+
+@njit(inline="always")
+def _quantise_row(xr, xq, base, ss, tb, sums, G):
+    """Row xr quantised into its place in xq (`_place`): round(xr * 127 / absmax) (int8), sums[g]
+    the sum of columns g * G .. g * G + G - 1 of it (G a multiple of STEP, or K); returns the
+    row's scale absmax / 127 (NaN when the row holds inf or NaN: its outputs are NaN, which
+    generation names; 0 for a zero row, its quantised values and sums 0)."""
     K = xr.shape[0]
+    main = K // STEP * STEP
     top = np.int32(0)
     for k in range(K):
         top = max(top, _abs_bits(xr[k]))
+    sums[:] = 0
     if top >= np.int32(0x7F800000) or top == 0:
-        qr[:] = 0
-        sums[:] = 0
+        for s in range(K // STEP):
+            xq[base + s * ss:base + s * ss + STEP] = 0
+        xq[tb:tb + K - main] = 0
         return np.float32(np.nan) if top else np.float32(0.0)
     amax = _bits_f32(top)
     inv = np.float32(127.0) / amax
-    for k in range(K):
-        qr[k] = np.int8(np.rint(xr[k] * inv))
-    for g in range(sums.shape[0]):
-        part = qr[g * G:(g + 1) * G]
-        s = 0
-        for k in range(G):
-            s += np.int32(part[k])
-        sums[g] = s
+    for s in range(K // STEP):
+        part = xq[base + s * ss:base + s * ss + STEP]
+        src = xr[s * STEP:s * STEP + STEP]
+        t = np.int32(0)
+        for k in range(STEP):
+            q = np.int8(np.rint(src[k] * inv))
+            part[k] = q
+            t += np.int32(q)
+        sums[s * STEP // G] += t
+    tail = xq[tb:tb + K - main]
+    t = np.int32(0)
+    for k in range(K - main):
+        q = np.int8(np.rint(xr[main + k] * inv))
+        tail[k] = q
+        t += np.int32(q)
+    if K > main:
+        sums[main // G] += t
     return amax / np.float32(127.0)
 
 
 @njit(cache=True)
 def _carve(work, M, K, groups):
-    """The quantised rows (M, K) int8, their group sums (M, groups) int32 and scales (M,) float32
-    in the byte buffer `work` (64-byte aligned parts; kernels.quantised_bytes sizes it: keep the
-    two layouts the same)."""
+    """The quantised rows (M x K int8 in `_place`'s layout, 1-D), their group sums (M, groups)
+    int32 and scales (M,) float32 in the byte buffer `work` (64-byte aligned parts;
+    kernels.quantised_bytes sizes it: keep the two layouts the same)."""
     a = (M * K + 63) // 64 * 64
     b = a + (M * groups * 4 + 63) // 64 * 64
-    xq = work[:M * K].view(np.int8).reshape((M, K))
+    xq = work[:M * K].view(np.int8)
     sums = work[a:a + M * groups * 4].view(np.int32).reshape((M, groups))
     sx = work[b:b + M * 4].view(np.float32)
     return xq, sums, sx
 
 
 @njit(parallel=True, cache=True)
-def _quantise(x, work, groups, G):
+def _quantise(x, work, groups):
     M, K = x.shape
     xq, sums, sx = _carve(work, M, K, groups)
+    G = K // groups
     if M * K >= QUANTISE_PARALLEL:
         for m in prange(M):
-            sx[m] = _quantise_row(x[m], xq[m], sums[m], G)
+            base, _, ss, tb, _ = _place(M, K, m)
+            sx[m] = _quantise_row(x[m], xq, base, ss, tb, sums[m], G)
     else:
         for m in range(M):
-            sx[m] = _quantise_row(x[m], xq[m], sums[m], G)
+            base, _, ss, tb, _ = _place(M, K, m)
+            sx[m] = _quantise_row(x[m], xq, base, ss, tb, sums[m], G)
     return xq, sums, sx
 
 
-def _row_scale(scale, j):
-    """Weight row j's scale (int8: scale[j]); typed for int4's 2-D scales too, which the int8
-    tail below never reads (both kinds share one kernel body, typed whole)."""
-
-
-@overload(_row_scale)
-def _row_scale_typed(scale, j):
-    if scale.ndim == 1:
-        return lambda scale, j: scale[j]
-    return lambda scale, j: scale[j, 0]
+@njit(inline="always")
+def _run(kind, R, C, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out, off):
+    base, rs, ss, tb, ts = _place(M, K, m)
+    _tile(kind, R, C, best, w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n, tail, per, sx,
+          out, off)
 
 
 @njit(inline="always")
-def _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K):
-    """The exact products of the columns past the last whole vector (K not a multiple of it)."""
-    for r in range(rows):
-        for c in range(cols):
-            s = 0
-            for k in range(main, K):
-                s += np.int32(wb[i + r, k]) * np.int32(xq[m + c, k])
-            ob[m + c, i + r] += np.float32(s) * (sx[m + c] * _row_scale(sb, i + r))
+def _stream_pass(kind, best, w, scale, n0, n1, xq, M, K, cols, sums, n, tail, per, sx, out, off):
+    """out[:cols, n0:n1] one weight row at a time (1 x cols tiles, cols <= 4): the weight rows
+    are read in order, one sequential stream, which the hardware prefetcher follows (4 rows at
+    a time are 4 interleaved streams), and the block lands in L2 for the later passes."""
+    for i in range(n0, n1):
+        if cols == 4:
+            _run(kind, 1, 4, best, w, scale, i, xq, M, K, 0, sums, n, tail, per, sx, out, off)
+        elif cols == 3:
+            _run(kind, 1, 3, best, w, scale, i, xq, M, K, 0, sums, n, tail, per, sx, out, off)
+        elif cols == 2:
+            _run(kind, 1, 2, best, w, scale, i, xq, M, K, 0, sums, n, tail, per, sx, out, off)
+        else:
+            _run(kind, 1, 1, best, w, scale, i, xq, M, K, 0, sums, n, tail, per, sx, out, off)
+
+
+@njit(inline="always")
+def _cached_pass(kind, best, w, scale, n0, n1, xq, M, K, m, cols, sums, n, tail, per, sx, out,
+                 off):
+    """out[m:m + cols, n0:n1] (cols 4 or 1) from a block of weight rows already in L2: 4 weight
+    rows x cols input rows per tile, 1 x cols at the block's edge."""
+    i = n0
+    while i < n1:
+        rows = 4 if i + 4 <= n1 else 1
+        if rows == 4 and cols == 4:
+            _run(kind, 4, 4, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out, off)
+        elif rows == 4:
+            _run(kind, 4, 1, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out, off)
+        elif cols == 4:
+            _run(kind, 1, 4, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out, off)
+        else:
+            _run(kind, 1, 1, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out, off)
+        i += rows
+
+
+@njit(inline="always")
+def _block_rows(N, threads):
+    """Weight rows per parallel task: MAX_BLOCK, or fewer (down to MIN_BLOCK, whole tiles of 4)
+    where that would leave a thread without 2 tasks (every task reads all the input rows again:
+    large blocks read them fewer times)."""
+    per_task = (N + 2 * threads - 1) // (2 * threads)
+    return min(MAX_BLOCK, max(MIN_BLOCK, (per_task + 3) // 4 * 4))
 
 
 @njit(parallel=True, cache=True)
@@ -134,38 +204,28 @@ def _qmatmul(x, w, scale, out, work, kind, best):
     N = w.shape[0]
     # (both kinds' code is typed whatever the kind, so it reads only what both arrays have)
     if kind == I8:
-        W = WIDTH_BEST if best else WIDTH_FALLBACK
+        groups, n, per = 1, K // STEP, 0
+        tail = K - n * STEP              # one more masked step: every sum is over all of K
         off = OFFSET_BEST if best else OFFSET_FALLBACK
-        n = K // W                       # whole vectors per row; the tail is summed exactly
-        main, groups, G, per = n * W, 1, n * W, 0
     else:
         groups = scale.shape[-1]
-        n, G, off, main = groups, K // groups, 0, K
-        per = G // 64                    # 64-column blocks per group
-    xq, sums, sx = _quantise(x, work, groups, G)
-    for b in prange((N + BLOCK - 1) // BLOCK):
-        n0 = b * BLOCK
-        nb = min(N, n0 + BLOCK) - n0
-        wb, ob, sb = w[n0:n0 + nb], out[:, n0:n0 + nb], scale[n0:n0 + nb]
-        # 4 input rows x 4 weight rows at a time (then x 1; 1 row at the ends): the block's
-        # weight rows and the 4 input rows stay in L1 while the input rows are used
-        m = 0
+        n, tail, off = groups, 0, 0
+        per = K // groups // 64          # 64-column blocks per group (K: whole blocks)
+    xq, sums, sx = _quantise(x, work, groups)
+    # (numba's own get_num_threads reads a ctypes pointer, which numba cannot cache; this is
+    # the symbol its parallel loops call, resolved when the cached code loads)
+    rows = _block_rows(N, _iget_num_threads())
+    first = min(M, 4)
+    for b in prange((N + rows - 1) // rows):
+        n0 = b * rows
+        n1 = min(N, n0 + rows)
+        _stream_pass(kind, best, w, scale, n0, n1, xq, M, K, first, sums, n, tail, per, sx,
+                     out, off)
+        m = first
         while m < M:
             cols = 4 if m + 4 <= M else 1
-            i = 0
-            while i < nb:
-                rows = 4 if i + 4 <= nb else 1
-                if rows == 4 and cols == 4:
-                    _tile(kind, 4, 4, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
-                elif rows == 4:
-                    _tile(kind, 4, 1, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
-                elif cols == 4:
-                    _tile(kind, 1, 4, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
-                else:
-                    _tile(kind, 1, 1, best, wb, sb, i, xq, sums, m, n, per, sx, ob, off)
-                if main < K:
-                    _tail_fix(rows, cols, ob, i, m, wb, sb, xq, sx, main, K)
-                i += rows
+            _cached_pass(kind, best, w, scale, n0, n1, xq, M, K, m, cols, sums, n, tail, per,
+                         sx, out, off)
             m += cols
 
 
@@ -187,4 +247,3 @@ def qmatmul_i4(x, w, scale, out, work):
 @njit(cache=True)
 def qmatmul_i4_fallback(x, w, scale, out, work):
     _qmatmul(x, w, scale, out, work, I4, False)
-

@@ -394,3 +394,198 @@ def make_tile(isas: dict[bool, str]):
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+# -- tiles over quantised rows in groups of 4 (the products' layout) ---------------------------------
+# The int8 products keep their quantised input rows in `work` in groups of 4, interleaved STEP
+# columns (bytes) at a time, so that a tile of 4 rows reads one sequential stream (4 rows apart
+# they are 4 streams, which the hardware prefetcher follows less well from L3); the rows past the
+# last whole group are stored plainly. A tile addresses its C rows by 5 byte offsets into the
+# int8 buffer (`quantised_products._place`): row c's step s (columns s * STEP ..) at
+# base + c * rs + s * ss, its last K % STEP columns (int8 only) at tb + c * ts.
+STEP = 64
+
+
+def _chains(R: int, C: int) -> int:
+    """Accumulators per row pair: enough independent ones (about 8) that a small tile is not bound
+    by the latency of one dependent chain of vpdpbusd (5 cycles on Zen 4)."""
+    return max(1, 8 // (R * C))
+
+
+def _masked_bytes(builder, ptr, count):
+    """<STEP x i8> from the byte pointer `ptr`: its first `count` (i64, 0 .. STEP - 1) bytes, zeros
+    in the others (which are not read)."""
+    vty = _vec(I8, STEP)
+    mty = _vec(ir.IntType(1), STEP)
+    lanes = ir.Constant(_vec(I8, STEP), list(range(STEP)))
+    mask = builder.icmp_unsigned("<", lanes, _splat(builder, builder.trunc(count, I8), STEP))
+    fn = _declare(builder, f"llvm.masked.load.v{STEP}i8.p0", vty, vty.as_pointer(), I32, mty, vty)
+    return builder.call(fn, [builder.bitcast(ptr, vty.as_pointer()), ir.Constant(I32, 1), mask,
+                             ir.Constant(vty, None)])
+
+
+def _pieces(builder, v, W):
+    """A <STEP x i8> vector as STEP // W vectors of <W x i8>."""
+    return [v] if W == STEP else [_slice(builder, v, h * W, W) for h in range(STEP // W)]
+
+
+def _grouped_rows(context, builder, aryty, value, base, rs, C):
+    """Byte pointers to base + c * rs, c < C, in the 1-D int8 buffer (the first step of the
+    tile's C input rows, or with tb, ts their tails)."""
+    data = builder.bitcast(context.make_array(aryty)(context, builder, value).data, I8.as_pointer())
+    return [builder.gep(data, [builder.add(base, builder.mul(rs, ir.Constant(I64, c)))])
+            for c in range(C)]
+
+
+def _group_int8_codegen(R, C, isa, context, builder, a, args):
+    """out[m + c, i + r] = (sum over k < K of (w[i + r, k] + offset(isa)) * x_c[k] - off *
+    sums[m + c, 0]) * sx[m + c] * scale[i + r] for r < R, c < C, K = n * STEP + tail; x_c is
+    input row c of the tile, addressed as the header above says. One exact int32 sum per output:
+    the last `tail` columns are one more step of masked loads (zeros past K in both operands)."""
+    (w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n, tail, _, sx, out, off) = args
+    W = _WIDTH[isa]
+    L = W // 4
+    U = _chains(R, C)
+    wp = [builder.bitcast(p, I8.as_pointer()) for p in _rows(context, builder, a[0], w, i, R)]
+    xp = _grouped_rows(context, builder, a[3], xq, base, rs, C)
+    flip = ir.Constant(_vec(I8, W), [-128] * W)
+    step = ir.Constant(I64, STEP)
+
+    def products(b, accs, wv, xv):
+        if isa in _VNNI:
+            wv = [[b.xor(v, flip) for v in row] for row in wv]      # w + 128: the unsigned operand
+        out = []
+        for c in range(C):
+            for r in range(R):
+                acc = accs[c * R + r]
+                for u, v in zip(wv[r], xv[c]):
+                    acc = _dot4(b, acc, u, v, isa, u_signed=isa not in _VNNI)
+                out.append(acc)
+        return out
+
+    def at_step(b, s, accs):
+        wv = [[_load_vec(b, p, b.add(b.mul(s, step), ir.Constant(I64, h * W)), _vec(I8, W))
+               for h in range(STEP // W)] for p in wp]
+        xv = [[_load_vec(b, p, b.add(b.mul(s, ss), ir.Constant(I64, h * W)), _vec(I8, W))
+               for h in range(STEP // W)] for p in xp]
+        return products(b, accs, wv, xv)
+
+    def unrolled(b, j, chains):            # U steps, each into its own accumulators
+        first = b.mul(j, ir.Constant(I64, U))
+        return [acc for u in range(U) for acc in
+                at_step(b, b.add(first, ir.Constant(I64, u)), chains[u * R * C:(u + 1) * R * C])]
+
+    zero = ir.Constant(_vec(I32, L), None)
+    Uc = ir.Constant(I64, U)
+    chains = _loop(builder, builder.udiv(n, Uc), [zero] * (U * R * C), unrolled)
+    accs = chains[:R * C]
+    for u in range(1, U):
+        accs = [builder.add(p, q) for p, q in zip(accs, chains[u * R * C:(u + 1) * R * C])]
+    done = builder.sub(n, builder.urem(n, Uc))
+    accs = _loop(builder, builder.urem(n, Uc), accs,
+                 lambda b, j, accs: at_step(b, b.add(done, j), accs))
+
+    def last(b, _, accs):                  # the K % STEP columns past the whole steps
+        wv = [_pieces(b, _masked_bytes(b, b.gep(p, [b.mul(n, step)]), tail), W) for p in wp]
+        xv = [_pieces(b, _masked_bytes(b, p, tail), W)
+              for p in _grouped_rows(context, b, a[3], xq, tb, ts, C)]
+        return products(b, accs, wv, xv)
+
+    accs = _loop(builder, builder.zext(builder.icmp_unsigned("!=", tail, ir.Constant(I64, 0)), I64),
+                 accs, last)
+    total = _tile_vector(builder, _fold(builder, accs, L, builder.add), R * C)
+    fix = ir.Constant(_vec(I32, C), None)
+    for c, p in enumerate(_rows(context, builder, a[9], sums, m, C)):     # sums[m + c, 0]
+        fix = builder.insert_element(fix, builder.load(p), ir.Constant(I32, c))
+    fix = builder.mul(fix, _splat(builder, builder.trunc(off, I32), C))
+    total = builder.sub(total, _spread(builder, fix, R, C, by_row=False))
+    scales = builder.fmul(
+        _spread(builder, _gather(builder, context, a[14], sx, m, C, F32), R, C, by_row=False),
+        _spread(builder, _gather(builder, context, a[1], scale, i, R, F32), R, C, by_row=True))
+    return builder.fmul(builder.sitofp(total, _vec(F32, R * C)), scales)
+
+
+def _group_int4_codegen(R, C, isa, context, builder, a, args):
+    """As `_int4_codegen` (int4 weights, a scale per group of `per` blocks of 64 columns, n
+    groups), the input rows addressed as the header above says (K a multiple of 64: no tail)."""
+    (w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n, tail, per, sx, out, _) = args
+    W = _WIDTH[isa]
+    L = W // 4
+    wp = _rows(context, builder, a[0], w, i, R)
+    sp = _rows(context, builder, a[1], scale, i, R)
+    xp = _grouped_rows(context, builder, a[3], xq, base, rs, C)
+    tp = _rows(context, builder, a[9], sums, m, C)
+    low = ir.Constant(_vec(I8, 32), [15] * 32)
+    four = ir.Constant(_vec(I8, 32), [4] * 32)
+    low64 = ir.Constant(_vec(I8, 64), [15] * 64)
+    shift = ir.Constant(_vec(I16, 32), [0] * 16 + [4] * 16)
+    izero, fzero = ir.Constant(_vec(I32, L), None), ir.Constant(_vec(F32, L), None)
+    fma = _declare(builder, f"llvm.fma.v{L}f32", _vec(F32, L), *[_vec(F32, L)] * 3)
+
+    def group(b, g, faccs):
+        first = b.mul(g, per)
+
+        def block(b, j, iaccs):
+            k = b.add(first, j)
+            pieces = []
+            for p in wp:
+                packed = _load_vec(b, p, b.mul(k, ir.Constant(I64, 32)), _vec(I8, 32))
+                if W == 64:
+                    both = b.shuffle_vector(packed, packed,
+                                            ir.Constant(_vec(I32, 64), list(range(32)) * 2))
+                    shifted = b.lshr(b.bitcast(both, _vec(I16, 32)), shift)
+                    pieces.append([b.and_(b.bitcast(shifted, _vec(I8, 64)), low64)])
+                else:
+                    pieces.append([b.and_(packed, low), b.lshr(packed, four)])
+            at = b.mul(k, ss)
+            xv = [[_load_vec(b, p, b.add(at, ir.Constant(I64, h * W)), _vec(I8, W))
+                   for h in range(64 // W)] for p in xp]
+            out = []
+            for c in range(C):
+                for r in range(R):
+                    acc = iaccs[c * R + r]
+                    for u, v in zip(pieces[r], xv[c]):
+                        acc = _dot4(b, acc, u, v, isa)
+                    out.append(acc)
+            return out
+        iaccs = _loop(b, per, [izero] * (R * C), block)
+        fix = [b.insert_element(izero, b.mul(_load_at(b, p, g), ir.Constant(I32, 8)),
+                                ir.Constant(I32, 0)) for p in tp]
+        scales = [_splat(b, _load_at(b, p, g), L) for p in sp]
+        return [b.call(fma, [b.sitofp(b.sub(iaccs[c * R + r], fix[c]), _vec(F32, L)),
+                             scales[r], faccs[c * R + r]])
+                for c in range(C) for r in range(R)]
+    faccs = _loop(builder, n, [fzero] * (R * C), group)
+    total = _tile_vector(builder, _fold(builder, faccs, L, builder.fadd), R * C)
+    sxv = _spread(builder, _gather(builder, context, a[14], sx, m, C, F32), R, C, by_row=False)
+    return builder.fmul(total, sxv)
+
+
+def make_group_tile(isas: dict[bool, str]):
+    """The tile over grouped input rows: tile(kind, R, C, best, w, scale, i, xq, base, rs, ss, tb,
+    ts, sums, m, n, tail, per, sx, out, off) writes out[m + c, i + r] for r < R, c < C. xq: the
+    1-D int8 buffer of quantised rows, row c of the tile addressed by base, rs, ss, tb, ts (the
+    header above); int8 (kind INT8): n whole steps of STEP columns and `tail` more, sums[m + c, 0]
+    the row's sum over all K, off the build's `offset`; int4 (INT4): n groups of `per` blocks,
+    sums[m + c, g] group g's sum (see `_group_int8_codegen`, `_group_int4_codegen`). kind, R, C
+    and best are compile-time constants, best picking the instruction set `isas[best]`."""
+    from numba.core.errors import RequireLiteralValue
+
+    @intrinsic
+    def tile(typingctx, kind, R, C, best, w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n,
+             tail, per, sx, out, off):
+        known = [getattr(t, "literal_value", None) for t in (kind, R, C, best)]
+        if None in known:
+            raise RequireLiteralValue("the tile's kind, shape and instruction set")
+        k, rows, cols, b = known
+        sig = types.none(kind, R, C, best, w, scale, types.int64, xq, *[types.int64] * 5, sums,
+                         *[types.int64] * 4, sx, out, types.int64)
+        build = _group_int8_codegen if k == INT8 else _group_int4_codegen
+
+        def codegen(context, builder, signature, args):
+            values = build(rows, cols, isas[b], context, builder, signature.args[4:], args[4:])
+            _store_rows(context, builder, signature.args[19], args[19], args[14], args[6],
+                        values, rows, cols)
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile

@@ -1,0 +1,137 @@
+"""The int8 x int8 products' blocking (issue 26): quantised input rows in groups of 4 interleaved
+64 columns at a time (`quantised_products._place`), a first pass of 1 x C tiles streaming the
+weights, 4 x 4 tiles after it, K tails as masked steps. Edges: M, N and K off every multiple
+(tiles of 4, blocks of 32-128 weight rows, steps of 64 columns), non-finite and zero rows in every
+part of the layout, the fallback build agreeing exactly with the best one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minfer import kernels
+
+numba = pytest.importorskip("numba")
+k = kernels.compiled()
+pytestmark = pytest.mark.skipif(k is None, reason="the compiled kernels are off")
+rng = np.random.default_rng(26)
+
+
+def quantised(x):
+    from minfer.products import quantise_rows
+    return quantise_rows(np, x)
+
+
+def run(kernel, x, q, scale):
+    M, K = x.shape
+    groups = 1 if scale.ndim == 1 else scale.shape[1]
+    out = np.full((M, q.shape[0]), np.nan, np.float32)
+    kernel(x, q, scale, out, np.empty(kernels.quantised_bytes(M, K, groups), np.uint8))
+    return out
+
+
+@pytest.mark.parametrize("M,K", [(1, 64), (2, 100), (3, 40), (4, 64), (5, 129), (7, 63),
+                                 (8, 768), (9, 200), (13, 127), (64, 190), (66, 1)])
+def test_every_row_is_placed_once(M, K):
+    """_place puts the M x K quantised bytes in M * K distinct places (the buffer
+    kernels.quantised_bytes sizes), each row's steps and tail where its group's tiles read."""
+    from minfer.kernels.quantised_products import STEP, _place
+    place = _place.py_func
+    seen = np.zeros(M * K, np.int64)
+    main = K // STEP * STEP
+    for m in range(M):
+        base, _, ss, tb, _ = place(M, K, m)
+        for s in range(K // STEP):
+            seen[base + s * ss:base + s * ss + STEP] += 1
+        seen[tb:tb + K - main] += 1
+    assert (seen == 1).all()
+    for m in range(0, M // 4 * 4, 4):               # a 4-row tile's rows: base + c * rs, tb + c * ts
+        base, rs, ss, tb, ts = place(M, K, m)
+        for c in range(1, 4):
+            assert place(M, K, m + c)[0] == base + c * rs and place(M, K, m + c)[3] == tb + c * ts
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 11, 21])
+@pytest.mark.parametrize("N,K", [(1, 64), (6, 65), (37, 127), (130, 40), (263, 192), (67, 320)])
+def test_int8_products_equal_the_rounded_float_product_and_the_fallback_exactly(M, N, K):
+    from minfer.io.formats import quantise_int8
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.random((M, 1)).astype(np.float32)
+    q, scale = quantise_int8(rng.standard_normal((N, K)).astype(np.float32))
+    want = quantised(x) @ (q.astype(np.float32) * scale[:, None]).T
+    best = run(k.qmatmul_i8, x, q, scale)
+    np.testing.assert_allclose(best, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(run(k.qmatmul_i8_fallback, x, q, scale), best)
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 6, 9, 17])
+@pytest.mark.parametrize("N,K", [(5, 64), (131, 128), (70, 384), (260, 256)])
+def test_int4_products_equal_the_float_product_and_the_fallback_exactly(M, N, K):
+    from minfer.io.formats import FORMATS, quantise_int4
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    q, scale = quantise_int4(rng.standard_normal((N, K)).astype(np.float32))
+    want = quantised(x) @ FORMATS["int4"].decode(q, scale, (N, K)).T
+    best = run(k.qmatmul_i4, x, q, scale)
+    np.testing.assert_allclose(best, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(run(k.qmatmul_i4_fallback, x, q, scale), best)
+
+
+@pytest.mark.parametrize("K", [64, 100, 191, 256])
+def test_int8_sums_are_exact_at_the_extremes(K):
+    """Integer inputs whose row maximum is 127 quantise to themselves (scale 1): the products
+    are the exact integer sums, -128 weights and -127 inputs included, K tails too."""
+    M, N = 10, 9
+    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
+    x[:, 0] = 127
+    x[1, 1:] = -127
+    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
+    q[2] = -128
+    q[3] = 127
+    scale = np.ones(N, np.float32)
+    exact = x.astype(np.int64) @ q.T.astype(np.int64)            # below 2^24: exact in float32
+    for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
+        np.testing.assert_array_equal(run(kernel, x, q, scale), exact)
+
+
+@pytest.mark.parametrize("M", [3, 6, 9])
+def test_non_finite_and_zero_rows_in_every_part_of_the_layout(M):
+    """Rows 0-3 (the streaming pass, a group), 4-7 (a 4 x 4 group) and past the last group (plain
+    rows): inf / NaN rows give NaN outputs, zero rows zeros, the other rows their products."""
+    from minfer.io.formats import quantise_int4, quantise_int8
+    K, N = 192, 70
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    bad = {0: np.inf, M - 1: np.nan, **({4: -np.inf} if M > 5 else {})}
+    zero = {1} | ({M - 2} - set(bad))
+    for m, v in bad.items():
+        x[m, 5] = v
+    for m in zero:
+        x[m] = 0.0
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    clean = np.where(np.isfinite(x), x, 0).astype(np.float32)
+    for kernel, (q, s) in ((k.qmatmul_i8, quantise_int8(w)), (k.qmatmul_i4, quantise_int4(w)),
+                           (k.qmatmul_i8_fallback, quantise_int8(w))):
+        out = run(kernel, x, q, s)
+        good = run(kernel, clean, q, s)
+        for m in range(M):
+            if m in bad:
+                assert np.isnan(out[m]).all()
+            elif m in zero:
+                assert (out[m] == 0).all()
+            else:
+                np.testing.assert_array_equal(out[m], good[m])
+
+
+def test_the_thread_count_does_not_change_the_products():
+    """Blocks of weight rows are sized by the thread count (`_block_rows`); each output is one
+    tile's whole sum whichever block holds it."""
+    from minfer.io.formats import quantise_int8
+    x = rng.standard_normal((13, 200)).astype(np.float32)
+    q, s = quantise_int8(rng.standard_normal((300, 200)).astype(np.float32))
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = run(k.qmatmul_i8, x, q, s)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = run(k.qmatmul_i8, x, q, s)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, two)
