@@ -32,7 +32,7 @@ import numpy as np
 DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "2048,768,2304", "2048,768,768",
                   "16,768,3072", "8,768,3072", "4,768,3072", "1,768,3072", "8,3072,768",
                   "1,3072,768", "4,768,32768", "1,768,32768"]
-SETTLE_S = 0.2   # pause between two products: OpenBLAS's idle threads spin for a while after a
+SETTLE_S = 0.5   # pause between two products: OpenBLAS's idle threads spin for a while after a
                  # call, taking the cores from the next product's threads
 
 

@@ -2,7 +2,8 @@
 64 columns at a time (`quantised_products._place`), a first pass of 1 x C tiles streaming the
 weights, 4 x 4 tiles after it, K tails as masked steps. Edges: M, N and K off every multiple
 (tiles of 4, blocks of 32-128 weight rows, steps of 64 columns), non-finite and zero rows in every
-part of the layout, the fallback build agreeing exactly with the best one."""
+part of the layout, the fallback build agreeing exactly with the best one; from PANEL_MIN_ROWS
+input rows the panels (weights repacked per call, input columns broadcast)."""
 
 from __future__ import annotations
 
@@ -135,3 +136,37 @@ def test_the_thread_count_does_not_change_the_products():
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("M", [256, 259])
+@pytest.mark.parametrize("N,K", [(1, 64), (17, 128), (65, 192), (130, 64), (64, 200)])
+def test_panel_products_equal_the_rounded_float_product_and_the_fallback_exactly(M, N, K):
+    """From PANEL_MIN_ROWS input rows the int8 products take the panels (K % 64 == 0; K = 200
+    keeps the tiles): partial panels (N % 64, N % 16), the last M % 4 rows one at a time."""
+    from minfer.io.formats import quantise_int8
+    from minfer.kernels.quantised_products import PANEL_MIN_ROWS
+    assert M >= PANEL_MIN_ROWS
+    x = rng.standard_normal((M, K)).astype(np.float32) * rng.random((M, 1)).astype(np.float32)
+    x[3, 1] = np.nan
+    x[M - 1] = 0.0
+    q, scale = quantise_int8(rng.standard_normal((N, K)).astype(np.float32))
+    want = quantised(x) @ (q.astype(np.float32) * scale[:, None]).T
+    best = run(k.qmatmul_i8, x, q, scale)
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(best[finite], want[finite], rtol=1e-5,
+                               atol=1e-5 * np.abs(want[finite]).max())
+    assert np.isnan(best[3]).all() and (best[M - 1] == 0).all()
+    np.testing.assert_array_equal(run(k.qmatmul_i8_fallback, x, q, scale), best)
+
+
+def test_panel_sums_are_exact_at_the_extremes():
+    M, N, K = 258, 70, 256
+    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
+    x[:, 0] = 127
+    x[1, 1:] = -127
+    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
+    q[2] = -128
+    q[3] = 127
+    exact = x.astype(np.int64) @ q.T.astype(np.int64)
+    for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
+        np.testing.assert_array_equal(run(kernel, x, q, np.ones(N, np.float32)), exact)

@@ -36,6 +36,14 @@ from .widening import I8
 # further group of 4 input rows takes them 4 at a time (4 x 4 tiles: 16 vpdpbusd per 8 loads,
 # the 4 input rows in L1), the last M % 4 rows 4 x 1. Every sum runs over the whole of K at once
 # (exact int32; a block of 128 rows of K = 3072 int8 is 384 KiB, within L2, so no K chunking).
+#
+# From PANEL_MIN_ROWS input rows on (int8 weights, K a multiple of 64: an encoder pass), the
+# products take panels instead (`_panels`, `tiles.make_panel_tile`): each task repacks PANEL
+# weight rows so that a vector holds 4 columns of 16 of them, and each group of 4 input rows runs
+# the whole of K against the panel with its columns broadcast, 16 outputs per accumulator: no
+# lane sums at the end (the 4 x 4 tiles' `_fold` costs about a tenth of the work at K = 768). The
+# loop per 64 columns compiles (LLVM 22, znver4) to 256 vpdpbusd zmm, 64 vmovdqu64 and 64
+# vpbroadcastd, all on registers.
 _tile = tiles.make_group_tile({True: tiles.ISA, False: tiles.FALLBACK})
 OFFSET_BEST, OFFSET_FALLBACK = tiles.offset(tiles.ISA), tiles.offset(tiles.FALLBACK)
 STEP = tiles.STEP                        # columns (bytes) of a row interleaved at a time
@@ -43,6 +51,10 @@ I4 = tiles.INT4               # the tiles' kinds: I8 (the int8 storage format) a
 assert tiles.INT8 == I8
 QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows quantise in parallel
 MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
+_panel = tiles.make_panel_tile({True: tiles.ISA, False: tiles.FALLBACK})
+PANEL = tiles.PANEL
+PANEL_MIN_ROWS = 256                    # input rows from which int8 products take the panels
+                                        # (below, repacking the weights costs what it saves)
 
 
 @intrinsic
@@ -61,6 +73,15 @@ def _bits_f32(typingctx, v):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _address(typingctx, a):
+    """The address of an array's data (to align a panel)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+    return types.int64(a), codegen
 
 
 @njit(inline="always")
@@ -154,7 +175,11 @@ def _run(kind, R, C, best, w, scale, i, xq, M, K, m, sums, n, tail, per, sx, out
 def _stream_pass(kind, best, w, scale, n0, n1, xq, M, K, cols, sums, n, tail, per, sx, out, off):
     """out[:cols, n0:n1] one weight row at a time (1 x cols tiles, cols <= 4): the weight rows
     are read in order, one sequential stream, which the hardware prefetcher follows (4 rows at
-    a time are 4 interleaved streams), and the block lands in L2 for the later passes."""
+    a time are 4 interleaved streams), and the block lands in L2 for the later passes. The 1 x 4
+    tile's loop (LLVM 22, znver4) is, per 4 steps of 64 columns, 4 vpxorq that load and flip the
+    weights and 16 vpdpbusd with the input rows as memory operands (2 accumulators per pair):
+    5 vector loads per 4 vpdpbusd, so it is bound by loads, not by the products, where the
+    weights are in cache (decoding's 1-16 rows: measured in benchmarks/bench_int8_products.py)."""
     for i in range(n0, n1):
         if cols == 4:
             _run(kind, 1, 4, best, w, scale, i, xq, M, K, 0, sums, n, tail, per, sx, out, off)
@@ -194,6 +219,60 @@ def _block_rows(N, threads):
     return min(MAX_BLOCK, max(MIN_BLOCK, (per_task + 3) // 4 * 4))
 
 
+@njit(inline="always")
+def _pack(w, n0, nb, width, flip, words):
+    """Weight rows n0 .. n0 + nb - 1 (int8, K % 4 == 0) into `words` (uint32, K / 4 x width):
+    word j * width + r holding columns 4 j .. 4 j + 3 of row n0 + r, each byte XOR flip (0x80
+    makes them the unsigned w + 128 that vpdpbusd takes), rows nb .. width - 1 zero."""
+    K = w.shape[1]
+    for r in range(nb):
+        src = w[n0 + r].view(np.uint32)
+        for j in range(K // 4):
+            words[j * width + r] = src[j] ^ flip
+    for r in range(nb, width):
+        for j in range(K // 4):
+            words[j * width + r] = 0
+
+
+@njit(inline="always")
+def _panel_row(P, C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off):
+    base, rs, ss, _, _ = _place(M, K, m)
+    n = K // STEP
+    if P == 4:
+        _panel(4, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+    elif P == 3:
+        _panel(3, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+    elif P == 2:
+        _panel(2, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+    else:
+        _panel(1, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+
+
+@njit(inline="always")
+def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
+    """out (int8 weights, K a multiple of STEP) by panels of PANEL weight rows, one per parallel
+    task: the panel repacked (`_pack`, into a buffer of the task's own, 64-byte aligned), then
+    every 4 input rows of a group take it whole (4 x 16 accumulators: 16 vpdpbusd per 4 loads of
+    weights and 4 broadcasts), the last M % 4 rows one at a time."""
+    N = w.shape[0]
+    flip = np.uint32(0x80808080) if off else np.uint32(0)
+    for b in prange((N + PANEL - 1) // PANEL):
+        n0 = b * PANEL
+        nb = min(N, n0 + PANEL) - n0
+        P = (nb + 15) // 16
+        raw = np.empty(K * P * 16 + 64, np.uint8)
+        skip = (64 - _address(raw) % 64) % 64
+        pw = raw[skip:skip + K * P * 16]
+        _pack(w, n0, nb, P * 16, flip, pw.view(np.uint32))
+        m = 0
+        while m + 4 <= M:
+            _panel_row(P, 4, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off)
+            m += 4
+        while m < M:
+            _panel_row(P, 1, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off)
+            m += 1
+
+
 @njit(parallel=True, cache=True)
 def _qmatmul(x, w, scale, out, work, kind, best):
     """out = quantised(x) @ w.T with int8 (kind I8: scale per row) or int4 (I4: scale per group)
@@ -212,6 +291,9 @@ def _qmatmul(x, w, scale, out, work, kind, best):
         n, tail, off = groups, 0, 0
         per = K // groups // 64          # 64-column blocks per group (K: whole blocks)
     xq, sums, sx = _quantise(x, work, groups)
+    if kind == I8 and M >= PANEL_MIN_ROWS and tail == 0:
+        _panels(w, scale, out, xq, sums, sx, M, K, best, off)
+        return
     # (numba's own get_num_threads reads a ctypes pointer, which numba cannot cache; this is
     # the symbol its parallel loops call, resolved when the cached code loads)
     rows = _block_rows(N, _iget_num_threads())

@@ -589,3 +589,104 @@ def make_group_tile(isas: dict[bool, str]):
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+# -- panel tiles: weights repacked, activations broadcast (many input rows) ---------------------------
+# The tiles above keep one accumulator per output and sum its 16 lanes at the end (`_fold`: 45
+# shuffles and adds per 16 outputs), which at K = 768 costs about as much as a tenth of the
+# products. With many input rows the products take the other orientation: a panel of PANEL
+# weight rows repacked per call into [K / 4][PANEL][4] bytes (`quantised_products._pack`), so
+# that one 64-byte vector holds 4 columns of 16 weight rows, and each input row's 4 columns
+# broadcast to all 16 lanes: lane j of an accumulator is then one output, out[m, i + j], whole,
+# and the epilogue is a subtraction, a conversion, a multiply and a store per 16 outputs.
+PANEL = 64                 # weight rows of a panel: 4 vectors of 16
+QUAD = 4                   # columns per lane
+
+
+def _panel_codegen(P, C, isa, context, builder, a, args):
+    """The panel tile's outputs: out[m + c, i + 16 p + j] for c < C, p < P, j < 16 where
+    16 p + j < valid (the others are not written). pw: the packed panel (1-D, bytes), quad q of
+    weight row 16 p + j at byte (q * P * 16 + 16 p + j) * 4, each weight + offset(isa); the input
+    rows as `make_group_tile`'s (K = n * STEP, no tail); sums[m + c, 0] the row's sum."""
+    (pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out, off) = args
+    W = _WIDTH[isa]
+    lanes = W // 4
+    per = 64 // W                      # vectors per 16 weight rows x 4 columns (64 bytes)
+    wdata = builder.bitcast(context.make_array(a[0])(context, builder, pw).data, I8.as_pointer())
+    xp = _grouped_rows(context, builder, a[1], xq, base, rs, C)
+    row_bytes = P * 16 * QUAD
+
+    def body(b, s, accs):             # one step: STEP columns, STEP / 4 quads
+        accs = list(accs)
+        for q in range(STEP // QUAD):
+            at = b.add(b.mul(s, ir.Constant(I64, (STEP // QUAD) * row_bytes)),
+                       ir.Constant(I64, q * row_bytes))
+            wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)), _vec(I8, W))
+                   for h in range(per)] for p in range(P)]
+            xoff = b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD))
+            xv = []
+            for p_ in xp:
+                word = b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()), align=1)
+                xv.append(b.bitcast(_splat(b, word, lanes), _vec(I8, W)))
+            for c in range(C):
+                for p in range(P):
+                    for h in range(per):
+                        k = (c * P + p) * per + h
+                        accs[k] = _dot4(b, accs[k], wv[p][h], xv[c], isa,
+                                        u_signed=isa not in _VNNI)
+        return accs
+
+    zero = ir.Constant(_vec(I32, lanes), None)
+    accs = _loop(builder, n, [zero] * (C * P * per), body)
+    sdata = _rows(context, builder, a[6], sums, m, C)
+    sxp = _elem(context, builder, a[8], sx, m)
+    scp = _elem(context, builder, a[9], scale, i)
+    outp = _rows(context, builder, a[12], out, m, C)
+    idx = ir.Constant(_vec(I32, lanes), list(range(lanes)))
+    vcount = builder.trunc(valid, I32)
+    mty = _vec(ir.IntType(1), lanes)
+    fty = _vec(F32, lanes)
+    mload = _declare(builder, f"llvm.masked.load.v{lanes}f32.p0", fty, fty.as_pointer(), I32, mty, fty)
+    mstore = _declare(builder, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(), fty,
+                      fty.as_pointer(), I32, mty)
+    for p in range(P):
+        for h in range(per):
+            first = p * 16 + h * lanes
+            mask = builder.icmp_signed("<", builder.add(idx, ir.Constant(_vec(I32, lanes), [first] * lanes)),
+                                       _splat(builder, vcount, lanes))
+            ws = builder.call(mload, [builder.bitcast(builder.gep(scp, [ir.Constant(I64, first)]),
+                                                      fty.as_pointer()),
+                                      ir.Constant(I32, 4), mask, ir.Constant(fty, None)])
+            for c in range(C):
+                fix = builder.mul(builder.load(sdata[c]), builder.trunc(off, I32))
+                total = builder.sub(accs[(c * P + p) * per + h], _splat(builder, fix, lanes))
+                rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
+                value = builder.fmul(builder.sitofp(total, fty),
+                                     builder.fmul(ws, _splat(builder, rscale, lanes)))
+                at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
+                                     fty.as_pointer())
+                builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def make_panel_tile(isas: dict[bool, str]):
+    """The panel tile: tile(P, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid,
+    out, off) writes out[m + c, i + 16 p + j] for c < C, p < P, 16 p + j < valid (see
+    `_panel_codegen`; sx, scale 1-D float32 contiguous, out's rows contiguous). P, C and best are
+    compile-time constants, best picking the instruction set `isas[best]`."""
+    from numba.core.errors import RequireLiteralValue
+
+    @intrinsic
+    def tile(typingctx, P, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out,
+             off):
+        known = [getattr(t, "literal_value", None) for t in (P, C, best)]
+        if None in known:
+            raise RequireLiteralValue("the tile's shape and instruction set")
+        panels, cols, b = known
+        sig = types.none(P, C, best, pw, xq, *[types.int64] * 4, sums, types.int64, sx, scale,
+                         types.int64, types.int64, out, types.int64)
+
+        def codegen(context, builder, signature, args):
+            _panel_codegen(panels, cols, isas[b], context, builder, signature.args[3:], args[3:])
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
