@@ -170,3 +170,69 @@ def test_panel_sums_are_exact_at_the_extremes():
     exact = x.astype(np.int64) @ q.T.astype(np.int64)
     for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
         np.testing.assert_array_equal(run(kernel, x, q, np.ones(N, np.float32)), exact)
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512bw", "avxvnni", "avx512vnni"])
+def test_group_and_panel_tiles_are_exact_on_every_instruction_set(isa):
+    """Every build of the new tiles (the kernels build only the CPU's best and its fallback)
+    gives the exact integer sums: the group tile with a K tail, the panel tile with a partial
+    panel (rows past `valid` not written)."""
+    from numba import njit
+    from minfer.kernels import quantised_products as qp
+    from minfer.kernels import tiles
+    if isa not in tiles.runnable(tiles._FEATURES):
+        pytest.skip(f"{isa} is not available on this CPU")
+    group, panel = tiles.make_group_tile({True: isa, False: isa}), tiles.make_panel_tile(
+        {True: isa, False: isa})
+    I8 = tiles.INT8
+    off = tiles.offset(isa)
+    M, N, K = 5, 40, 192 + 7
+    Kp = 192                                     # the panel tile: whole steps only
+
+    @njit
+    def run_group(w, s, xq, sums, sx, out):
+        base, rs, ss, tb, ts = qp._place(M, K, 0)
+        group(I8, 4, 4, True, w, s, 0, xq, base, rs, ss, tb, ts, sums, 0, K // 64, K % 64, 0,
+              sx, out, off)
+        base, rs, ss, tb, ts = qp._place(M, K, 4)
+        group(I8, 1, 1, True, w, s, 4, xq, base, rs, ss, tb, ts, sums, 4, K // 64, K % 64, 0,
+              sx, out, off)
+
+    @njit
+    def run_panel(words, xq, sums, sx, s, out):
+        base, rs, ss, _, _ = qp._place(M, Kp, 0)
+        panel(3, 4, True, words, xq, base, rs, ss, Kp // 64, sums, 0, sx, s, 0, N, out, off)
+        base, rs, ss, _, _ = qp._place(M, Kp, 4)
+        panel(3, 1, True, words, xq, base, rs, ss, Kp // 64, sums, 4, sx, s, 0, N, out, off)
+
+    w = rng.integers(-128, 128, (N, K)).astype(np.int8)
+    w[1] = -128
+    x = rng.integers(-127, 128, (M, K)).astype(np.int8)
+    x[0] = -127
+    ones_w, ones_x = np.ones(N, np.float32), np.ones(M, np.float32)
+
+    def layout(x, K):
+        xq = np.empty(M * K, np.int8)
+        for m in range(M):
+            base, _, ss, tb, _ = qp._place.py_func(M, K, m)
+            for s in range(K // 64):
+                xq[base + s * ss:base + s * ss + 64] = x[m, s * 64:s * 64 + 64]
+            xq[tb:tb + K % 64] = x[m, K // 64 * 64:]
+        return xq, x.astype(np.int32).sum(1, keepdims=True).astype(np.int32)
+
+    xq, sums = layout(x, K)
+    out = np.full((M, N), np.nan, np.float32)
+    run_group(w, ones_w, xq, sums, ones_x, out)
+    exact = x.astype(np.int64) @ w.T.astype(np.int64)
+    np.testing.assert_array_equal(out[:4, :4], exact[:4, :4])
+    np.testing.assert_array_equal(out[4, 4], exact[4, 4])
+
+    xs, wp = x[:, :Kp].copy(), w[:, :Kp]
+    xq, sums = layout(xs, Kp)
+    width = 48                                   # 3 vectors of 16 weight rows, N = 40 of them
+    words = np.zeros((Kp // 4, width), np.uint32)
+    words[:, :N] = (wp.view(np.uint32) ^ np.uint32(0x80808080 if off else 0)).T
+    out = np.full((M, N + 3), np.nan, np.float32)
+    run_panel(words.reshape(-1).view(np.int8), xq, sums, ones_x, np.ones(N + 3, np.float32), out)
+    np.testing.assert_array_equal(out[:, :N], xs.astype(np.int64) @ wp.T.astype(np.int64))
+    assert np.isnan(out[:, N:]).all()

@@ -148,8 +148,7 @@ def _declare(builder, name, ret, *args):
 
 def _dot4(builder, acc, u, s, isa, u_signed=False):
     """acc (<W/4 x i32>) + the exact products of u (<W x i8>, unsigned unless u_signed) and s
-    (<W x i8>, signed, never -128), each lane taking 4 of them (generic: 4 of them too, but not
-    adjacent ones: the lanes are summed at the end either way)."""
+    (<W x i8>, signed, never -128), lane j taking products 4j .. 4j + 3."""
     W = u.type.count
     L = W // 4
     lanes = _vec(I32, L)
@@ -172,12 +171,13 @@ def _dot4(builder, acc, u, s, isa, u_signed=False):
         ones = ir.Constant(w16, [1] * (W // 2))
         quads = builder.call(_declare(builder, wd, _vec(I32, W // 4), w16, w16), [pairs, ones])
         return builder.add(acc, quads)
-    # generic: exact 16-bit products (|u| <= 255, |s| <= 127) widened to 32 bits and summed in
-    # quarters
+    # generic: exact 16-bit products (|u| <= 255, |s| <= 127) widened to 32 bits, lane j taking
+    # products 4j .. 4j + 3 as the instructions do (the panel tiles need it: a lane is an output)
     w16 = _vec(ir.IntType(16), W)
     ext = builder.sext if u_signed else builder.zext
     p = builder.sext(builder.mul(ext(u, w16), builder.sext(s, w16)), _vec(I32, W))
-    quarters = [_slice(builder, p, q * L, L) for q in range(4)]
+    quarters = [builder.shuffle_vector(p, p, ir.Constant(_vec(I32, L), [4 * j + q for j in range(L)]))
+                for q in range(4)]
     return builder.add(acc, builder.add(builder.add(quarters[0], quarters[1]),
                                         builder.add(quarters[2], quarters[3])))
 
