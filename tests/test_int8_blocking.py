@@ -64,7 +64,7 @@ def test_int8_products_equal_the_rounded_float_product_and_the_fallback_exactly(
     np.testing.assert_array_equal(run(k.qmatmul_i8_fallback, x, q, scale), best)
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 6, 9, 17])
+@pytest.mark.parametrize("M", [1, 3, 4, 6, 9, 17, 257])      # 257: the panels
 @pytest.mark.parametrize("N,K", [(5, 64), (131, 128), (70, 384), (260, 256)])
 def test_int4_products_equal_the_float_product_and_the_fallback_exactly(M, N, K):
     from minfer.io.formats import FORMATS, quantise_int4
@@ -236,3 +236,16 @@ def test_group_and_panel_tiles_are_exact_on_every_instruction_set(isa):
     run_panel(words.reshape(-1).view(np.int8), xq, sums, ones_x, np.ones(N + 3, np.float32), out)
     np.testing.assert_array_equal(out[:, :N], xs.astype(np.int64) @ wp.T.astype(np.int64))
     assert np.isnan(out[:, N:]).all()
+
+
+def test_int4_panels_of_non_finite_and_zero_rows():
+    from minfer.io.formats import quantise_int4
+    M, N, K = 258, 70, 256
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[2, 9], x[257, 0] = np.inf, np.nan
+    x[5] = 0.0
+    q, s = quantise_int4(rng.standard_normal((N, K)).astype(np.float32))
+    for kernel in (k.qmatmul_i4, k.qmatmul_i4_fallback):
+        out = run(kernel, x, q, s)
+        assert np.isnan(out[2]).all() and np.isnan(out[257]).all() and (out[5] == 0).all()
+        assert np.isfinite(np.delete(out, [2, 5, 257], axis=0)).all()

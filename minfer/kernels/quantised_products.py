@@ -8,7 +8,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from numba.np.ufunc.parallel import _iget_num_threads
 
 from . import tiles
@@ -37,13 +37,15 @@ from .widening import I8
 # the 4 input rows in L1), the last M % 4 rows 4 x 1. Every sum runs over the whole of K at once
 # (exact int32; a block of 128 rows of K = 3072 int8 is 384 KiB, within L2, so no K chunking).
 #
-# From PANEL_MIN_ROWS input rows on (int8 weights, K a multiple of 64: an encoder pass), the
-# products take panels instead (`_panels`, `tiles.make_panel_tile`): each task repacks PANEL
+# From PANEL_MIN_ROWS input rows on (an encoder pass; int8 weights need K a multiple of 64, int4
+# ones have it), the products take panels instead (`_panels`, `tiles.make_panel_tile`): each task repacks PANEL
 # weight rows so that a vector holds 4 columns of 16 of them, and each group of 4 input rows runs
 # the whole of K against the panel with its columns broadcast, 16 outputs per accumulator: no
 # lane sums at the end (the 4 x 4 tiles' `_fold` costs about a tenth of the work at K = 768). The
 # loop per 64 columns compiles (LLVM 22, znver4) to 256 vpdpbusd zmm, 64 vmovdqu64 and 64
 # vpbroadcastd, all on registers.
+# int4 panels hold the weights' nibbles unpacked to bytes (q + 8, `_pack4`) and their group
+# scales: an int32 sum per group, then one conversion and multiply-add per 16 outputs.
 _tile = tiles.make_group_tile({True: tiles.ISA, False: tiles.FALLBACK})
 OFFSET_BEST, OFFSET_FALLBACK = tiles.offset(tiles.ISA), tiles.offset(tiles.FALLBACK)
 STEP = tiles.STEP                        # columns (bytes) of a row interleaved at a time
@@ -52,8 +54,9 @@ assert tiles.INT8 == I8
 QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows quantise in parallel
 MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
 _panel = tiles.make_panel_tile({True: tiles.ISA, False: tiles.FALLBACK})
+_panel4 = tiles.make_panel4_tile({True: tiles.ISA, False: tiles.FALLBACK})
 PANEL = tiles.PANEL
-PANEL_MIN_ROWS = 256                    # input rows from which int8 products take the panels
+PANEL_MIN_ROWS = 256                    # input rows from which the products take the panels
                                         # (below, repacking the weights costs what it saves)
 
 
@@ -248,6 +251,82 @@ def _panel_row(P, C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off):
         _panel(1, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
 
 
+def _scale_at(scale, n, g):
+    """scale[n, g] (int4's group scales); typed for int8's 1-D scales too, which never reach it
+    (both kinds share one kernel body, typed whole)."""
+
+
+@overload(_scale_at)
+def _scale_at_typed(scale, n, g):
+    if scale.ndim == 1:
+        return lambda scale, n, g: scale[n]
+    return lambda scale, n, g: scale[n, g]
+
+
+@njit(inline="always")
+def _pack4(w, scale, groups, n0, nb, width, words, ps):
+    """int4 weight rows n0 .. n0 + nb - 1 (32 bytes per 64 columns: byte j of block b holds column
+    64 b + j in its low nibble, 64 b + 32 + j in its high one) unpacked to their nibbles q + 8
+    into `words` as `_pack` lays them out, and their group scales into ps (groups x width
+    float32); rows nb .. width - 1 zero."""
+    K = w.shape[1] * 2
+    row = np.empty(K, np.uint8)
+    for r in range(nb):
+        src = w[n0 + r]
+        for b in range(K // 64):
+            for j in range(32):
+                v = src[b * 32 + j]
+                row[b * 64 + j] = np.uint8(v) & np.uint8(15)
+                row[b * 64 + 32 + j] = np.uint8(v) >> np.uint8(4)
+        packed = row.view(np.uint32)
+        for j in range(K // 4):
+            words[j * width + r] = packed[j]
+        for g in range(groups):
+            ps[g * width + r] = _scale_at(scale, n0 + r, g)
+    for r in range(nb, width):
+        for j in range(K // 4):
+            words[j * width + r] = 0
+        for g in range(groups):
+            ps[g * width + r] = 0
+
+
+@njit(inline="always")
+def _panel4_row(P, C, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out):
+    base, rs, ss, _, _ = _place(M, K, m)
+    if P == 4:
+        _panel4(4, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+    elif P == 3:
+        _panel4(3, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+    elif P == 2:
+        _panel4(2, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+    else:
+        _panel4(1, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+
+
+@njit(inline="always")
+def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best):
+    """`_panels` for int4 weights: the panel holds their nibbles unpacked (q + 8) and their
+    group scales (`_pack4`), the tile a float32 sum of the groups' exact int32 sums."""
+    N = w.shape[0]
+    per = K // groups // STEP
+    for b in prange((N + PANEL - 1) // PANEL):
+        n0 = b * PANEL
+        nb = min(N, n0 + PANEL) - n0
+        P = (nb + 15) // 16
+        raw = np.empty(K * P * 16 + 64, np.uint8)
+        skip = (64 - _address(raw) % 64) % 64
+        pw = raw[skip:skip + K * P * 16]
+        ps = np.empty(groups * P * 16, np.float32)
+        _pack4(w, scale, groups, n0, nb, P * 16, pw.view(np.uint32), ps)
+        m = 0
+        while m + 4 <= M:
+            _panel4_row(P, 4, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out)
+            m += 4
+        while m < M:
+            _panel4_row(P, 1, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out)
+            m += 1
+
+
 @njit(inline="always")
 def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
     """out (int8 weights, K a multiple of STEP) by panels of PANEL weight rows, one per parallel
@@ -293,6 +372,9 @@ def _qmatmul(x, w, scale, out, work, kind, best):
     xq, sums, sx = _quantise(x, work, groups)
     if kind == I8 and M >= PANEL_MIN_ROWS and tail == 0:
         _panels(w, scale, out, xq, sums, sx, M, K, best, off)
+        return
+    if kind == I4 and M >= PANEL_MIN_ROWS:
+        _panels4(w, scale, groups, out, xq, sums, sx, M, K, best)
         return
     # (numba's own get_num_threads reads a ctypes pointer, which numba cannot cache; this is
     # the symbol its parallel loops call, resolved when the cached code loads)

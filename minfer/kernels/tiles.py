@@ -690,3 +690,96 @@ def make_panel_tile(isas: dict[bool, str]):
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+def _panel4_codegen(P, C, isa, context, builder, a, args):
+    """The int4 panel tile: out[m + c, i + 16 p + j] (16 p + j < valid) = sx[m + c] * the sum over
+    groups g of ps[g * P * 16 + 16 p + j] * (the int32 sum over group g's `per` steps of
+    (q + 8) x - 8 * sums[m + c, g]), the weights unpacked into the panel as their stored nibbles
+    q + 8 (unsigned, 0 .. 15: vpdpbusd's and vpmaddubsw's unsigned operand as they are) and ps
+    the group scales packed beside them."""
+    (pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid, out) = args
+    W = _WIDTH[isa]
+    lanes = W // 4
+    nvec = 64 // W
+    wdata = builder.bitcast(context.make_array(a[0])(context, builder, pw).data, I8.as_pointer())
+    sdata = builder.bitcast(context.make_array(a[10])(context, builder, ps).data, F32.as_pointer())
+    xp = _grouped_rows(context, builder, a[1], xq, base, rs, C)
+    tp = _rows(context, builder, a[7], sums, m, C)
+    row_bytes = P * 16 * QUAD
+    fty = _vec(F32, lanes)
+    fma = _declare(builder, f"llvm.fma.v{lanes}f32", fty, fty, fty, fty)
+
+    def group(b, g, faccs):
+        def step(b, j, accs):
+            s = b.add(b.mul(g, per), j)
+            accs = list(accs)
+            for q in range(STEP // QUAD):
+                at = b.add(b.mul(s, ir.Constant(I64, (STEP // QUAD) * row_bytes)),
+                           ir.Constant(I64, q * row_bytes))
+                wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)),
+                                 _vec(I8, W)) for h in range(nvec)] for p in range(P)]
+                xoff = b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD))
+                xv = [b.bitcast(_splat(b, b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()),
+                                                 align=1), lanes), _vec(I8, W)) for p_ in xp]
+                for c in range(C):
+                    for p in range(P):
+                        for h in range(nvec):
+                            k = (c * P + p) * nvec + h
+                            accs[k] = _dot4(b, accs[k], wv[p][h], xv[c], isa)
+            return accs
+        izero = ir.Constant(_vec(I32, lanes), None)
+        iaccs = _loop(b, per, [izero] * (C * P * nvec), step)
+        out = list(faccs)
+        for c in range(C):
+            fix = _splat(b, b.mul(_load_at(b, tp[c], g), ir.Constant(I32, 8)), lanes)
+            for p in range(P):
+                for h in range(nvec):
+                    k = (c * P + p) * nvec + h
+                    at = b.add(b.mul(g, ir.Constant(I64, P * 16)), ir.Constant(I64, p * 16 + h * lanes))
+                    scl = b.load(b.bitcast(b.gep(sdata, [at]), fty.as_pointer()), align=4)
+                    out[k] = b.call(fma, [b.sitofp(b.sub(iaccs[k], fix), fty), scl, faccs[k]])
+        return out
+
+    fzero = ir.Constant(fty, None)
+    faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
+    sxp = _elem(context, builder, a[9], sx, m)
+    outp = _rows(context, builder, a[13], out, m, C)
+    idx = ir.Constant(_vec(I32, lanes), list(range(lanes)))
+    vcount = builder.trunc(valid, I32)
+    mty = _vec(ir.IntType(1), lanes)
+    mstore = _declare(builder, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(), fty,
+                      fty.as_pointer(), I32, mty)
+    for p in range(P):
+        for h in range(nvec):
+            first = p * 16 + h * lanes
+            mask = builder.icmp_signed("<", builder.add(idx, ir.Constant(_vec(I32, lanes), [first] * lanes)),
+                                       _splat(builder, vcount, lanes))
+            for c in range(C):
+                rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
+                value = builder.fmul(faccs[(c * P + p) * nvec + h], _splat(builder, rscale, lanes))
+                at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
+                                     fty.as_pointer())
+                builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def make_panel4_tile(isas: dict[bool, str]):
+    """The int4 panel tile: tile(P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps,
+    i, valid, out) (see `_panel4_codegen`); P, C and best compile-time constants."""
+    from numba.core.errors import RequireLiteralValue
+
+    @intrinsic
+    def tile(typingctx, P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid,
+             out):
+        known = [getattr(t, "literal_value", None) for t in (P, C, best)]
+        if None in known:
+            raise RequireLiteralValue("the tile's shape and instruction set")
+        panels, cols, b = known
+        sig = types.none(P, C, best, pw, xq, *[types.int64] * 5, sums, types.int64, sx, ps,
+                         types.int64, types.int64, out)
+
+        def codegen(context, builder, signature, args):
+            _panel4_codegen(panels, cols, isas[b], context, builder, signature.args[3:], args[3:])
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
