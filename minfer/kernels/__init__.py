@@ -349,8 +349,8 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
 
 def quantised_bytes(M: int, K: int, groups: int) -> int:
     """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
-    (`quantised_products._carve`'s layout: the int8 rows, their int32 sums per group of columns, the
-    float32 row scales, each part 64-byte aligned)."""
+    (`quantised_products`' layout: the int8 rows, grouped by 4 and interleaved, their int32 sums
+    per group of columns, the float32 row scales, each part 64-byte aligned)."""
     return align_up(M * K, 64) + align_up(M * groups * 4, 64) + align_up(M * 4, 64)
 
 
