@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import ROOT, rel_err
 
 import minfer
-from cli.main import cli
+from minfer_cli.main import cli
 from minfer.errors import CheckpointError, ConfigError
 from minfer.io.checkpoint import Checkpoint
 from minfer.io.tensors import FP8_CODES, fp8_to_bfloat16_bits, fp8_to_float32
