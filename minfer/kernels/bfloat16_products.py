@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _iget_num_threads
 
-from . import bfloat16_tiles
+from . import bfloat16_tiles, tiles
 
 _tile = bfloat16_tiles.make_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 STEP = bfloat16_tiles.STEP             # columns per tile step: rows are padded to a multiple
@@ -82,15 +82,6 @@ def _to_bf16(typingctx, v):
     return types.uint16(types.float32), codegen
 
 
-@intrinsic
-def _address(typingctx, a):
-    """The address of an array's data (to align the scratch)."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.ptrtoint(ary.data, ir.IntType(64))
-    return types.int64(a), codegen
-
-
 @njit(inline="always")
 def _round_row(src, dst, K):
     """src (K,) float32 rounded to bfloat16 into its interleaved place: columns s * 32 ..
@@ -112,7 +103,7 @@ def _carve(work, M, K):
     GROUP x padded K) uint16, row m's step s (32 columns) at [m // GROUP, (s * GROUP + m % GROUP)
     * 32:][:32]. A tile of 4 rows then reads them as one sequential stream (4 rows apart, they
     were 4 short streams that the hardware prefetcher does not follow from L3)."""
-    skip = (ALIGN - _address(work) % ALIGN) % ALIGN
+    skip = (ALIGN - tiles.address(work) % ALIGN) % ALIGN
     G, width = _groups(M), GROUP * _padded(K)
     return work[skip:skip + G * width * 2].view(np.uint16).reshape((G, width))
 

@@ -78,15 +78,6 @@ def _bits_f32(typingctx, v):
     return types.float32(types.int32), codegen
 
 
-@intrinsic
-def _address(typingctx, a):
-    """The address of an array's data (to align a panel)."""
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        return builder.ptrtoint(ary.data, ir.IntType(64))
-    return types.int64(a), codegen
-
-
 @njit(inline="always")
 def _place(M, K, m):
     """Where quantised row m is (`_carve`'s int8 buffer, byte offsets): (base, rs, ss, tb, ts),
@@ -314,7 +305,7 @@ def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best):
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
         raw = np.empty(K * P * 16 + 64, np.uint8)
-        skip = (64 - _address(raw) % 64) % 64
+        skip = (64 - tiles.address(raw) % 64) % 64
         pw = raw[skip:skip + K * P * 16]
         ps = np.empty(groups * P * 16, np.float32)
         _pack4(w, scale, groups, n0, nb, P * 16, pw.view(np.uint32), ps)
@@ -340,7 +331,7 @@ def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
         raw = np.empty(K * P * 16 + 64, np.uint8)
-        skip = (64 - _address(raw) % 64) % 64
+        skip = (64 - tiles.address(raw) % 64) % 64
         pw = raw[skip:skip + K * P * 16]
         _pack(w, n0, nb, P * 16, flip, pw.view(np.uint32))
         m = 0

@@ -100,6 +100,15 @@ def describe() -> str:
             "generic": "no x86 dot-product instructions (16-bit products)"}[ISA]
 
 
+@intrinsic
+def address(typingctx, a):
+    """The address of an array's data (the kernels align their scratch with it)."""
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+    return types.int64(a), codegen
+
+
 # -- IR pieces -------------------------------------------------------------------------------------
 def _vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
@@ -274,128 +283,6 @@ def _fold(builder, vectors, L, add):
 INT8, INT4 = 3, 4          # the weight kinds a tile multiplies (widening's I8, and I4)
 
 
-def _int8_codegen(R, C, isa, context, builder, a, args):
-    """out[m + c, i + r] = (sum over k < n * width(isa) of (w[i + r, k] + offset(isa)) *
-    x[m + c, k] - off * sums[m + c, 0]) * sx[m + c] * scale[i + r], for r < R, c < C. w, x:
-    C-contiguous 2-D int8 (n whole vectors of columns); sums 2-D int32; scale, sx: 1-D."""
-    w, scale, i, x, sums, m, n, _, sx, out, off = args
-    W = _WIDTH[isa]
-    L = W // 4
-    wp = _rows(context, builder, a[0], w, i, R)
-    xp = _rows(context, builder, a[3], x, m, C)
-    flip = ir.Constant(_vec(I8, W), [-128] * W)
-
-    def body(b, k, accs):
-        at = b.mul(k, ir.Constant(I64, W))
-        wv = [_load_vec(b, p, at, _vec(I8, W)) for p in wp]
-        if isa in _VNNI:
-            wv = [b.xor(v, flip) for v in wv]       # w + 128: the unsigned operand
-        xv = [_load_vec(b, p, at, _vec(I8, W)) for p in xp]
-        return [_dot4(b, accs[c * R + r], wv[r], xv[c], isa, u_signed=isa not in _VNNI)
-                for c in range(C) for r in range(R)]
-    zero = ir.Constant(_vec(I32, L), None)
-    accs = _loop(builder, n, [zero] * (R * C), body)
-    total = _tile_vector(builder, _fold(builder, accs, L, builder.add), R * C)
-    fix = ir.Constant(_vec(I32, C), None)
-    for c, p in enumerate(_rows(context, builder, a[4], sums, m, C)):     # sums[m + c, 0]
-        fix = builder.insert_element(fix, builder.load(p), ir.Constant(I32, c))
-    fix = builder.mul(fix, _splat(builder, builder.trunc(off, I32), C))
-    total = builder.sub(total, _spread(builder, fix, R, C, by_row=False))
-    scales = builder.fmul(
-        _spread(builder, _gather(builder, context, a[8], sx, m, C, F32), R, C, by_row=False),
-        _spread(builder, _gather(builder, context, a[1], scale, i, R, F32), R, C, by_row=True))
-    return builder.fmul(builder.sitofp(total, _vec(F32, R * C)), scales)
-
-
-def _int4_codegen(R, C, isa, context, builder, a, args):
-    """out[m + c, i + r] = sx[m + c] * the sum over g < groups (n) of scale[i + r, g] * the sum
-    over group g of (q - 8) * x[m + c], for r < R, c < C; a group is `per` blocks of 64
-    columns, a block 32 bytes of row w[i + r], byte j holding column j in its low nibble and
-    column 32 + j in its high one (q + 8, unsigned); sums[m + c, g] is the group's sum of
-    x[m + c] (int32). C-contiguous 2-D arrays but sx (1-D)."""
-    w, scale, i, x, sums, m, n, per, sx, out, _ = args
-    W = _WIDTH[isa]
-    L = W // 4
-    wp = _rows(context, builder, a[0], w, i, R)
-    sp = _rows(context, builder, a[1], scale, i, R)
-    xp = _rows(context, builder, a[3], x, m, C)
-    tp = _rows(context, builder, a[4], sums, m, C)
-    low = ir.Constant(_vec(I8, 32), [15] * 32)
-    four = ir.Constant(_vec(I8, 32), [4] * 32)
-    low64 = ir.Constant(_vec(I8, 64), [15] * 64)
-    shift = ir.Constant(_vec(I16, 32), [0] * 16 + [4] * 16)
-    izero, fzero = ir.Constant(_vec(I32, L), None), ir.Constant(_vec(F32, L), None)
-    fma = _declare(builder, f"llvm.fma.v{L}f32", _vec(F32, L), *[_vec(F32, L)] * 3)
-
-    def group(b, g, faccs):
-        first = b.mul(g, per)
-
-        def block(b, j, iaccs):
-            k = b.add(first, j)
-            pieces = []
-            for p in wp:
-                packed = _load_vec(b, p, b.mul(k, ir.Constant(I64, 32)), _vec(I8, 32))
-                if W == 64:
-                    # both halves from one broadcast load, the upper shifted by 4 in 16-bit
-                    # lanes (vpsrlvw), then one mask: 3 instructions a block
-                    both = b.shuffle_vector(packed, packed,
-                                            ir.Constant(_vec(I32, 64), list(range(32)) * 2))
-                    shifted = b.lshr(b.bitcast(both, _vec(I16, 32)), shift)
-                    pieces.append([b.and_(b.bitcast(shifted, _vec(I8, 64)), low64)])
-                else:
-                    pieces.append([b.and_(packed, low), b.lshr(packed, four)])
-            base = b.mul(k, ir.Constant(I64, 64))
-            xv = [[_load_vec(b, p, b.add(base, ir.Constant(I64, h * W)), _vec(I8, W))
-                   for h in range(64 // W)] for p in xp]
-            out = []
-            for c in range(C):
-                for r in range(R):
-                    acc = iaccs[c * R + r]
-                    for u, v in zip(pieces[r], xv[c]):
-                        acc = _dot4(b, acc, u, v, isa)
-                    out.append(acc)
-            return out
-        iaccs = _loop(b, per, [izero] * (R * C), block)
-        # the nibbles are q + 8: take 8 x the group's activation sum off (in lane 0)
-        fix = [b.insert_element(izero, b.mul(_load_at(b, p, g), ir.Constant(I32, 8)),
-                                ir.Constant(I32, 0)) for p in tp]
-        scales = [_splat(b, _load_at(b, p, g), L) for p in sp]
-        return [b.call(fma, [b.sitofp(b.sub(iaccs[c * R + r], fix[c]), _vec(F32, L)),
-                             scales[r], faccs[c * R + r]])
-                for c in range(C) for r in range(R)]
-    faccs = _loop(builder, n, [fzero] * (R * C), group)
-    total = _tile_vector(builder, _fold(builder, faccs, L, builder.fadd), R * C)
-    sxv = _spread(builder, _gather(builder, context, a[8], sx, m, C, F32), R, C, by_row=False)
-    return builder.fmul(total, sxv)
-
-
-def make_tile(isas: dict[bool, str]):
-    """The tile intrinsic: tile(kind, R, C, best, w, scale, i, x, sums, m, n, per, sx, out, off)
-    writes out[m + c, i + r] for r < R, c < C (see `_int8_codegen` and `_int4_codegen` for what
-    each kind computes and what its arguments hold). kind (INT8, INT4), R, C and best are
-    compile-time constants: best picks the instruction set `isas[best]` (the kernels pass
-    {True: ISA, False: FALLBACK}; the tests build others)."""
-    from numba.core.errors import RequireLiteralValue
-
-    @intrinsic
-    def tile(typingctx, kind, R, C, best, w, scale, i, x, sums, m, n, per, sx, out, off):
-        known = [getattr(t, "literal_value", None) for t in (kind, R, C, best)]
-        if None in known:
-            raise RequireLiteralValue("the tile's kind, shape and instruction set")
-        k, rows, cols, b = known
-        sig = types.none(kind, R, C, best, w, scale, types.int64, x, sums, types.int64,
-                         types.int64, types.int64, sx, out, types.int64)
-        build = _int8_codegen if k == INT8 else _int4_codegen
-
-        def codegen(context, builder, signature, args):
-            values = build(rows, cols, isas[b], context, builder, signature.args[4:], args[4:])
-            _store_rows(context, builder, signature.args[13], args[13], args[9], args[6],
-                        values, rows, cols)
-            return context.get_dummy_value()
-        return sig, codegen
-    return tile
-
-
 # -- tiles over quantised rows in groups of 4 (the products' layout) ---------------------------------
 # The int8 products keep their quantised input rows in `work` in groups of 4, interleaved STEP
 # columns (bytes) at a time, so that a tile of 4 rows reads one sequential stream (4 rows apart
@@ -506,8 +393,11 @@ def _group_int8_codegen(R, C, isa, context, builder, a, args):
 
 
 def _group_int4_codegen(R, C, isa, context, builder, a, args):
-    """As `_int4_codegen` (int4 weights, a scale per group of `per` blocks of 64 columns, n
-    groups), the input rows addressed as the header above says (K a multiple of 64: no tail)."""
+    """out[m + c, i + r] = sx[m + c] * the sum over g < groups (n) of scale[i + r, g] * the sum
+    over group g of (q - 8) * x_c, for r < R, c < C; a group is `per` blocks of 64 columns, a
+    block 32 bytes of row w[i + r], byte j holding column j in its low nibble and column 32 + j
+    in its high one (q + 8, unsigned); sums[m + c, g] is the group's sum of x_c (int32); x_c is
+    input row c of the tile, addressed as the header above says (K a multiple of 64: no tail)."""
     (w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n, tail, per, sx, out, _) = args
     W = _WIDTH[isa]
     L = W // 4
