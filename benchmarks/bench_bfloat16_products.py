@@ -17,34 +17,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import platform
 import statistics
-import time
 
 import numpy as np
+from product_timing import cpu, time_shape
 
 DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "64,768,3072", "16,768,3072",
                   "8,768,3072", "4,768,3072", "2,768,3072", "1,768,3072", "8,3072,768",
                   "1,3072,768", "8,768,32768", "4,768,32768", "1,768,32768"]
 STREAM_MAX_ROWS = 64        # matmul_bf16 is timed up to this many rows (the kernels' range)
 
-
-def cpu() -> str:
-    """The CPU's name and the features that decide these products' instructions."""
-    name = platform.processor() or "?"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name in ("?", "x86_64", ""):
-                    name = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16"]
-    return f"{name}; " + " ".join(f for f in wanted if f in flags)
 
 
 def products(M: int, K: int, N: int, rng) -> dict:
@@ -68,27 +50,6 @@ SETTLE_S = 0.2   # pause between two products: OpenBLAS's idle threads spin for 
                  # a call (about 2^28 cycles), taking the cores from the next product's threads
                  # (a 2-thread bf16 product right after sgemm ran at half its speed)
 
-
-def time_shape(calls: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each call, per round: the median of a few calls (as many as last ~30 ms,
-    at least 3) after one untimed call, each product in turn, SETTLE_S apart."""
-    for call in calls.values():
-        call()                                                # compile / warm caches
-    start = time.perf_counter()
-    calls["bf16"]()
-    repeat = max(3, int(0.03 / max(time.perf_counter() - start, 1e-6)))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            time.sleep(SETTLE_S)
-            call()
-            each = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                call()
-                each.append(time.perf_counter() - start)
-            times[name].append(statistics.median(each))
-    return times
 
 
 def ratio(times: dict[str, list[float]], slower: str) -> str:
@@ -131,7 +92,7 @@ def main() -> int:
         for shape in args.shapes:
             M, K, N = (int(v) for v in shape.split(","))
             flops = 2.0 * M * N * K
-            times = time_shape(products(M, K, N, rng), args.rounds)
+            times = time_shape(products(M, K, N, rng), args.rounds, "bf16", SETTLE_S)
             rate = {n: flops / statistics.median(t) / 1e9 for n, t in times.items()}
 
             print(f"{M:>5} {K:>5} {N:>6}  {rate['sgemm']:>7.1f} {rate['bf16']:>7.1f} "

@@ -23,11 +23,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
-import time
 
 import numpy as np
+from product_timing import cpu, time_shape
 
 DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "2048,768,2304", "2048,768,768",
                   "16,768,3072", "8,768,3072", "4,768,3072", "1,768,3072", "8,3072,768",
@@ -35,24 +34,6 @@ DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "2048,768,2304", "2048,768,7
 SETTLE_S = 0.5   # pause between two products: OpenBLAS's idle threads spin for a while after a
                  # call, taking the cores from the next product's threads
 
-
-def cpu() -> str:
-    """The CPU's name and the features that decide these products' instructions."""
-    name = platform.processor() or "?"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name in ("?", "x86_64", ""):
-                    name = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    wanted = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-              "amx_int8"]
-    return f"{name}; " + " ".join(f for f in wanted if f in flags)
 
 
 def products(M: int, K: int, N: int, rng, fallback: bool) -> dict:
@@ -79,27 +60,6 @@ def products(M: int, K: int, N: int, rng, fallback: bool) -> dict:
         calls["i4 fallbk"] = lambda: qp.qmatmul_i4_fallback(x, q4, s4, out, work4)
     return calls
 
-
-def time_shape(calls: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each call, per round: the median of a few calls (as many as last ~30 ms, at
-    least 3) after one untimed call, each product in turn, SETTLE_S apart."""
-    for call in calls.values():
-        call()                                                # compile / warm caches
-    start = time.perf_counter()
-    calls["i8"]()
-    repeat = max(3, int(0.03 / max(time.perf_counter() - start, 1e-6)))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            time.sleep(SETTLE_S)
-            call()
-            each = []
-            for _ in range(repeat):
-                start = time.perf_counter()
-                call()
-                each.append(time.perf_counter() - start)
-            times[name].append(statistics.median(each))
-    return times
 
 
 def ratio(times: dict[str, list[float]], slower: str, faster: str = "i8") -> float:
@@ -144,7 +104,7 @@ def main() -> int:
         for shape in args.shapes:
             M, K, N = (int(v) for v in shape.split(","))
             ops = 2.0 * M * N * K
-            times = time_shape(products(M, K, N, rng, args.fallback), args.rounds)
+            times = time_shape(products(M, K, N, rng, args.fallback), args.rounds, "i8", SETTLE_S)
             rate = {n: ops / statistics.median(t) / 1e9 for n, t in times.items()}
             fb = (f" {rate['i8 fallbk']:>6.0f} {rate['i4 fallbk']:>6.0f}" if args.fallback
                   else "")
