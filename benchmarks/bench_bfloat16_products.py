@@ -15,12 +15,10 @@ weight matrix larger than L3), and 16 / 64 rows.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 
 import numpy as np
-from product_timing import cpu, time_shape
+from product_timing import arguments, machine, thread_counts, time_shape
 
 DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "64,768,3072", "16,768,3072",
                   "8,768,3072", "4,768,3072", "2,768,3072", "1,768,3072", "8,3072,768",
@@ -60,33 +58,16 @@ def ratio(times: dict[str, list[float]], slower: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", default="2,1")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="M,K,N")
-    args = ap.parse_args()
+    args = arguments(__doc__.split("\n")[0], DEFAULT_SHAPES).parse_args()
     from minfer import kernels
     if kernels.active() is None:
         print("the compiled kernels are off (MINFER_KERNELS=numpy or no numba)")
         return 1
-    import llvmlite.binding as ll
-    import numba
-
     from minfer.kernels import bfloat16_tiles
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        threadpool_limits = None
-    print(f"# {datetime.date.today().isoformat()}  {cpu()}")
-    print(f"# numba {numba.__version__}, LLVM {'.'.join(map(str, ll.llvm_version_info))}, "
-          f"target {ll.get_host_cpu_name()}; bf16 tiles: {bfloat16_tiles.describe()}; "
-          f"NumPy {np.__version__}")
+    print("# " + machine(f"bf16 tiles: {bfloat16_tiles.describe()}").replace("\n", "\n# "))
     rng = np.random.default_rng(0)
-    for threads in (int(t) for t in args.threads.split(",")):
-        numba.set_num_threads(threads)
-        if threadpool_limits is not None:
-            threadpool_limits(threads)
-        print(f"\n## {threads} thread(s){'' if threadpool_limits else ' (BLAS: its own threads)'}")
+    for threads, blas in thread_counts(args.threads):
+        print(f"\n## {threads} thread(s){'' if blas else ' (BLAS: its own threads)'}")
         print(f"{'M':>5} {'K':>5} {'N':>6}  {'sgemm':>7} {'bf16':>7} {'fallbk':>7} "
               f"{'mm_bf16':>7}  {'bf16/sgemm':>10} {'bf16/mm_bf16':>12}   (GFLOP/s)")
         for shape in args.shapes:

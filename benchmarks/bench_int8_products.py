@@ -20,13 +20,11 @@ without VNNI runs (vpmaddubsw + vpmaddwd).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import statistics
 
 import numpy as np
-from product_timing import cpu, time_shape
+from product_timing import arguments, machine, thread_counts, time_shape
 
 DEFAULT_SHAPES = ["2048,768,3072", "2048,3072,768", "2048,768,2304", "2048,768,768",
                   "16,768,3072", "8,768,3072", "4,768,3072", "1,768,3072", "8,3072,768",
@@ -68,10 +66,7 @@ def ratio(times: dict[str, list[float]], slower: str, faster: str = "i8") -> flo
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", default="2,1")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="M,K,N")
+    ap = arguments(__doc__.split("\n")[0], DEFAULT_SHAPES)
     ap.add_argument("--fallback", action="store_true", help="also time the builds without VNNI")
     ap.add_argument("--json", help="write the medians here")
     args = ap.parse_args()
@@ -79,25 +74,13 @@ def main() -> int:
     if kernels.active() is None:
         print("the compiled kernels are off (MINFER_KERNELS=numpy or no numba)")
         return 1
-    import llvmlite.binding as ll
-    import numba
-
     from minfer.kernels import tiles
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        threadpool_limits = None
-    head = (f"{datetime.date.today().isoformat()}  {cpu()}\nnumba {numba.__version__}, LLVM "
-            f"{'.'.join(map(str, ll.llvm_version_info))}, target {ll.get_host_cpu_name()}; "
-            f"int8 tiles: {tiles.describe()}; NumPy {np.__version__}")
+    head = machine(f"int8 tiles: {tiles.describe()}")
     print("# " + head.replace("\n", "\n# "))
     rng = np.random.default_rng(0)
     rows = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        numba.set_num_threads(threads)
-        if threadpool_limits is not None:
-            threadpool_limits(threads)
-        print(f"\n## {threads} thread(s){'' if threadpool_limits else ' (BLAS: its own threads)'}")
+    for threads, blas in thread_counts(args.threads):
+        print(f"\n## {threads} thread(s){'' if blas else ' (BLAS: its own threads)'}")
         extra = "  i8 fb   i4 fb" if args.fallback else ""
         print(f"{'M':>5} {'K':>5} {'N':>6}  {'i8':>6} {'i4':>6} {'sgemm':>6} {'bf16':>6}{extra}"
               f"  {'sgemm/i8':>8} {'bf16/i8':>7} {'sgemm/i4':>8}   (GOPS, GFLOP/s)")

@@ -3,10 +3,12 @@ CPU line every table names, and the interleaved timing of several products of on
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 # the flags that decide which instructions the products run on
 FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
@@ -28,6 +30,40 @@ def cpu() -> str:
     except OSError:
         pass
     return f"{name}; " + " ".join(f for f in FEATURES if f in flags)
+
+
+def arguments(description: str, shapes: list[str]) -> argparse.ArgumentParser:
+    """The options both benchmarks take: threads, rounds, shapes (M,K,N)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--threads", default="2,1")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", nargs="*", default=shapes, help="M,K,N")
+    return ap
+
+
+def machine(tiles_line: str) -> str:
+    """The date, the CPU, numba / LLVM and the tiles the products run on (every table's head)."""
+    import llvmlite.binding as ll
+    import numba
+    import numpy as np
+    return (f"{datetime.date.today().isoformat()}  {cpu()}\nnumba {numba.__version__}, LLVM "
+            f"{'.'.join(map(str, ll.llvm_version_info))}, target {ll.get_host_cpu_name()}; "
+            f"{tiles_line}; NumPy {np.__version__}")
+
+
+def thread_counts(spec: str) -> Any:
+    """Each thread count of `spec` ("2,1") in turn, numba's and BLAS's set to it; yields
+    (threads, whether BLAS's could be set)."""
+    import numba
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        threadpool_limits = None
+    for threads in (int(t) for t in spec.split(",")):
+        numba.set_num_threads(threads)
+        if threadpool_limits is not None:
+            threadpool_limits(threads)
+        yield threads, threadpool_limits is not None
 
 
 def time_shape(calls: dict[str, Callable[[], object]], rounds: int, reference: str,

@@ -31,6 +31,19 @@ def run(kernel, x, q, scale):
     return out
 
 
+def extremes(M: int, N: int, K: int):
+    """Integer inputs (M, K) whose rows' maximum is 127 (they quantise to themselves, scale 1),
+    one row of -127s, int8 weights (N, K) with a row of -128s and one of 127s, and their exact
+    products (below 2^24: exact in float32)."""
+    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
+    x[:, 0] = 127
+    x[1, 1:] = -127
+    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
+    q[2] = -128
+    q[3] = 127
+    return x, q, x.astype(np.int64) @ q.T.astype(np.int64)
+
+
 @pytest.mark.parametrize("M,K", [(1, 64), (2, 100), (3, 40), (4, 64), (5, 129), (7, 63),
                                  (8, 768), (9, 200), (13, 127), (64, 190), (66, 1)])
 def test_every_row_is_placed_once(M, K):
@@ -80,17 +93,9 @@ def test_int4_products_equal_the_float_product_and_the_fallback_exactly(M, N, K)
 def test_int8_sums_are_exact_at_the_extremes(K):
     """Integer inputs whose row maximum is 127 quantise to themselves (scale 1): the products
     are the exact integer sums, -128 weights and -127 inputs included, K tails too."""
-    M, N = 10, 9
-    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
-    x[:, 0] = 127
-    x[1, 1:] = -127
-    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
-    q[2] = -128
-    q[3] = 127
-    scale = np.ones(N, np.float32)
-    exact = x.astype(np.int64) @ q.T.astype(np.int64)            # below 2^24: exact in float32
+    x, q, exact = extremes(10, 9, K)
     for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
-        np.testing.assert_array_equal(run(kernel, x, q, scale), exact)
+        np.testing.assert_array_equal(run(kernel, x, q, np.ones(9, np.float32)), exact)
 
 
 @pytest.mark.parametrize("M", [3, 6, 9])
@@ -160,14 +165,8 @@ def test_panel_products_equal_the_rounded_float_product_and_the_fallback_exactly
 
 
 def test_panel_sums_are_exact_at_the_extremes():
-    M, N, K = 258, 70, 256
-    x = rng.integers(-127, 128, (M, K)).astype(np.float32)
-    x[:, 0] = 127
-    x[1, 1:] = -127
-    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
-    q[2] = -128
-    q[3] = 127
-    exact = x.astype(np.int64) @ q.T.astype(np.int64)
+    N = 70
+    x, q, exact = extremes(258, N, 256)
     for kernel in (k.qmatmul_i8, k.qmatmul_i8_fallback):
         np.testing.assert_array_equal(run(kernel, x, q, np.ones(N, np.float32)), exact)
 
