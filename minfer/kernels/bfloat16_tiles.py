@@ -44,6 +44,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from .tiles import (
+    literals,
     F32,
     I16,
     I32,
@@ -232,14 +233,9 @@ def make_tile(isas: dict[bool, str]):
     (bfloat16 bits), rows contiguous, k0 a multiple of 32; out: 2-D float32, columns contiguous
     (rows may be strided). R, C and best are compile-time constants: best picks the instruction
     set `isas[best]` (the kernels pass {True: ISA, False: FALLBACK}; the tests build others)."""
-    from numba.core.errors import RequireLiteralValue
-
     @intrinsic
     def tile(typingctx, R, C, best, w, i, x, m, k0, k1, add, out):
-        known = [getattr(t, "literal_value", None) for t in (R, C, best)]
-        if None in known:
-            raise RequireLiteralValue("the tile's shape and instruction set")
-        rows, cols, b = known
+        rows, cols, b = literals(R, C, best)
         sig = types.none(R, C, best, w, types.int64, x, types.int64, types.int64, types.int64,
                          types.int64, out)
 

@@ -100,6 +100,16 @@ def describe() -> str:
             "generic": "no x86 dot-product instructions (16-bit products)"}[ISA]
 
 
+def literals(*args: types.Type) -> list:
+    """The compile-time values of a tile's constant arguments (its kind, shape, instruction
+    set), or RequireLiteralValue, which makes numba compile the caller again with literals."""
+    from numba.core.errors import RequireLiteralValue
+    known = [getattr(t, "literal_value", None) for t in args]
+    if None in known:
+        raise RequireLiteralValue("the tile's kind, shape and instruction set")
+    return known
+
+
 @intrinsic
 def address(typingctx, a):
     """The address of an array's data (the kernels align their scratch with it)."""
@@ -459,15 +469,10 @@ def make_group_tile(isas: dict[bool, str]):
     the row's sum over all K, off the build's `offset`; int4 (INT4): n groups of `per` blocks,
     sums[m + c, g] group g's sum (see `_group_int8_codegen`, `_group_int4_codegen`). kind, R, C
     and best are compile-time constants, best picking the instruction set `isas[best]`."""
-    from numba.core.errors import RequireLiteralValue
-
     @intrinsic
     def tile(typingctx, kind, R, C, best, w, scale, i, xq, base, rs, ss, tb, ts, sums, m, n,
              tail, per, sx, out, off):
-        known = [getattr(t, "literal_value", None) for t in (kind, R, C, best)]
-        if None in known:
-            raise RequireLiteralValue("the tile's kind, shape and instruction set")
-        k, rows, cols, b = known
+        k, rows, cols, b = literals(kind, R, C, best)
         sig = types.none(kind, R, C, best, w, scale, types.int64, xq, *[types.int64] * 5, sums,
                          *[types.int64] * 4, sx, out, types.int64)
         build = _group_int8_codegen if k == INT8 else _group_int4_codegen
@@ -563,15 +568,10 @@ def make_panel_tile(isas: dict[bool, str]):
     out, off) writes out[m + c, i + 16 p + j] for c < C, p < P, 16 p + j < valid (see
     `_panel_codegen`; sx, scale 1-D float32 contiguous, out's rows contiguous). P, C and best are
     compile-time constants, best picking the instruction set `isas[best]`."""
-    from numba.core.errors import RequireLiteralValue
-
     @intrinsic
     def tile(typingctx, P, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out,
              off):
-        known = [getattr(t, "literal_value", None) for t in (P, C, best)]
-        if None in known:
-            raise RequireLiteralValue("the tile's shape and instruction set")
-        panels, cols, b = known
+        panels, cols, b = literals(P, C, best)
         sig = types.none(P, C, best, pw, xq, *[types.int64] * 4, sums, types.int64, sx, scale,
                          types.int64, types.int64, out, types.int64)
 
@@ -656,15 +656,10 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
 def make_panel4_tile(isas: dict[bool, str]):
     """The int4 panel tile: tile(P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps,
     i, valid, out) (see `_panel4_codegen`); P, C and best compile-time constants."""
-    from numba.core.errors import RequireLiteralValue
-
     @intrinsic
     def tile(typingctx, P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid,
              out):
-        known = [getattr(t, "literal_value", None) for t in (P, C, best)]
-        if None in known:
-            raise RequireLiteralValue("the tile's shape and instruction set")
-        panels, cols, b = known
+        panels, cols, b = literals(P, C, best)
         sig = types.none(P, C, best, pw, xq, *[types.int64] * 5, sums, types.int64, sx, ps,
                          types.int64, types.int64, out)
 
