@@ -537,18 +537,14 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
     sxp = _elem(context, builder, a[8], sx, m)
     scp = _elem(context, builder, a[9], scale, i)
     outp = _rows(context, builder, a[12], out, m, C)
-    idx = ir.Constant(_vec(I32, lanes), list(range(lanes)))
-    vcount = builder.trunc(valid, I32)
-    mty = _vec(ir.IntType(1), lanes)
     fty = _vec(F32, lanes)
-    mload = _declare(builder, f"llvm.masked.load.v{lanes}f32.p0", fty, fty.as_pointer(), I32, mty, fty)
-    mstore = _declare(builder, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(), fty,
-                      fty.as_pointer(), I32, mty)
+    mload = _declare(builder, f"llvm.masked.load.v{lanes}f32.p0", fty, fty.as_pointer(), I32,
+                     _vec(ir.IntType(1), lanes), fty)
+    mstore, lane_mask = _lane_masks(builder, valid, lanes)
     for p in range(P):
         for h in range(per):
             first = p * 16 + h * lanes
-            mask = builder.icmp_signed("<", builder.add(idx, ir.Constant(_vec(I32, lanes), [first] * lanes)),
-                                       _splat(builder, vcount, lanes))
+            mask = lane_mask(first)
             ws = builder.call(mload, [builder.bitcast(builder.gep(scp, [ir.Constant(I64, first)]),
                                                       fty.as_pointer()),
                                       ir.Constant(I32, 4), mask, ir.Constant(fty, None)])
@@ -561,6 +557,21 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
                 at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
                                      fty.as_pointer())
                 builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def _lane_masks(builder, valid, lanes):
+    """A panel's output edge: (llvm.masked.store of `lanes` float32s, mask(first): the lanes
+    first .. first + lanes - 1 whose output column is below `valid`)."""
+    idx = ir.Constant(_vec(I32, lanes), list(range(lanes)))
+    vcount = _splat(builder, builder.trunc(valid, I32), lanes)
+    fty = _vec(F32, lanes)
+    mstore = _declare(builder, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(), fty,
+                      fty.as_pointer(), I32, _vec(ir.IntType(1), lanes))
+
+    def mask(first: int):
+        return builder.icmp_signed("<", builder.add(idx, ir.Constant(_vec(I32, lanes),
+                                                                     [first] * lanes)), vcount)
+    return mstore, mask
 
 
 def make_panel_tile(isas: dict[bool, str]):
@@ -635,16 +646,11 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
     faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
     sxp = _elem(context, builder, a[9], sx, m)
     outp = _rows(context, builder, a[13], out, m, C)
-    idx = ir.Constant(_vec(I32, lanes), list(range(lanes)))
-    vcount = builder.trunc(valid, I32)
-    mty = _vec(ir.IntType(1), lanes)
-    mstore = _declare(builder, f"llvm.masked.store.v{lanes}f32.p0", ir.VoidType(), fty,
-                      fty.as_pointer(), I32, mty)
+    mstore, lane_mask = _lane_masks(builder, valid, lanes)
     for p in range(P):
         for h in range(nvec):
             first = p * 16 + h * lanes
-            mask = builder.icmp_signed("<", builder.add(idx, ir.Constant(_vec(I32, lanes), [first] * lanes)),
-                                       _splat(builder, vcount, lanes))
+            mask = lane_mask(first)
             for c in range(C):
                 rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
                 value = builder.fmul(faccs[(c * P + p) * nvec + h], _splat(builder, rscale, lanes))
