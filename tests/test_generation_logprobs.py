@@ -88,6 +88,25 @@ def test_the_option_is_an_integer_in_0_to_20(dates, bad):
         dates.generate(PROMPTS[:1], logprobs=bad)
 
 
-def test_streams_refuse_it_in_one_line(dates):
-    with pytest.raises(InputError, match="not given with stream=True yet"):
-        list(dates.generate(PROMPTS[0], logprobs=1, stream=True))
+@pytest.mark.parametrize("options", [{}, {"do_sample": True, "temperature": 50.0, "seed": 5},
+                                     {"num_beams": 3}])
+def test_a_stream_carries_each_decided_tokens_logprobs(dates, options):
+    """Greedy, sampled and beam streams: after each piece one entry per decided token, and
+    at the end the same values as the whole sequence scored by forward."""
+    s = dates.generate(PROMPTS[1], logprobs=2, stream=True, max_new_tokens=12, **options)
+    seen = []
+    for _ in s:
+        assert len(s.token_logprobs) == len(s.top_logprobs) == len(s.decided_ids)
+        seen.append(len(s.decided_ids))
+    assert seen == sorted(seen) and s.new_tokens == len(s.token_logprobs)
+    result = type("R", (), {"token_ids": [dates.token_ids.start] + s.token_ids,
+                            "token_logprobs": s.token_logprobs, "top_logprobs": s.top_logprobs,
+                            "new_tokens": s.new_tokens})
+    check_against_forward(dates, PROMPTS[1], result, 2)
+
+
+def test_a_stream_without_the_option_keeps_none(dates):
+    s = dates.generate(PROMPTS[0], stream=True, max_new_tokens=4)
+    list(s)
+    assert s.token_logprobs is None and s.top_logprobs is None
+    assert s.decided_ids == s.token_ids and 1 <= s.new_tokens <= 4

@@ -13,12 +13,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..errors import Cancelled, InputError
+from ..errors import Cancelled
 from ..tokenizers import IncrementalDecoder
 from .batcher import batcher_of
 from .options import GenerationOptions
 from .protocol import DecodingModel
-from .search import token_loop
+from .search import StepLogprobs, token_loop
 
 
 class StopMatcher:
@@ -100,6 +100,18 @@ class Stream:
     def new_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def decided_ids(self) -> list[int]:
+        return self._info.get("tokens", [])
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        return self._info.get("token_logprobs")
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self._info.get("top_logprobs")
+
     def __iter__(self) -> "Stream":
         return self
 
@@ -130,6 +142,12 @@ class Stream:
         batcher_of(self._model).cancelled(self._cancel)
 
 
+def row_logprobs(step: StepLogprobs, j: int) -> tuple[float, list[tuple[int, float]]]:
+    """Row j of a step's log-probabilities: its token's, and the best (id, value) pairs."""
+    return (float(step.chosen[j]),
+            [(int(i), float(v)) for i, v in zip(step.top_ids[j], step.top_values[j])])
+
+
 def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind: str,
                   opts: GenerationOptions, tok: Any, start_decoding: Any = None,
                   on_done: Any = None, info: dict | None = None,
@@ -137,17 +155,25 @@ def stream_tokens(model: DecodingModel, ids: np.ndarray, mask: np.ndarray, kind:
     """Text pieces (kind "text") or token ids (kind "ids") of one row as they are decided.
     `start_decoding` replaces the model's (a session continuing its memory); `on_done(tokens)`
     receives the generated ids when the stream ends, however it ends; `info` receives "tokens"
-    (as they come) and "reason" (how it ended); `cancel`: see token_loop."""
-    if opts.logprobs is not None:
-        raise InputError("logprobs are not given with stream=True yet: use return_details=True")
+    (as they come), with the logprobs option "token_logprobs" and "top_logprobs" (one entry per
+    token, appended before it), and "reason" (how it ended); `cancel`: see token_loop."""
     eos = set(model.token_ids.eos)
     text = _RowText(tok, opts.stop, eos) if kind != "ids" or opts.stop else None
     info = {} if info is None else info
     generated: list[int] = info.setdefault("tokens", [])
-    loop = token_loop(model, ids, mask, opts, start_decoding=start_decoding, cancel=cancel)
+    step: dict = {}   # token_loop's: each step's StepLogprobs
+    if opts.logprobs is not None:
+        chosen: list[float] = info.setdefault("token_logprobs", [])
+        best: list[list[tuple[int, float]]] = info.setdefault("top_logprobs", [])
+    loop = token_loop(model, ids, mask, opts, start_decoding=start_decoding, info=step,
+                      cancel=cancel)
     try:
         for _, tokens in loop:
             t = int(tokens[0])
+            if opts.logprobs is not None:
+                value, top = row_logprobs(step["logprobs"], 0)
+                chosen.append(value)
+                best.append(top)
             generated.append(t)
             if t in eos:
                 info["reason"] = "eos"

@@ -30,7 +30,7 @@ from ..tokenizers.select import need_tokenizer
 from .prompts import TRUNCATION_CURE, check_prompt, normalise_inputs, row_names
 from .protocol import DecodingModel
 from .search import Hypothesis, StepLogprobs, beam_search, step_logprobs, token_loop
-from .streaming import StopMatcher, Stream, _RowText, stream_tokens
+from .streaming import StopMatcher, Stream, _RowText, row_logprobs, stream_tokens
 
 
 @dataclass
@@ -239,9 +239,9 @@ def _finish(model: DecodingModel, h: Hypothesis, text: str | None, reason: str, 
 def _keep_logprobs(hyps: list[Hypothesis], rows: np.ndarray, step: StepLogprobs) -> None:
     """One step's log-probabilities onto the hypotheses of its rows."""
     for j, r in enumerate(rows):
-        hyps[r].token_logprobs.append(float(step.chosen[j]))
-        hyps[r].top_logprobs.append([(int(i), float(v))
-                                     for i, v in zip(step.top_ids[j], step.top_values[j])])
+        value, top = row_logprobs(step, j)
+        hyps[r].token_logprobs.append(value)
+        hyps[r].top_logprobs.append(top)
 
 
 def _beam_logprobs(model: DecodingModel, prompt: np.ndarray, h: Hypothesis, k: int) -> None:
@@ -432,6 +432,8 @@ def _stream_beam(model: DecodingModel, rows: list, kind: str, opts: GenerationOp
     ids, mask = model.batch(rows)
     r = _run_batch(model, ids, mask, opts, tok, rng, cancel)[0][0]
     info.update(reason=r.finish_reason, tokens=r.token_ids[len(r.token_ids) - r.new_tokens:])
+    if r.token_logprobs is not None:
+        info.update(token_logprobs=r.token_logprobs, top_logprobs=r.top_logprobs)
     if kind != "ids":
         yield r.text
     else:

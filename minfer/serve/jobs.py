@@ -118,6 +118,7 @@ class Started:
 class Piece:
     index: int
     text: str
+    logprobs: dict | None = None   # the tokens decided since the last piece (logprobs option)
 
 
 @dataclass
@@ -133,9 +134,12 @@ class Failed:
     error: BaseException
 
 
-def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], count: Count) -> None:
+def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], count: Count,
+           chat: bool = False) -> None:
     """The request's streams, iterated in turn by this thread; `emit` receives Started, then
-    Pieces and an Ended per choice; any failure is a Failed, the last thing emitted. The tokens
+    Pieces and an Ended per choice; any failure is a Failed, the last thing emitted. With the
+    logprobs option each Piece carries the logprobs of the tokens decided since the last one,
+    and a choice's last tokens (held-back text, eos) come in a Piece of "" before its Ended. The tokens
     are counted however it ends, as the usage reports them: each prompt's tokens once (not once
     per sequence), and what every stream generated (one cut short counts what it made)."""
     streams: list[Any] = []
@@ -150,16 +154,20 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
                     options["seed"] = (options["seed"] + j) % (MAX_SEED + 1)
                 streams.append(job._track(job.model.generate(prompt, stream=True, **options)))
         emit(Started())
+        parts = [responses.StreamedLogprobs(job.model.tokenizer, chat) for _ in streams]
         live = list(enumerate(streams))
         while live:
             for item in list(live):
                 index, s = item
                 piece = next(s, None)
                 if piece is not None:
-                    emit(Piece(index, piece))
+                    emit(Piece(index, piece, _logprobs(s, parts[index])))
                 elif s.finish_reason is not None:
                     if s.finish_reason == "cancelled":
                         raise job.stopped()
+                    rest = _logprobs(s, parts[index], final=True)
+                    if rest is not None:
+                        emit(Piece(index, "", rest))
                     emit(Ended(index, s.finish_reason, s.prompt_tokens, s.new_tokens))
                     live.remove(item)
     except BaseException as e:   # reported to the loop, which answers the client
@@ -169,6 +177,14 @@ def stream(job: Job, request: GenerationRequest, emit: Callable[[Any], None], co
             s.close()   # (a finished one: nothing; an abandoned one gives its memory back)
         count(sum(s.prompt_tokens for s in streams[::request.n]),   # sequence 0 of each prompt
               sum(s.new_tokens for s in streams))
+
+
+def _logprobs(s: Any, part: responses.StreamedLogprobs, final: bool = False) -> dict | None:
+    """A stream's logprobs object for its tokens decided since the last one (None without the
+    option, or, unless final, with nothing new)."""
+    if s.token_logprobs is None:
+        return None
+    return part.take(s.decided_ids, s.token_logprobs, s.top_logprobs, final)
 
 
 def tokenize(job: Job, prompt: str, add_special_tokens: bool) -> list[int]:

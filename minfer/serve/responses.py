@@ -43,33 +43,57 @@ def token_logprobs(tok: Any, result: Any, chat: bool, encoder_decoder: bool) -> 
     if result.token_logprobs is None:
         return None
     ids = result.token_ids[1:] if encoder_decoder else result.token_ids
-    pieces = _pieces(tok, ids) if tok is not None else [str(i) for i in ids]
-
-    def text(i: int) -> str:
-        return tok.decode([i], skip_special_tokens=False) if tok is not None else str(i)
-    if chat:
-        return {"content": [
-            {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
-             "top_logprobs": [{"token": text(i), "logprob": v,
-                               "bytes": list(text(i).encode("utf-8"))} for i, v in top]}
-            for piece, lp, top in zip(pieces, result.token_logprobs, result.top_logprobs)]}
-    offsets, at = [], 0
-    for piece in pieces:
-        offsets.append(at)
-        at += len(piece)
-    return {"tokens": pieces, "token_logprobs": result.token_logprobs,
-            "top_logprobs": [{text(i): v for i, v in top} for top in result.top_logprobs],
-            "text_offset": offsets}
+    pieces = StreamedLogprobs(tok, chat)
+    return pieces.take(ids, result.token_logprobs, result.top_logprobs, final=True)
 
 
-def _pieces(tok: Any, ids: list[int]) -> list[str]:
-    """The text each id adds to the decoding of all of them (the last one also what was held
-    back)."""
-    decoder = IncrementalDecoder(tok)
-    pieces = [decoder.push(i) for i in ids]
-    if pieces:
-        pieces[-1] += decoder.flush()
-    return pieces
+class StreamedLogprobs:
+    """One sequence's logprobs objects a part at a time, for the chunks of a stream: `take` the
+    tokens decided since the last part; the parts' token texts join to the whole text (each is
+    the piece its id adds to the decoding so far) and `text_offset` runs on across parts."""
+
+    def __init__(self, tok: Any, chat: bool):
+        self.tok, self.chat = tok, chat
+        self.decoder = IncrementalDecoder(tok) if tok is not None else None
+        self.sent = 0          # tokens already given
+        self.offset = 0        # characters of text before the next part's first token
+
+    def take(self, ids: list[int], values: list[float], tops: list[list[tuple[int, float]]],
+             final: bool = False) -> dict | None:
+        """The part for ids[sent:] (ids, values and tops: the sequence's lists so far); None
+        when there is nothing new. `final`: the last part (the decoder's held-back text)."""
+        new = range(self.sent, len(values))
+        if not new and (self.sent or not final):   # (a whole answer of no tokens: empty lists)
+            return None
+        pieces = [self._text(ids[i], push=True) for i in new]
+        if final and self.decoder is not None:
+            tail = self.decoder.flush()
+            if pieces:
+                pieces[-1] += tail
+        self.sent = len(values)
+        tops = [tops[i] for i in new]
+        if self.chat:
+            return {"content": [
+                {"token": piece, "logprob": values[i], "bytes": list(piece.encode("utf-8")),
+                 "top_logprobs": [{"token": self._text(t), "logprob": v,
+                                   "bytes": list(self._text(t).encode("utf-8"))} for t, v in top]}
+                for piece, i, top in zip(pieces, new, tops)]}
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [values[i] for i in new],
+                "top_logprobs": [{self._text(t): v for t, v in top} for top in tops],
+                "text_offset": offsets}
+
+    def _text(self, token: int, push: bool = False) -> str:
+        """A chosen token's piece (push: through the sequence's decoder), or an alternative's
+        own decoding."""
+        if self.tok is None:
+            return str(token)
+        if push:
+            return self.decoder.push(token)
+        return self.tok.decode([token], skip_special_tokens=False)
 
 
 def event(body: dict[str, Any]) -> bytes:
@@ -108,8 +132,9 @@ class Answer:
         return {**self._head(False), "choices": out, "usage": use}
 
     def chunk(self, index: int, text: str | None = None, reason: str | None = None,
-              first: bool = False) -> dict[str, Any]:
-        """A streamed chunk: a piece of choice `index`'s text, or its end (`reason`). A chat
+              first: bool = False, logprobs: dict | None = None) -> dict[str, Any]:
+        """A streamed chunk: a piece of choice `index`'s text, or its end (`reason`), with the
+        logprobs of the tokens decided since the last chunk (the logprobs option). A chat
         choice's first chunk also says the role."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason(reason)}
         if self.chat:
@@ -117,8 +142,10 @@ class Answer:
             if text is not None:
                 delta["content"] = text
             choice["delta"] = delta
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
         else:
-            choice.update(text=text or "", logprobs=None)
+            choice.update(text=text or "", logprobs=logprobs)
         return {**self._head(True), "choices": [choice]}
 
     def usage_chunk(self, use: dict[str, int]) -> dict[str, Any]:

@@ -281,7 +281,7 @@ async def _start_stream(service: Service, request: Request, job: jobs.Job,
     def dropped(future: Any) -> None:   # (any thread) never run: the pool was shut down
         if future.cancelled():
             emit(jobs.Failed(shutting_down("refused while waiting for a worker")))
-    service.workers.submit(jobs.stream, job, req, emit, service.metrics.tokens) \
+    service.workers.submit(jobs.stream, job, req, emit, service.metrics.tokens, answer.chat) \
         .add_done_callback(dropped)
     first = await service.wait(request, job, queue.get(), deadline)
     if isinstance(first, jobs.Failed):
@@ -333,7 +333,7 @@ async def _events(service: Service, req: GenerationRequest, answer: responses.An
             if first_piece:
                 service.metrics.first_token.observe(time.monotonic() - start)
                 first_piece = False
-            yield responses.event(answer.chunk(item.index, item.text))
+            yield responses.event(answer.chunk(item.index, item.text, logprobs=item.logprobs))
         elif isinstance(item, jobs.Ended):
             ended += 1
             new_tokens += item.new_tokens

@@ -17,7 +17,7 @@ unset. The mapping (README "Serving" lists it for users):
     min_tokens                          min_new_tokens
     ignore_eos                          min_new_tokens = max_new_tokens (eos cannot end it early)
     truncate_prompt_tokens              cut longer prompts to this many tokens (truncation)
-    logprobs (completions: k; chat: true + top_logprobs k)   logprobs=k (non-streamed answers)
+    logprobs (completions: k; chat: true + top_logprobs k)   logprobs=k
 """
 
 from __future__ import annotations
@@ -230,9 +230,6 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's limit of "
                        f"{max_input_tokens} prompt tokens", param="truncate_prompt_tokens")
     stream = bool(_boolean(body, "stream"))
-    if stream and logprobs is not None:
-        raise APIError(400, "logprobs are not given in streamed responses yet: send them "
-                       "without stream", param="logprobs")
     usage = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     include_usage = usage.get("include_usage", False)
     if not isinstance(include_usage, bool):
