@@ -73,11 +73,13 @@ def score_pairs(model: Any, sources: str | Sequence[str], targets: str | Sequenc
 
 def rerank(model: Any, query: str, documents: str | Sequence[str], *, top_n: int | None = None,
            words: tuple[str, str] = MONOT5_WORDS, batch_size: int = 16,
-           cancel: Any = None) -> list[tuple[int, float]]:
+           max_input_tokens: int | None = None, cancel: Any = None) -> list[tuple[int, float]]:
     """(document index, relevance) best first, at most `top_n`. A model with a decoder: monoT5's
     P(words[0]) from the softmax over the two words' logits at the first decoder step of
-    MONOT5_TEMPLATE; an encoder alone (a sentence-embedding model): the cosine similarity of the
-    query's and each document's embeddings."""
+    MONOT5_TEMPLATE, whose documents are cut to fit `max_input_tokens` when given (see
+    monot5_inputs); an encoder alone (a sentence-embedding model): the cosine similarity of the
+    query's and each document's embeddings (each text cut at the model's max_seq_length, as
+    embed cuts it; max_input_tokens is for monoT5's inputs and refused here)."""
     if not isinstance(query, str):
         raise InputError(f"rerank(): query must be a string, got {type(query).__name__}")
     documents = text_list(documents, "rerank()")
@@ -86,7 +88,11 @@ def rerank(model: Any, query: str, documents: str | Sequence[str], *, top_n: int
     if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
         raise InputError(f"rerank(): top_n must be a positive integer, got {top_n!r:.40}")
     if has_decoder(model):
-        scores = _monot5(model, query, documents, words, batch_size, cancel)
+        scores = _monot5(model, monot5_inputs(model, query, documents, max_input_tokens), words,
+                         batch_size, cancel)
+    elif max_input_tokens is not None:
+        raise InputError("rerank(): max_input_tokens cuts a seq2seq reranker's inputs; an "
+                         "embedding model cuts every text at its own max_seq_length")
     else:
         scores = similarities(model, query, documents, batch_size, cancel)
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
@@ -116,8 +122,51 @@ def has_decoder(model: Any) -> bool:
     return bool(getattr(model, "is_encoder_decoder", False)) and "decoder" in model.parts
 
 
-def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str],
-            batch_size: int, cancel: Any) -> np.ndarray:
+def monot5_inputs(model: Any, query: str, documents: Sequence[str],
+                  max_input_tokens: int | None = None) -> list[list[int]]:
+    """Each document's monoT5 input ids (MONOT5_TEMPLATE, `</s>` as the model adds it). With
+    max_input_tokens, a longer input keeps the query and the template whole and cuts the
+    document's tokens until it fits (re-tokenized: a cut can change how its neighbours join);
+    a query that leaves no room is an InputError."""
+    tok = need_tokenizer(model, "rerank()")
+    if max_input_tokens is not None and (not isinstance(max_input_tokens, int) or
+                                         isinstance(max_input_tokens, bool) or
+                                         max_input_tokens < 1):
+        raise InputError("rerank(): max_input_tokens must be a positive integer, got "
+                         f"{max_input_tokens!r:.40}")
+
+    def encoded(document: str) -> list[int]:
+        return tok.encode(MONOT5_TEMPLATE.format(query=query, document=document),
+                          add_eos=model.add_eos_to_prompt)
+    inputs = []
+    for d in documents:
+        ids = encoded(d)
+        if max_input_tokens is not None and len(ids) > max_input_tokens:
+            ids = _cut_to_fit(tok, encoded, d, len(ids) - max_input_tokens, max_input_tokens)
+        inputs.append(ids)
+    return inputs
+
+
+def _cut_to_fit(tok: Any, encoded: Callable[[str], list[int]], document: str, over: int,
+                limit: int) -> list[int]:
+    """The template's ids with the document's tokens cut by `over` (and more while it is still
+    longer than `limit`)."""
+    kept = tok.encode(document, add_eos=False)
+    keep = len(kept) - over
+    while keep > 0:
+        ids = encoded(tok.decode(kept[:keep], skip_special_tokens=True))
+        if len(ids) <= limit:
+            return ids
+        keep -= max(1, len(ids) - limit)
+    ids = encoded("")
+    if len(ids) > limit:
+        raise InputError(f"query: monoT5's template with this query is {len(ids)} tokens before "
+                         f"any document, more than max_input_tokens {limit}")
+    return ids
+
+
+def _monot5(model: Any, inputs: list[list[int]], words: tuple[str, str], batch_size: int,
+            cancel: Any) -> np.ndarray:
     tok = need_tokenizer(model, "rerank()")
     pair = []
     for word in words:
@@ -126,9 +175,7 @@ def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str]
             raise InputError(f"rerank(): the word {word!r:.40} is {len(ids)} tokens in this "
                              "model's vocabulary; monoT5's rule needs one token per word")
         pair.append(ids[0])
-    inputs = [tok.encode(MONOT5_TEMPLATE.format(query=query, document=d),
-                         add_eos=model.add_eos_to_prompt) for d in documents]
-    scores = np.empty(len(documents), np.float64)
+    scores = np.empty(len(inputs), np.float64)
 
     def run(rows: list[int]) -> None:
         ids, mask = right_padded([inputs[i] for i in rows], model.token_ids.pad)
@@ -137,7 +184,7 @@ def _monot5(model: Any, query: str, documents: list[str], words: tuple[str, str]
         two -= two.max(axis=1, keepdims=True)
         p = np.exp(two)
         scores[rows] = p[:, 0] / p.sum(axis=1)
-    for rows in _batches(model, [1] * len(documents), batch_size):
+    for rows in _batches(model, [1] * len(inputs), batch_size):
         _in_halves(run, rows, cancel)
     return scores
 

@@ -99,6 +99,38 @@ def test_monot5_relevance_is_p_true_at_the_first_step(dates):
     assert dates.rerank("a query", docs, words=words, top_n=2) == got[:2]
 
 
+def test_long_documents_are_cut_to_fit_max_input_tokens(dates):
+    """The query and the template stay whole; a long document keeps its first tokens (as many
+    as fit); one that fits is untouched; the scores are P(word 0) over the cut inputs."""
+    words = ("July", "date")
+    query, limit = "a query", 48
+    docs = ["short one", "a long document " * 20, "another rather long text, " * 12]
+    inputs = scoring.monot5_inputs(dates, query, docs, limit)
+    tok = dates.tokenizer
+    whole = [tok.encode(scoring.MONOT5_TEMPLATE.format(query=query, document=d)) for d in docs]
+    assert inputs[0] == whole[0] and len(whole[1]) > limit and len(whole[2]) > limit
+    for ids, d in zip(inputs[1:], docs[1:]):
+        assert len(ids) <= limit
+        text = tok.decode(ids, skip_special_tokens=True)
+        assert text.startswith(f"Query: {query} Document:") and text.endswith("Relevant:")
+        kept = text[len(f"Query: {query} Document: "):-len(" Relevant:")].strip()
+        assert kept and d.startswith(kept)                      # the document's beginning
+    got = dict(dates.rerank(query, docs, words=words, max_input_tokens=limit))
+    pair = [tok.encode(w, add_eos=False)[0] for w in words]
+    for i, ids in enumerate(inputs):
+        two = dates.forward([ids], [[0]])[0, 0, pair].astype(np.float64)
+        assert got[i] == pytest.approx(np.exp(two[0]) / np.exp(two).sum(), abs=1e-6)
+    with pytest.raises(InputError, match="before any document"):
+        scoring.monot5_inputs(dates, "a very long query " * 10, docs, limit)
+    with pytest.raises(InputError, match="max_input_tokens must be a positive integer"):
+        scoring.monot5_inputs(dates, query, docs, 0)
+
+
+def test_an_embedding_reranker_refuses_max_input_tokens():
+    with pytest.raises(InputError, match="cuts every text at its own max_seq_length"):
+        minfer.load(ST).rerank("q", ["d"], max_input_tokens=8)
+
+
 def test_monot5_words_must_be_single_tokens(dates):
     with pytest.raises(InputError, match="monoT5's rule needs one token per word"):
         dates.rerank("q", ["d"])      # "true" is several pieces in the tiny vocabulary

@@ -71,6 +71,17 @@ def test_rerank_orders_documents_by_monot5_relevance(tmp_path_factory):
     assert np.allclose([r["relevance_score"] for r in got["results"]],
                        [s for _, s in want[:2]], atol=1e-6)
     assert [r["document"]["text"] for r in got["results"]] == [texts[i] for i, _ in want[:2]]
+    long = ["Cats are small furry animals that purr. " * 100, "The stock market fell. " * 150]
+    want = minfer.load(folder).rerank("what are cats?", long, max_input_tokens=64)
+    with serving(folder, "--max-input-tokens", "256") as server, server.client() as http:
+        refused = http.post("/v1/rerank", json={"query": "what are cats?", "documents": long})
+        cut = http.post("/v1/rerank", json={"query": "what are cats?", "documents": long,
+                                            "truncate_prompt_tokens": 64}).json()
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"
+    assert [r["index"] for r in cut["results"]] == [i for i, _ in want]
+    assert np.allclose([r["relevance_score"] for r in cut["results"]], [s for _, s in want],
+                       atol=1e-6)
+    assert cut["results"][0]["document"]["text"] == long[want[0][0]]   # the document as sent
 
 
 def test_an_embedding_model_scores_and_reranks_by_cosine(st_server):
@@ -92,7 +103,10 @@ def test_an_embedding_model_scores_and_reranks_by_cosine(st_server):
                                 "relevance_score": ranked["results"][0]["relevance_score"]}]
     with st_server.client() as http:
         r = http.post("/v1/score", json={"text_1": "a", "text_2": "b", "normalize": True})
+        cut = http.post("/v1/rerank", json={"query": "a", "documents": ["b"],
+                                            "truncate_prompt_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "normalize"
+    assert cut.status_code == 400 and "max_seq_length" in cut.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -105,6 +119,8 @@ def test_an_embedding_model_scores_and_reranks_by_cosine(st_server):
     ("/v1/rerank", {"query": "q", "documents": [{"txt": "d"}]}, "documents"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
     ("/rerank", {"query": "q", "documents": ["d " * 60]}, "documents"),
+    ("/rerank", {"query": "q", "documents": ["d"], "truncate_prompt_tokens": 41},
+     "truncate_prompt_tokens"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(dates_server, path, body, param):
     with dates_server.client() as http:

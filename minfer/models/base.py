@@ -147,12 +147,13 @@ class Model(OwnsWeights, DecodingModel):
         return scoring.score_pairs(self, sources, targets, batch_size=batch_size)
 
     def rerank(self, query: str, documents: Any, *, top_n: int | None = None,
-               words: tuple[str, str] = scoring.MONOT5_WORDS,
-               batch_size: int = 16) -> list[tuple[int, float]]:
-        """(document index, relevance) best first: monoT5's P("true") for a seq2seq model, the
-        cosine similarity of the embeddings for an encoder alone (minfer/scoring.py)."""
+               words: tuple[str, str] = scoring.MONOT5_WORDS, batch_size: int = 16,
+               max_input_tokens: int | None = None) -> list[tuple[int, float]]:
+        """(document index, relevance) best first: monoT5's P("true") for a seq2seq model
+        (documents cut to fit max_input_tokens when given), the cosine similarity of the
+        embeddings for an encoder alone (minfer/scoring.py)."""
         return scoring.rerank(self, query, documents, top_n=top_n, words=words,
-                              batch_size=batch_size)
+                              batch_size=batch_size, max_input_tokens=max_input_tokens)
 
     # -- inputs and sizes -----------------------------------------------------------------------------
     def batch(self, input_ids: Any, attention_mask: Any = None) -> tuple[np.ndarray, np.ndarray]:

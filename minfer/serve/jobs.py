@@ -228,16 +228,18 @@ def rerank(job: Job, request: RerankRequest, max_input_tokens: int) -> tuple[lis
     """(index, relevance) best first (model.rerank) and the tokens read."""
     job.check()
     model = job.model
-    if scoring.has_decoder(model):   # each document inside monoT5's template
-        texts = [scoring.MONOT5_TEMPLATE.format(query=request.query, document=d)
-                 for d in request.documents]
-        tokens = sum(_counts(model, "documents", texts, max_input_tokens))
+    if scoring.has_decoder(model):   # each document inside monoT5's template (cut, if asked)
+        inputs = scoring.monot5_inputs(model, request.query, request.documents, request.truncate)
+        tokens = sum(_within("documents", [len(ids) for ids in inputs], max_input_tokens))
     else:
+        if request.truncate is not None:
+            raise InputError("truncate_prompt_tokens cuts a seq2seq reranker's inputs; this "
+                             "embedding model cuts every text at its own max_seq_length")
         tokens = (sum(_counts(model, "query", [request.query], max_input_tokens))
                   + sum(_counts(model, "documents", request.documents, max_input_tokens)))
     try:
         return scoring.rerank(model, request.query, request.documents, top_n=request.top_n,
-                              cancel=job.cancelled), tokens
+                              max_input_tokens=request.truncate, cancel=job.cancelled), tokens
     except Cancelled:
         raise job.stopped() from None
 
@@ -250,6 +252,11 @@ def _counts(model: Any, field: str, texts: list[str], max_input_tokens: int) -> 
         counts = [len(tok.encode(text, add_eos=model.add_eos_to_prompt)) for text in texts]
     else:
         counts = token_counts(model, texts)
+    return _within(field, counts, max_input_tokens)
+
+
+def _within(field: str, counts: list[int], max_input_tokens: int) -> list[int]:
+    """The counts, or an InputError naming the first text over max_input_tokens."""
     for i, n in enumerate(counts):
         if n > max_input_tokens:
             raise InputError(f"{field}[{i}]: {n} tokens, more than this server's limit of "

@@ -426,7 +426,7 @@ def _score(service: Service, body: dict) -> Plan:
 
 def _rerank(service: Service, body: dict) -> Plan:
     """POST /v1/rerank, /rerank -> {results: [{index, relevance_score, document?}], usage}."""
-    req = rerank_request(body, service.limits.max_inputs)
+    req = rerank_request(body, service.limits.max_inputs, service.limits.max_input_tokens)
 
     def answer(got: tuple[list, int]) -> Response:
         service.metrics.tokens(got[1], 0)

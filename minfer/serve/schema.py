@@ -358,11 +358,15 @@ class RerankRequest:
     documents: list[str]
     top_n: int | None
     return_documents: bool
+    truncate: int | None = None   # truncate_prompt_tokens: monoT5 inputs cut to fit it
 
 
-def rerank_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> RerankRequest:
+def rerank_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS,
+                   max_input_tokens: int | None = None) -> RerankRequest:
     """POST /v1/rerank, /rerank (Cohere's and Jina's shape): `query` a string, `documents`
-    strings or {"text": ...} objects, `top_n`, `return_documents` (default true)."""
+    strings or {"text": ...} objects, `top_n`, `return_documents` (default true), and vLLM's
+    `truncate_prompt_tokens` (a seq2seq reranker's inputs: documents cut to fit it, at most the
+    server's max_input_tokens)."""
     query = _get(body, "query", lambda v: isinstance(v, str), "a string")
     if query is None:
         raise APIError(400, "query is required: a string", param="query")
@@ -379,8 +383,12 @@ def rerank_request(body: dict, max_inputs: int = DEFAULT_MAX_INPUTS) -> RerankRe
                            f"string, got {short_repr(d)}", param="documents")
         documents.append(text)
     keep = _boolean(body, "return_documents")
+    truncate = _integer(body, "truncate_prompt_tokens", 1)
+    if truncate is not None and max_input_tokens is not None and truncate > max_input_tokens:
+        raise APIError(400, f"truncate_prompt_tokens {truncate} is over this server's limit of "
+                       f"{max_input_tokens} prompt tokens", param="truncate_prompt_tokens")
     return RerankRequest(query, documents, _integer(body, "top_n", 1),
-                         True if keep is None else keep)
+                         True if keep is None else keep, truncate)
 
 
 # -- embeddings -------------------------------------------------------------------------------------
