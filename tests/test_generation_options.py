@@ -156,7 +156,7 @@ def test_numpy_scalars_are_accepted_and_normalised():
             opts.length_penalty, opts.stop, opts.early_stopping) == (7, 0.5, True, 0.9, 2**64 - 1,
                                                                      2.0, ("x",), False)
     assert all(type(getattr(opts, n)) in (int, float, bool, tuple) for n in o._CHECKS
-               if n not in ("seed", "logprobs"))   # (None unless given)
+               if n not in ("seed", "logprobs", "response_format"))   # (None unless given)
     assert type(opts.early_stopping) is bool and type(opts.seed) is int
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import ConfigError, InputError
 from ..io.limits import MAX_LENGTH, is_integer, short_repr
 from .protocol import DecodingModel
+from .structured import ResponseFormat, check_format
 
 # When neither the call nor the checkpoint says how long to decode. Deliberately long: a silent
 # 20-token cut (HF's max_length default) truncates real outputs; eos ends most generations sooner.
@@ -130,6 +131,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "stop": _stop,
     "seed": _seed,
     "logprobs": _logprobs,
+    "response_format": check_format,   # (its own InputErrors, naming response_format)
 }
 _HINTS = {"seed": " (leave it unset for a random seed)"}
 
@@ -153,6 +155,9 @@ class GenerationOptions:
     # each new token's log-probability (the log-softmax of the model's scores before any
     # processor, as vLLM reports them) and this many alternatives (0: none); None: not kept
     logprobs: int | None = None
+    # structured output (structured.py): tokens the format's grammar forbids are masked before
+    # each choice; None (or {"type": "text"}): free text. Never from a checkpoint's files.
+    response_format: ResponseFormat | dict | None = None
 
     def validate(self, origin: dict[str, str] | None = None) -> "GenerationOptions":
         """The options checked and normalised (Python scalars, stop a tuple). `origin` names the
@@ -198,7 +203,7 @@ def _from_hf(params: dict, source: str) -> dict:
                 raise ConfigError(f"{source}: '{key}' must be an integer in 0..{MAX_LENGTH}, "
                                   f"got {short_repr(value)}")
             out[_LENGTH_KEYS[key]] = max(int(value) - 1, 0 if key == "min_length" else 1)
-        elif key in _OPTION_NAMES and key not in ("stop", "seed"):
+        elif key in _OPTION_NAMES and key not in ("stop", "seed", "response_format"):
             out[key] = value
     return out
 

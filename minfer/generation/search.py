@@ -21,6 +21,7 @@ from .batcher import Request, batcher_of
 from .options import GenerationOptions
 from .processors import log_softmax, process, sample, top_k_indices, warp
 from .protocol import DecodingModel
+from .structured import RowGrammars, grammar_for
 
 NEG = np.float32(-1e9)  # HF's "finished / impossible" score offset in beam search
 
@@ -77,6 +78,10 @@ class Decoding(Request):
         self.seqs[:, 0] = state.first_tokens
         self.t = 0
         self.logprobs: collections.deque[StepLogprobs] = collections.deque()  # one per event
+        # structured output: one grammar state per row, reordered with the rows
+        self.grammars = (RowGrammars(grammar_for(model.tokenizer, opts.response_format), B,
+                                     self.eos_ids)
+                         if opts.response_format is not None else None)
 
     def ready(self) -> bool:
         """Drop the rows that ended at the last step (eos, or a stop string the consumer found);
@@ -93,6 +98,8 @@ class Decoding(Request):
             keep = np.flatnonzero(~done)
             self.state.reorder(keep)
             self.rows, self.seqs = self.rows[keep], self.seqs[keep]
+            if self.grammars is not None:
+                self.grammars.keep(keep)
         return True
 
     def feed(self) -> np.ndarray:
@@ -101,8 +108,13 @@ class Decoding(Request):
     def advance(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         t, opts = self.t, self.opts
         tokens = np.empty(len(logits), np.int64)
+        ok = (self.grammars.allowed(logits.shape[1], opts.max_new_tokens - t, first=t == 0)
+              if self.grammars is not None else None)               # (b, V) bools
         for a, b in row_chunks(*logits.shape):   # the processors' copies stay a few MiB
-            tokens[a:b] = self._choose(logits[a:b], self.seqs[a:b, :t + 1])
+            tokens[a:b] = self._choose(logits[a:b], self.seqs[a:b, :t + 1],
+                                       None if ok is None else ok[a:b])
+        if self.grammars is not None:
+            self.grammars.advance(tokens, t)
         self.seqs[:, t + 1] = tokens
         if opts.logprobs is not None:
             self.logprobs.append(step_logprobs(logits, tokens, opts.logprobs))
@@ -111,10 +123,14 @@ class Decoding(Request):
             self.finished = True
         return self.rows, tokens
 
-    def _choose(self, logits: np.ndarray, seqs: np.ndarray) -> np.ndarray:
-        """Rows of logits (r, V) and their sequences so far -> each row's token (r,)."""
+    def _choose(self, logits: np.ndarray, seqs: np.ndarray,
+                allowed: np.ndarray | None = None) -> np.ndarray:
+        """Rows of logits (r, V) and their sequences so far -> each row's token (r,); `allowed`
+        (r, V): what a response format's grammar lets each row choose."""
         t, opts = self.t, self.opts
         scores = process(logits, seqs, opts, t, self.eos_ids)
+        if allowed is not None:
+            scores = np.where(allowed, scores, np.float32(-np.inf))
         if opts.do_sample:
             best = scores.max(axis=1, keepdims=True)                        # (r, 1)
         else:
@@ -123,7 +139,8 @@ class Decoding(Request):
         if not np.isfinite(best).all():
             # argmax would pick id 0 and the sampler's cdf would be NaN: a silent wrong token
             raise InputError(f"step {t}: no token has a finite score (no_repeat_ngram_size "
-                             f"{opts.no_repeat_ngram_size} can ban the whole vocabulary, or "
+                             f"{opts.no_repeat_ngram_size} can ban the whole vocabulary, "
+                             f"min_new_tokens can ban the eos a response_format needs, or "
                              f"the model's logits overflowed)")
         if opts.do_sample:
             # shifted so the best score is 0 first: softmax and the warpers are shift-invariant,
@@ -152,11 +169,13 @@ def row_chunks(rows: int, width: int) -> Iterator[tuple[int, int]]:
 
 def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray,
                     opts: GenerationOptions, step: int, eos_ids: Any, K: int, keep_n: int,
-                    rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray]:
+                    rng: np.random.Generator | None,
+                    allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Beam search's candidates of one step: logits (b*K, V) of b inputs' K beams, their
     sequences (b*K, t) and running scores (b, K) -> per input the `keep_n` best (scores (b,
     keep_n), flat indices beam * V + token into its K*V candidates), best first, ties in index
     order. Sampling: drawn without replacement, keep_n ~ softmax(scores) by Gumbel top-k.
+    `allowed` (b*K, V): what a response format's grammar lets each beam choose (else -inf).
 
     The beams' rows are scored a chunk at a time, each row keeping its own keep_n best: the
     input's keep_n best are among those (a candidate beaten by keep_n of its own row's cannot be
@@ -173,6 +192,8 @@ def beam_candidates(logits: np.ndarray, seqs: np.ndarray, run_scores: np.ndarray
     for a, e in row_chunks(R, V):
         logp = log_softmax(logits[a:e])
         logp = process(logp, seqs[a:e], opts, step, eos_ids)
+        if allowed is not None:
+            logp = np.where(allowed[a:e], logp, np.float32(-np.inf))
         if opts.do_sample:
             logp = warp(logp, opts)
         acc = logp + flat_scores[a:e, None]                                  # (r, V)
@@ -266,6 +287,9 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
         fin_done = np.zeros((B, K), bool)
         improvable = np.ones(B, bool)              # HF's "early stop heuristic unsatisfied"
         live = np.arange(B)                        # batch rows still computed
+        # structured output: one grammar state per running beam (b*K, in the running order)
+        grammars = (RowGrammars(grammar_for(model.tokenizer, opts.response_format), B * K,
+                                token_ids.eos) if opts.response_format is not None else None)
         for cur in range(1, L):                    # cur: decoder tokens so far
             if cancel is not None and cancel.is_set():   # (another thread: see token_loop)
                 raise Cancelled("cancelled")
@@ -279,7 +303,8 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
                                  "weights or activations overflowed)")
             top_scores, top = beam_candidates(
                 logits, running[live, :, :cur].reshape(b * K, cur), run_scores[live], opts,
-                cur - 1, token_ids.eos, K, keep_n, rng)                     # (b, keep_n) each
+                cur - 1, token_ids.eos, K, keep_n, rng,   # (b, keep_n) each
+                None if grammars is None else grammars.allowed(V, L - cur, first=cur == 1))
             parent, token = top // V, top % V
             cand = np.take_along_axis(running[live], parent[:, :, None], axis=1)  # (b, keep_n, L)
             cand[:, :, cur] = token
@@ -290,6 +315,12 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             new_running = np.take_along_axis(cand, run_pick[:, :, None], axis=1)
             new_run_scores = np.take_along_axis(top_scores + ends * NEG, run_pick, axis=1)
             origin = np.take_along_axis(parent, run_pick, axis=1)               # (b, K)
+            if grammars is not None:   # beams follow their parents' grammar states (forked)
+                grammars.keep((np.arange(b)[:, None] * K + origin).reshape(-1))
+                # a beam at -inf took a token its grammar forbids: it can never win, so it
+                # keeps no state (and is allowed nothing) rather than consume that token
+                grammars.drop(np.flatnonzero(~np.isfinite(new_run_scores.reshape(-1))))
+                grammars.advance(new_running[:, :, cur].reshape(-1), cur - 1)
 
             # finished hypotheses: merge candidates that just ended (within the top K) with the kept
             fscores = top_scores / np.float32((cur + 1 - 1) ** lp)
@@ -322,6 +353,8 @@ def beam_search(model: DecodingModel, input_ids: np.ndarray, attention_mask: np.
             keep_rows = np.flatnonzero(row_open)
             state.reorder(flat[keep_rows].reshape(-1), cross=len(keep_rows) != b)
             live = live[keep_rows]
+            if grammars is not None:
+                grammars.keep((keep_rows[:, None] * K + np.arange(K)).reshape(-1))
 
     # A slot that never finished still holds the -1e9 placeholder: every real score of that row
     # sank below HF's "impossible" offset (a strongly negative length_penalty multiplies scores

@@ -31,6 +31,7 @@ from .prompts import TRUNCATION_CURE, check_prompt, normalise_inputs, row_names
 from .protocol import DecodingModel
 from .search import Hypothesis, StepLogprobs, beam_search, step_logprobs, token_loop
 from .streaming import StopMatcher, Stream, _RowText, row_logprobs, stream_tokens
+from .structured import grammar_for
 
 
 @dataclass
@@ -85,8 +86,11 @@ class _Call:
         """The input's kind ("text", "texts" or "ids"), once its shape has been checked: text,
         and stop strings, need the tokenizer."""
         self.kind = kind
-        if self.kind != "ids" or self.opts.stop:
-            self.tok = need_tokenizer(self.model, "text input" if self.kind != "ids" else "stop strings")
+        if self.kind != "ids" or self.opts.stop or self.opts.response_format is not None:
+            self.tok = need_tokenizer(self.model, "text input" if self.kind != "ids" else
+                                      "stop strings" if self.opts.stop else "response_format")
+        if self.opts.response_format is not None:   # a bad format is named before any row runs
+            grammar_for(self.tok, self.opts.response_format)
         # token-id rows get the task's prefix as ids (text rows as text, before tokenizing)
         self.prefix_ids = (self.tok.encode(self.prefix, add_eos=False)
                            if kind == "ids" and self.prefix and self.tok is not None else [])

@@ -4,7 +4,7 @@ mapped onto the options `model.generate` and `model.embed` take.
 Completions and chat completions share the sampling fields; vLLM's extras are read under vLLM's
 names. Unknown fields are ignored, as OpenAI's API ignores them; a known field that asks for
 something minfer does not do (echo, suffix, logit_bias, presence or frequency
-penalties, tools, a JSON response format) is refused rather than silently dropped. A null field is
+penalties, tools) is refused rather than silently dropped. A null field is
 unset. The mapping (README "Serving" lists it for users):
 
     max_tokens, max_completion_tokens   max_new_tokens (unset: the checkpoint's, capped by the server)
@@ -18,6 +18,8 @@ unset. The mapping (README "Serving" lists it for users):
     ignore_eos                          min_new_tokens = max_new_tokens (eos cannot end it early)
     truncate_prompt_tokens              cut longer prompts to this many tokens (truncation)
     logprobs (completions: k; chat: true + top_logprobs k)   logprobs=k
+    response_format (both endpoints), structured_outputs {"choice" | "json"}, guided_choice,
+    guided_json (vLLM's)                response_format (generation/structured.py)
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, Callable
 
 from ..errors import InputError
 from ..generation.options import BATCH_OPTION_NAMES, MAX_LOGPROBS, resolve_options
+from ..generation.structured import check_format, grammar_for
+from ..tokenizers.select import need_tokenizer
 from ..io.limits import is_integer, short_repr
 from .chat import chat_prompt
 from .errors import APIError, in_request_words
@@ -43,7 +47,8 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
              "max_input_tokens": "truncate_prompt_tokens", "dimensions": "dimensions"}
 
 # request fields the serving jobs' own messages begin with
-_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs", "normalize")
+_REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs", "normalize",
+                   "response_format")
 
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
@@ -154,10 +159,6 @@ def completion_request(body: dict, max_tokens: int, max_input_tokens: int,
 def chat_request(body: dict, max_tokens: int, max_input_tokens: int,
                  max_inputs: int = DEFAULT_MAX_INPUTS) -> GenerationRequest:
     """POST /v1/chat/completions: `messages` made one prompt by the chat rule (chat.py)."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError(400, "response_format: only {\"type\": \"text\"} is supported",
-                       param="response_format")
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     wanted = _boolean(body, "logprobs")
@@ -243,6 +244,7 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         raise APIError(400, "early_stopping must be true, false or \"never\"",
                        param="early_stopping")
     options = dict(
+        response_format=_response_format(body),
         max_new_tokens=wanted, min_new_tokens=_integer(body, "min_tokens", 0),
         do_sample=do_sample, temperature=temperature or None,
         top_p=top_p, top_k=None if top_k is None else max(top_k, 0),
@@ -254,6 +256,44 @@ def _generation(body: dict, prompts: list[str], tokens_field: str, max_tokens: i
         logprobs=logprobs)
     return GenerationRequest(prompts, options, n, stream, include_usage,
                              bool(_boolean(body, "ignore_eos")))
+
+
+def _response_format(body: dict) -> Any:
+    """OpenAI's response_format, or vLLM's structured_outputs {"choice": [...]} / {"json":
+    schema} and its older guided_choice / guided_json: one of them at most, checked here (the
+    grammar against the model's vocabulary in `settle`)."""
+    given = {}
+    extra = _get(body, "structured_outputs", lambda v: isinstance(v, dict), "an object") or {}
+    for field, value in (("response_format", body.get("response_format")),
+                         ("structured_outputs", extra.get("choice") and {"type": "choice",
+                                                 "choice": extra["choice"]}),
+                         ("structured_outputs", extra.get("json") is not None and _schema(
+                             extra["json"], "structured_outputs.json")),
+                         ("guided_choice", body.get("guided_choice") is not None and {
+                             "type": "choice", "choice": body["guided_choice"]}),
+                         ("guided_json", body.get("guided_json") is not None and _schema(
+                             body["guided_json"], "guided_json"))):
+        if value:
+            given.setdefault(field, value)
+    if len(given) > 1:
+        raise APIError(400, f"send one of {' and '.join(sorted(given))}", param=sorted(given)[0])
+    if not given:
+        return None
+    [(field, value)] = given.items()
+    try:
+        return check_format(value)
+    except InputError as e:
+        raise APIError(400, str(e) if field == "response_format" else
+                       str(e).replace("response_format.choice", field), param=field) from None
+
+
+def _schema(value: Any, field: str) -> dict:
+    if isinstance(value, str):   # vLLM takes the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise APIError(400, f"{field} is not valid JSON", param=field) from None
+    return {"type": "json_schema", "json_schema": {"name": field, "schema": value}}
 
 
 def settle(model: Any, request: GenerationRequest, max_tokens: int,
@@ -281,6 +321,11 @@ def settle(model: Any, request: GenerationRequest, max_tokens: int,
     if request.stream and request.n > 1 and settled.num_beams > 1:
         raise APIError(400, "stream with n > 1 and beam search is not supported (a beam search "
                        "streams its result once, at the end)", param="n")
+    if settled.response_format is not None:   # the grammar against the model's vocabulary
+        try:
+            grammar_for(need_tokenizer(model, "response_format"), settled.response_format)
+        except InputError as e:
+            raise APIError(400, str(e), param="response_format") from None
     request.options = options
     return request
 
