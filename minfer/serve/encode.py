@@ -19,7 +19,7 @@ repeated input is answered from the cache without an encoder pass.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -68,9 +68,10 @@ def encode_request(body: dict, max_inputs: int) -> EncodeRequest:
 
 
 def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]:
-    """In a worker: [(states (T, C), mask (T,))] per input and the prompt tokens run. Inputs
-    longer than the server's limit are refused before anything is encoded (with a preset, its
-    length is what runs)."""
+    """In a worker: [(states (T, C), mask (T,))] per input and the prompt tokens run. Each text
+    is tokenized once here (cleaned and cut as its preset says), so its length is checked
+    against the server's limit before anything is encoded and counted for the usage; the ids
+    go to model.encode with the preset, which pads them and applies its mask rule."""
     job.check()
     model = job.model
     if not callable(getattr(model, "encoder_states", None)):
@@ -81,23 +82,25 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]
     if length is not None and length > max_input_tokens:
         raise InputError(f"max_length: {length} tokens, more than this server's limit of "
                          f"{max_input_tokens} (serve --max-input-tokens)")
-    counts = []
+    rows = []
     for i, text in enumerate(req.texts):
         if rule is not None and rule.clean is not None:
             text = rule.clean(text)
-        n = len(tok.encode_cut(text, length)[0] if length is not None else tok.encode(text))
-        if n > max_input_tokens:
-            raise InputError(f"input[{i}]: {n} tokens, more than this server's limit of "
+        try:
+            row = tok.encode_cut(text, length)[0] if length is not None else tok.encode(text)
+        except InputError as e:   # (a lone surrogate): named by its input
+            raise InputError(f"input[{i}]: {str(e).split(': ', 1)[-1]}") from None
+        if len(row) > max_input_tokens:
+            raise InputError(f"input[{i}]: {len(row)} tokens, more than this server's limit of "
                              f"{max_input_tokens} (serve --max-input-tokens)")
-        counts.append(n)
+        rows.append(row)
     job.check()
+    tokens = sum(map(len, rows))
     if rule is not None:
-        states, mask = model.encode(req.texts, preset=req.preset, max_length=req.max_length,
-                                    return_mask=True)
-        return list(zip(states, mask)), sum(counts)
-    states, mask = model.encode(req.texts, max_length=length, truncation=length is not None,
-                                return_mask=True)
-    return [(s[:n], k[:n]) for s, k, n in zip(states, mask, counts)], sum(counts)
+        states, mask = model.encode(rows, preset=req.preset, max_length=length, return_mask=True)
+        return list(zip(states, mask)), tokens
+    states, mask = model.encode(rows, return_mask=True)
+    return [(s[:len(r)], k[:len(r)]) for s, k, r in zip(states, mask, rows)], tokens
 
 
 def as_dtype(states: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -113,20 +116,24 @@ def as_dtype(states: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def answer(rows: list, model: str, tokens: int, req: EncodeRequest) -> bytes:
-    """The answer's JSON bytes, written an input at a time."""
+    """The answer's JSON bytes, written an input at a time; base64 states go in as bytes (no
+    JSON escaping of megabytes that need none: 512 x 4096 states are 11 MB of base64)."""
     parts = [b'{"object":"list","data":[']
     for i, (states, mask) in enumerate(rows):
         raw, values = as_dtype(states, req.dtype)
-        item = {"object": "encoding", "index": i, "shape": list(states.shape),
-                "dtype": req.dtype,
-                "states": base64.b64encode(raw.tobytes()).decode("ascii") if req.base64
-                else values.tolist(), "attention_mask": mask.tolist()}
-        parts.append((b"," if i else b"") + json.dumps(item, separators=(",", ":"),
-                                                       allow_nan=False).encode("ascii"))
+        head = {"object": "encoding", "index": i, "shape": list(states.shape),
+                "dtype": req.dtype, "attention_mask": mask.tolist()}
+        parts += [b"," if i else b"", _json(head)[:-1], b',"states":']
+        parts += [b'"', binascii.b2a_base64(raw, newline=False), b'"}'] if req.base64 \
+            else [_json(values.tolist()), b"}"]
     tail = {"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    parts.append(b"]," + json.dumps(tail, ensure_ascii=False, separators=(",", ":"))
-                 .encode("utf-8")[1:])
+    parts.append(b"]," + _json(tail)[1:])
     return b"".join(parts)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False).encode("utf-8")
 
 
 def plan(service: Any, body: dict) -> tuple:
