@@ -17,17 +17,17 @@ from ..errors import InputError
 TENSOR_KINDS = ("np", "pt")
 
 
-def check_tensors_option(kind: Any) -> None:
+def check_tensors_option(kind: Any, what: str = "encode()") -> None:
     """return_tensors is None, "np" or "pt" (torch importable), else a one-line InputError."""
     if kind is None or kind == "np":
         return
     if kind != "pt":
         shown = repr(kind)[:40] if isinstance(kind, str) else type(kind).__name__
-        raise InputError(f"encode(): return_tensors {shown} is not 'np' or 'pt'")
+        raise InputError(f"{what}: return_tensors {shown} is not 'np' or 'pt'")
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise InputError("encode(): return_tensors='pt' needs torch, which is not installed "
+        raise InputError(f"{what}: return_tensors='pt' needs torch, which is not installed "
                          "(pip install torch)") from None
 
 
