@@ -126,3 +126,13 @@ def test_threads_share_one_cache(folder):
         t.join(60)
     assert not errors and len(results) == 20 and set(results) == {want.tobytes()}
     assert model.encode_cache.stats().hits >= 60
+
+
+def test_a_pickled_model_brings_its_own_cache(folder):
+    import pickle
+    model = minfer.load(folder, encode_cache="16MiB")
+    model.encode(TEXTS)
+    copy = pickle.loads(pickle.dumps(model))
+    assert model.load_recipe["encode_cache"] == "16MiB"
+    assert copy.encode_cache is not model.encode_cache and copy.encode_cache.budget == 16 << 20
+    assert copy.encode_cache.stats().entries == 0     # a new, empty cache in the new process
