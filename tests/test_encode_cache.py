@@ -136,3 +136,17 @@ def test_a_pickled_model_brings_its_own_cache(folder):
     assert model.load_recipe["encode_cache"] == "16MiB"
     assert copy.encode_cache is not model.encode_cache and copy.encode_cache.budget == 16 << 20
     assert copy.encode_cache.stats().entries == 0     # a new, empty cache in the new process
+
+
+def test_the_cuda_path_takes_cached_states_into_the_device_arena(strict_cuda, folder):
+    # the strict CuPy stand-in (tests/strict_cupy.py): the upload of cached states and the host
+    # copy kept after a miss go through the backend, as on a GPU
+    model = minfer.load(folder, device="cuda", dtype="float32", encode_cache="16MiB")
+    want = minfer.load(folder).generate(TEXTS[:2], max_new_tokens=4)
+    assert model.generate(TEXTS[:2], max_new_tokens=4) == want
+    hits = model.encode_cache.stats().hits
+    assert model.generate(TEXTS[:2], max_new_tokens=4) == want
+    assert model.encode_cache.stats().hits == hits + 2
+    np.testing.assert_allclose(model.encode(TEXTS, preset="flux", max_length=8),
+                               minfer.load(folder).encode(TEXTS, preset="flux", max_length=8),
+                               rtol=0, atol=1e-5)
