@@ -1,5 +1,5 @@
 """The command line: the click group and the console entry point, which turns every failure into
-one line. Click commands only, one file per command (generate.py with bulk.py, embed.py,
+one line. Click commands only, one file per command (generate.py with bulk.py, embed.py, encode.py,
 info.py, score.py, convert.py, serve.py), the options they share in common.py: parse, call minfer, print. No model
 logic lives here.
 
@@ -23,6 +23,7 @@ from .common import (EXIT_INTERRUPT, EXIT_USAGE, ClosedStdout, OutputFailed, exi
                      fail, writing)
 from .convert import convert
 from .embed import embed
+from .encode import encode
 from .generate import generate
 from .info import info
 from .score import score
@@ -35,7 +36,7 @@ def cli() -> None:
     """minfer: framework-free T5 and Transformer-XL inference and T5 sentence embeddings."""
 
 
-for command in (generate, embed, info, score, convert, serve):
+for command in (generate, embed, encode, info, score, convert, serve):
     cli.add_command(command)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from minfer.encoding.cache import EncodeCache
 from minfer.errors import ConfigError, InputError
 from minfer.serve.limits import Limits, check_grace_period, clean_api_key
 
@@ -56,13 +57,16 @@ _DEFAULTS = Limits()
               help="Seconds a request may take; then it is cancelled (504).")
 @click.option("--grace-period", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds for requests in flight to finish.")
+@click.option("--encode-cache", default=None, metavar="SIZE",
+              help="Keep encoder outputs up to SIZE (e.g. 1GiB) on the host: a repeated input "
+                   "of /v1/encode, /v1/embeddings or a generation skips the encoder.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="uvicorn's log level (info logs each request).")
 def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_origins, max_running,
           max_waiting, max_body_size, max_tokens, max_inputs, max_input_tokens, request_timeout,
-          grace_period, log_level) -> None:
+          grace_period, encode_cache, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
-    /v1/embeddings, /v1/models, vLLM's /tokenize, /detokenize and /v1/score, /v1/rerank,
+    /v1/embeddings, /v1/encode, /v1/models, vLLM's /tokenize, /detokenize and /v1/score, /v1/rerank,
     /health and /metrics. Concurrent requests are decoded together (continuous batching)."""
     from minfer.arena import parse_bytes
     try:
@@ -82,6 +86,7 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
                max_tokens=max_tokens, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                request_timeout=request_timeout).check_values()
         check_grace_period(grace_period)
+        cache = None if encode_cache is None else EncodeCache(encode_cache)
     except (ConfigError, InputError) as e:
         fail(with_flags(str(e), command_flags(max_body_bytes="max_body_size")), EXIT_USAGE)
     try:   # before the model loads: a taken port is said at once, not after minutes of loading
@@ -90,6 +95,7 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     try:
         model = load_model(load)
+        model.encode_cache = cache if cache is not None else model.encode_cache
         application = app(model, name=served_model_name or load.model, api_key=api_key,
                           cors_origins=cors_origins, max_running=max_running,
                           max_waiting=max_waiting, max_body_bytes=max_body_bytes,

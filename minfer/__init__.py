@@ -17,6 +17,7 @@ from typing import Any as _Any
 from . import errors
 from .backend import QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
 from .devices import cuda_available as _cuda_available, make_backend as _make_backend
+from .encoding.cache import EncodeCache as _EncodeCache
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
                      MinferError, ModelNotFoundError, NonFiniteError, StreamingError,
                      TokenizerError)
@@ -46,7 +47,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
          revision: str | None = None, offline: bool | None = None, token: str | None = None,
          cache_dir: str | None = None, parts: str | None = None, subfolder: str | None = None,
          tokenizer_subfolder: str | None = None, config: str | _Path | None = None,
-         tokenizer: str | _Path | None = None, **options: _Any) -> T5Model | XLModel:
+         tokenizer: str | _Path | None = None, encode_cache: int | str | None = None,
+         **options: _Any) -> T5Model | XLModel:
     """Load a model by hub name, from a local folder in the Hugging Face layout, or from a
     single .safetensors file.
 
@@ -103,6 +105,10 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
     subfolder: the model's folder inside the repo or local folder (diffusers' "text_encoder_2").
     tokenizer_subfolder: read the tokenizer from this folder of the same repo instead
         ("tokenizer_2"; default: the model's own folder).
+    encode_cache: a byte budget such as "1GiB" for encoder outputs kept on the host
+        (minfer/encoding/cache.py): encode, embed and generation's encoder pass take a row
+        they have seen (same ids, same mask) from it instead of running the encoder; least
+        recently used rows leave first. Counters: `model.encode_cache.stats()`.
 
     A sentence-transformers folder (modules.json) loads its Transformer module's encoder and
     keeps the rest as `model.sentence_modules`, the head `model.embed` applies.
@@ -119,6 +125,9 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                      memory_limit=memory_limit, num_threads=num_threads, revision=revision,
                      offline=offline, cache_dir=cache_dir, parts=parts, subfolder=subfolder,
                      tokenizer_subfolder=tokenizer_subfolder)
+    if encode_cache is not None:
+        recipe["encode_cache"] = encode_cache
+        cache = _EncodeCache(encode_cache)   # (its budget checked before anything loads)
     # a single file's config and tokenizer folders (absolute); absent when not given
     recipe.update({k: _local_path(v) for k, v in (("config", config), ("tokenizer", tokenizer))
                    if v is not None})
@@ -184,6 +193,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                               f"{modules.pooling.dimension} of the Pooling module does not fit the "
                               f"encoder's d_model {loaded.config.d_model}")
         loaded.sentence_modules = modules
+    if encode_cache is not None:
+        loaded.encode_cache = cache
     if recorder is None:
         loaded.set_load_call(_functools.partial(load, **recipe))   # what the model pickles as
     else:

@@ -47,6 +47,8 @@ class Model(OwnsWeights, DecodingModel):
     # weights and arena (cloudpickle wrote 2.1 GB for a small model: the untouched 1 GiB arena,
     # twice). A model built another way has no such call and refuses to pickle, saying why.
     _reload_call: Any = None
+    # encoder rows kept between calls (encoding/cache.py): set by load(encode_cache=); None: none
+    encode_cache: Any = None
     _no_reload_reason: str = ("it was not made by minfer.load (built from in-memory objects), "
                               "so there are no load arguments to send")
 

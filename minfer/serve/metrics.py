@@ -20,6 +20,12 @@
     minfer_decode_steps_total          counter: decode steps the continuous batcher took
     minfer_decode_step_requests_total  counter: requests stepped, summed over those steps
                                        (divided by the steps: the mean batch)
+    minfer_encode_cache_hits_total     counter: encoder rows answered from the encode cache
+    minfer_encode_cache_misses_total   counter: encoder rows looked up and not found there
+    minfer_encode_cache_evictions_total  counter: rows dropped to stay within its budget
+    minfer_encode_cache_bytes          gauge: bytes it holds (of minfer_encode_cache_budget_bytes)
+    minfer_encode_cache_entries        gauge: rows it holds
+                                       (the encode_cache lines only with `--encode-cache`)
 
 Gauges are read when scraped (callbacks), so they cannot drift from what they describe.
 """
@@ -29,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -51,12 +57,36 @@ class _BatcherCounts:
                                   value=self.batcher.stepped)
 
 
+class _EncodeCacheCounts:
+    """The encode cache's counters and sizes, read when scraped."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+
+    def collect(self) -> Any:
+        s = self.cache.stats()
+        yield CounterMetricFamily("minfer_encode_cache_hits", "Encoder rows answered from the "
+                                  "encode cache", value=s.hits)
+        yield CounterMetricFamily("minfer_encode_cache_misses", "Encoder rows not found in the "
+                                  "encode cache", value=s.misses)
+        yield CounterMetricFamily("minfer_encode_cache_evictions", "Encoder rows evicted from "
+                                  "the encode cache", value=s.evicted)
+        yield GaugeMetricFamily("minfer_encode_cache_bytes", "Bytes the encode cache holds",
+                                value=s.bytes)
+        yield GaugeMetricFamily("minfer_encode_cache_budget_bytes", "The encode cache's budget",
+                                value=s.budget)
+        yield GaugeMetricFamily("minfer_encode_cache_entries", "Rows the encode cache holds",
+                                value=s.entries)
+
+
 class Metrics:
     def __init__(self, arena: Any, batcher: Any, running: Callable[[], int],
-                 waiting: Callable[[], int]):
+                 waiting: Callable[[], int], encode_cache: Any = None):
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_BatcherCounts(batcher))
+        if encode_cache is not None:
+            r.register(_EncodeCacheCounts(encode_cache))
         Gauge("minfer_requests_running", "Requests being decoded or embedded now",
               registry=r).set_function(running)
         Gauge("minfer_requests_waiting", "Accepted requests waiting for a worker or for arena "

@@ -22,7 +22,8 @@ OUTCOME = "minfer.outcome"   # scope key: the status a streamed response's event
 # the `endpoint` label of minfer_requests_total, by path (anything else: "other", so that the
 # label's values stay few whatever paths clients ask for)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat/completions",
-             "/v1/embeddings": "embeddings", "/v1/models": "models", "/health": "health",
+             "/v1/embeddings": "embeddings", "/v1/encode": "encode", "/v1/models": "models",
+             "/health": "health",
              "/metrics": "metrics", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/v1/score": "score", "/v1/rerank": "rerank", "/rerank": "rerank"}
 # what answers without the API key: load balancers' and scrapers' paths

@@ -4,6 +4,7 @@ any ASGI server can run or mount (`minfer serve` runs it with uvicorn: server.py
     POST /v1/completions        prompt (a string or a list), streamed or not
     POST /v1/chat/completions   messages, made one prompt by the chat rule (chat.py)
     POST /v1/embeddings         input (a string or a list) -> model.embed (dimensions: cut)
+    POST /v1/encode             input -> per-token encoder states (pipeline presets: encode.py)
     POST /tokenize              prompt or messages -> the ids the model sees (vLLM's shape)
     POST /detokenize            token ids -> text
     POST /v1/score              text_1 x text_2 -> log-likelihoods (seq2seq) or cosines (vLLM's)
@@ -53,7 +54,7 @@ from starlette.routing import Route
 
 from ..errors import Cancelled, InputError, MinferError
 from ..generation.batcher import batcher_of
-from . import jobs, responses
+from . import encode, jobs, responses
 from .errors import APIError, error_response, from_exception, shutting_down
 from .limits import Limits, clean_api_key
 from .middleware import OUTCOME, CheckHost, Count, RequireKey, host_names
@@ -79,7 +80,7 @@ class Service:
         self.model, self.name, self.limits = model, name, limits
         self.workers = Workers(model, limits.max_running, limits.max_waiting)
         self.metrics = Metrics(model.backend.arena, batcher_of(model), self.workers.running,
-                               self.workers.waiting)
+                               self.workers.waiting, getattr(model, "encode_cache", None))
         self.created = int(time.time())
         self.ready = threading.Event()
         self.allowed_hosts: frozenset[str] | None = None
@@ -465,6 +466,7 @@ def _routes(service: Service) -> list[Route]:
     return [Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/encode", in_worker(encode.plan, "input"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", in_worker(_tokenize), methods=["POST"]),
             Route("/detokenize", in_worker(_detokenize), methods=["POST"]),

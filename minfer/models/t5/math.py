@@ -392,9 +392,10 @@ def decode_full(be: Any, cfg: T5Config, params: dict, decoder_input_ids: np.ndar
 
 def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
                 attention_mask: np.ndarray, buf: DecodeBuffers, max_len: int,
-                repeat: int = 1) -> None:
+                repeat: int = 1, encoder: Any = None) -> None:
     """Fill a fresh decode state of B * repeat rows: encode the B inputs once, every layer's
-    cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i."""
+    cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i.
+    `encoder(enc)`, when given, fills enc (B, S, C) instead of the encoder pass (a cache)."""
     B, S = input_ids.shape
     for j in range(buf.self_bias.shape[0]):   # one table, or one per layer (UMT5)
         be.upload(buf.self_bias[j], causal_bias_by_distance(
@@ -402,7 +403,10 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
     mask_bias(be, attention_mask, buf.cross_bias[:B])
     with be.arena.scope():
         enc = be.arena.alloc((B, S, cfg.d_model), be.dtype, "encoder output")
-        encode(be, cfg, params, input_ids, attention_mask, enc)
+        if encoder is None:
+            encode(be, cfg, params, input_ids, attention_mask, enc)
+        else:
+            encoder(enc)
         cross_kv(be, cfg, params, enc, buf.cross_k[:, :B], buf.cross_v[:, :B])
     if repeat > 1:  # spread each input's rows over its repeat slots, last first (no overwrite)
         for i in range(B - 1, -1, -1):

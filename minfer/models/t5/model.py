@@ -8,6 +8,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...embedding import given, text_list
+from ...encoding.cache import row_key
+from ...encoding.presets import preset_named
+from ...encoding.tensors import as_tensors, check_tensors_option
 from ...errors import ArenaExhausted, InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
@@ -99,7 +102,8 @@ class T5Model(Model):
 
     def encode(self, inputs: Any, attention_mask: Any = None, *, padding: str = "longest",
                max_length: int | None = None, truncation: bool = False,
-               use_attention_mask: bool = True) -> np.ndarray:
+               use_attention_mask: bool = True, preset: str | None = None,
+               return_mask: bool = False, return_tensors: str | None = None) -> Any:
         """Token ids ((B, T) array or id lists) or text (a string or a list of them, tokenized
         with `</s>`) -> encoder states (B, T, C) float32 on the host.
 
@@ -109,10 +113,76 @@ class T5Model(Model):
         use_attention_mask: False attends to the padding too, as diffusers' Flux and SD3
             pipelines call their T5 text encoder (padding="max_length", max_length=512 or 256,
             truncation=True, no attention mask: every position's state is used).
+        preset: a diffusion pipeline's rule, "flux", "sd3", "wan", "chroma" or "ltx"
+            (minfer/encoding/presets.py: its prompt cleaning, padding and cut to its length, the
+            mask the encoder sees, Wan's states past the prompt set to zero); the states are what
+            that pipeline computes before its cast to the encoder's dtype. `max_length=` overrides
+            the preset's length; padding, truncation and use_attention_mask are the preset's.
+        return_mask: return (states, mask (B, T) int64): the mask the preset's pipeline hands its
+            transformer (chroma, ltx), else which positions hold the input's tokens.
+        return_tensors: "np" (default) or "pt": torch tensors sharing the arrays' memory (DLPack,
+            no copy; needs torch).
+        With `encode_cache=` at load, rows already encoded with the same ids and mask come from
+        the cache (the same bytes as when they were computed).
         """
+        rule = None
+        if preset is not None:
+            rule = preset_named(preset)
+            if padding != "longest" or truncation or not use_attention_mask:
+                raise InputError(f"encode(): preset {rule.name!r} sets padding, truncation and the "
+                                 "mask; only max_length= overrides it")
+            padding, truncation, use_attention_mask = "max_length", True, rule.encoder_mask
+            max_length = rule.max_length if max_length is None else max_length
+            if rule.clean is not None and _is_text(inputs):
+                inputs = [rule.clean(t) for t in text_list(inputs, "encode()")]
+        check_tensors_option(return_tensors)
         ids, mask = self._encoder_batch(inputs, attention_mask, padding, max_length, truncation)
-        if not use_attention_mask:
-            mask = np.ones_like(mask)
+        states = self.encoder_states(ids, mask if use_attention_mask else np.ones_like(mask))
+        if rule is not None and rule.zero_tail:   # (B, T, C): the padding's states -> 0
+            states[mask == 0] = 0.0
+        if not return_mask:
+            return as_tensors(states, return_tensors)
+        handed_on = rule.pipeline_mask(mask) if rule is not None else None
+        return (as_tensors(states, return_tensors),
+                as_tensors(mask if handed_on is None else handed_on, return_tensors))
+
+    @property
+    def cache_identity(self) -> str:
+        """What makes this model's encoder rows its own in an encode cache: the weights' source
+        and how they are stored and computed."""
+        be = self.backend
+        return (f"{type(self).__name__}|{self.folder}|{be.device}|{np.dtype(be.dtype).name}|"
+                f"{be.weight_format}|{be.compute}")
+
+    def encoder_states(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """(B, T) ids and the (B, T) mask the encoder attends with -> states (B, T, C) float32,
+        each row from the encode cache when it holds it (the rest computed together, then
+        kept)."""
+        cache = self.encode_cache
+        if cache is None:
+            return self._run_encoder(ids, mask)
+        keys = [row_key(self.cache_identity, i, m) for i, m in zip(ids, mask)]
+        out = np.empty((*ids.shape, self.config.d_model), np.float32)
+        first: dict[bytes, int] = {}    # each missing key's first row (a repeated row runs once)
+        for b, key in enumerate(keys):
+            hit = cache.get(key)
+            if hit is not None:
+                out[b] = hit
+            else:
+                first.setdefault(key, b)
+        if first:
+            rows = list(first.values())
+            fresh = self._run_encoder(ids[rows], mask[rows])        # (b, T, C)
+            for j, b in enumerate(rows):
+                cache.put(keys[b], fresh[j])
+            where = {key: j for j, key in enumerate(first)}
+            for b, key in enumerate(keys):
+                if key in where:
+                    out[b] = fresh[where[key]]
+        return out
+
+    def _run_encoder(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The encoder pass: (B, T) ids and mask -> states (B, T, C) float32 on the host."""
         be = self.backend
         B, T = ids.shape
         out = np.empty((B, T, self.config.d_model), np.float32)
@@ -247,7 +317,7 @@ class T5Model(Model):
         try:
             with self.lock, quiet(), be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
-                               max_len, repeat)
+                               max_len, repeat, self._cached_encoder(input_ids, attention_mask))
                 # on the CPU the encoder layer is named here (each input's first row after the
                 # spread over its beams); a device would sync for it: the first step names it
                 firsts = slice(0, B * repeat, repeat)   # each input's row; the others copy it
@@ -260,6 +330,37 @@ class T5Model(Model):
             yield T5DecodeState(self, buf, B * repeat, max_len)
         finally:
             held.release()
+
+    def _cached_encoder(self, ids: np.ndarray, mask: np.ndarray) -> Any:
+        """For start_state: None without an encode cache (the encoder runs), else a function
+        that fills the arena's (B, S, C) encoder output from the cache when it holds every
+        input, or runs the encoder and keeps each input's states. Generation needs only the
+        states of an input's own tokens (cross-attention masks the padding), so a row is kept
+        as its unpadded ids with a mask of ones: the key `encode` of that unpadded row uses,
+        whatever the padding of the batch it came in."""
+        cache = self.encode_cache
+        if cache is None:
+            return None
+        lengths = mask.sum(axis=1)
+        keys = [row_key(self.cache_identity, row[:n], np.ones(n, np.int64))
+                for row, n in zip(ids, lengths)]
+
+        def fill(enc: Any) -> None:
+            be = self.backend
+            hits = [cache.get(key) for key in keys]
+            if all(hit is not None for hit in hits):
+                B, S, C = enc.shape
+                host = np.zeros((B, S, C), np.float32)   # padding's states: masked, kept finite
+                for b, (hit, n) in enumerate(zip(hits, lengths)):
+                    host[b, :n] = hit
+                be.upload(enc, host.astype(be.dtype, copy=False))
+                return
+            t5.encode(be, self.config, self.params, ids, mask, enc)
+            host = np.asarray(be.to_host(enc), np.float32)
+            if all_finite(np, host):   # (a non-finite pass is named by start_decoding)
+                for key, row, n in zip(keys, host, lengths):
+                    cache.put(key, row[:n])
+        return fill
 
     def step_together(self, states: list[T5DecodeState], tokens: list[np.ndarray]) -> list[np.ndarray]:
         """One step for several decode states: their rows stacked, every product run once over
@@ -316,3 +417,9 @@ class T5Model(Model):
             results.append(state.took_step(np.asarray(be.to_host(state.live.logits[:, 0]),
                                                       np.float32)))
         return results
+
+
+def _is_text(inputs: Any) -> bool:
+    """A string, or a list / tuple whose first item is one (text_list names any other item)."""
+    return isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and len(inputs) > 0
+                                       and isinstance(inputs[0], str))
