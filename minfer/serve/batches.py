@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ..errors import InputError
 from .batch_runner import Batches
 from .batch_store import public
 from .errors import APIError
@@ -74,8 +75,11 @@ def routes(service: Any, batches: Batches | None, max_file_bytes: int,
                                "field", param="file")
             if file.size is not None and file.size > max_file_bytes:
                 raise _too_large(max_file_bytes)
-            return JSONResponse(public(await asyncio.to_thread(store.upload, file.file,
-                                                               file.filename)))
+            try:
+                stored = await asyncio.to_thread(store.upload, file.file, file.filename)
+            except InputError as e:   # a line that is no request: the file's fault
+                raise APIError(400, str(e), param="file") from None
+            return JSONResponse(public(stored))
         finally:
             await form.close()
 
