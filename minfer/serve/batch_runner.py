@@ -15,8 +15,9 @@ Nothing is lost or answered twice across a crash: answers are appended in input 
 whole with one write, to the output or the error file. A restarted server (same --batch-dir)
 finds every unfinished job, cuts a line a kill left half-written, counts the complete lines of
 both files (the resume point: minfer.io.lines.complete_lines) and goes on from the input line
-after them. On SIGTERM a job stops submitting; what finishes within the grace period is written
-and the rest is left for the next start. Jobs are not expired (expires_at is only reported).
+after them. On SIGTERM a job starts no more lines; those in flight are written if they end before
+the process does (the grace period covers HTTP requests, not them), and the next start runs
+the rest. Jobs are not expired (expires_at is only reported).
 """
 
 from __future__ import annotations
@@ -245,23 +246,26 @@ class Batches:
 
     def _lines(self, state: dict, src: Any, done: int, out: Any, err: Any) -> bool:
         """Run the input lines after the first `done`, at most in_flight at once, and write
-        their answers in order; whether every line was answered."""
+        their answers in order; whether every line was answered. Stopped or cancelled, no more
+        lines start and those in flight are written as they end (a cancel has stopped them)."""
         pending = self._pending
         try:
             for number, _, raw in lines(src):
                 if number <= done:
                     continue
                 if self._stop.is_set() or self._cancel.is_set():
-                    return False
+                    break
                 pending.append(self._start(state, number, raw))
                 while len(pending) >= self.in_flight:
                     if not self._write(state, pending.popleft(), out, err):
                         return False
+            else:
+                number = 0   # every line started
             while pending:
                 if not self._write(state, pending.popleft(), out, err):
                     return False
-            return True
-        finally:   # lines that will not be written: stopped, their memory given back
+            return number == 0
+        finally:   # lines after one that was not answered: stopped, their memory given back
             while pending:
                 line = pending.popleft()
                 if line.job is not None:

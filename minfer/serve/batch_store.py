@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from ..errors import InputError
 from ..io.lines import MAX_LINE_BYTES, lines
-from ..io.limits import parse_json
+from ..io.limits import MAX_NESTING, first_line, json_nesting, parse_json
 
 # OpenAI's limits for a batch's input file
 MAX_FILE_LINES = 50_000
@@ -137,6 +137,20 @@ class Store:
         return [b for b in found if b is not None]
 
 
+def strict_json(raw: bytes, where: str) -> Any:
+    """A line's JSON as a request body is read (schema.parse_body): nesting bounded first, no
+    NaN or Infinity (JSON has neither); InputError naming `where` otherwise."""
+    if json_nesting(raw, MAX_NESTING) > MAX_NESTING:
+        raise InputError(f"{where}: JSON nested deeper than {MAX_NESTING} levels")
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=refuse)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InputError(f"{where}: not valid JSON ({first_line(e)})") from None
+
+
 def check_input(f: BinaryIO, name: str, max_lines: int) -> tuple[int, dict[str, int]]:
     """A batch input file's lines, each a JSON object {"custom_id": a string unique in the file,
     "method": "POST", "url": a string, "body": an object}: their count and the first line of each of the first two urls (a
@@ -152,7 +166,7 @@ def check_input(f: BinaryIO, name: str, max_lines: int) -> tuple[int, dict[str, 
             raise InputError(f"{where}: longer than {MAX_LINE_BYTES} bytes")
         if not raw.strip():
             raise InputError(f"{where}: empty, expected a JSON object (one request per line)")
-        obj = parse_json(raw, where, InputError)
+        obj = strict_json(raw, where)
         if not isinstance(obj, dict):
             raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         custom_id, method, url = obj.get("custom_id"), obj.get("method"), obj.get("url")
