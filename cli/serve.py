@@ -85,6 +85,9 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
     try:   # every serving limit before the port and the model: a usage error naming its flag
         max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
         max_batch_file_bytes = parse_bytes(max_batch_file_size, "--max-batch-file-size")
+        if max_batch_file_bytes < 1:
+            raise InputError(f"--max-batch-file-size must be at least 1 byte, got "
+                             f"{max_batch_file_size!r}")
         Limits(max_running=max_running, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
                max_tokens=max_tokens, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                request_timeout=request_timeout).check_values()

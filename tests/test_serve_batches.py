@@ -12,6 +12,8 @@ import collections
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -148,7 +150,7 @@ def test_each_line_is_answered_as_its_direct_request(server, url, bodies):
     assert batch.status == "completed" and batch.error_file_id is None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (len(lines), 0)
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
-    assert batch.metadata == {"test": "yes"}
+    assert batch.metadata == {"test": "yes"} and batch.model == "dates"
     output = client.files.retrieve(batch.output_file_id)
     assert output.purpose == "batch_output"
     got = records(client, batch.output_file_id)
@@ -332,7 +334,29 @@ def test_without_a_batch_dir_the_routes_say_how_to_enable_them():
                 assert "--batch-dir" in one_line_error(response.json())
 
 
+def test_a_batch_dir_that_cannot_be_used_is_refused_before_the_model_loads(tmp_path):
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    done = subprocess.run([sys.executable, "-m", "minfer", "serve", "-m", str(DATES),
+                           "--port", "0", "--batch-dir", str(taken / "jobs")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--batch-dir" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
 # -- a crash never loses or repeats an answer ---------------------------------------------------
+def test_the_resume_point_is_after_the_last_complete_line(tmp_path):
+    path = tmp_path / "out.jsonl"
+    assert complete_lines(path) == (0, 0)   # no file yet
+    path.write_bytes(b"")
+    assert complete_lines(path) == (0, 0)
+    path.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c"')
+    assert complete_lines(path) == (2, len(b'{"a": 1}\n{"b": 2}\n'))
+    big = b"x" * (3 << 20) + b"\n"   # lines across the reader's 1 MiB pieces
+    path.write_bytes(big * 2 + b"y")
+    assert complete_lines(path) == (2, 2 * len(big))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_stopped_halfway_a_restarted_server_answers_every_line_once(tmp_path, sig):
     folder = tmp_path / "batches"

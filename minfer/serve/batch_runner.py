@@ -118,7 +118,7 @@ class Batches:
                  "finalizing_at": None, "completed_at": None, "failed_at": None,
                  "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                  "request_counts": {"total": file["_lines"], "completed": 0, "failed": 0},
-                 "metadata": metadata,
+                 "metadata": metadata, "model": self.service.name,
                  # where its answers go: named now, so a restarted job appends to the same
                  "_output": new_id("file"), "_errors": new_id("file")}
         with self._lock:
