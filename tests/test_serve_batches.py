@@ -290,10 +290,11 @@ def test_bad_batches_are_refused_naming_the_field(server):
                                                  "/v1/completions", "completion_window": "24h",
                                                  "metadata": {"x": "y" * MAX_BODY}})
         bad_limit = http.get("/v1/batches", params={"limit": 0})
+        bad_after = http.get("/v1/batches", params={"after": "batch_x"})
         no_key = httpx.get(server.url + "/v1/batches", timeout=30)
-    assert too_big.status_code == 413 and bad_limit.status_code == 400
-    assert no_key.status_code == 401
-    for response in (too_big, bad_limit, no_key):
+    assert too_big.status_code == 413 and bad_limit.status_code == bad_after.status_code == 400
+    assert bad_after.json()["error"]["param"] == "after" and no_key.status_code == 401
+    for response in (too_big, bad_limit, bad_after, no_key):
         one_line_error(response.json())
 
 

@@ -138,7 +138,8 @@ class Batches:
             ids = sorted(self._states, reverse=True)
             start = 0
             if after is not None:
-                self._known(after)
+                if after not in self._states:
+                    raise APIError(400, f"after: no such batch {after!r:.80}", param="after")
                 start = ids.index(after) + 1
             data = [public(self._states[i]) for i in ids[start:start + limit]]
             more = start + limit < len(ids)
