@@ -3,8 +3,8 @@ written as it goes (a window of rows at a time), so memory stays flat however lo
 interrupted run continues with --resume, which recognises its own output (each line a record
 this command writes for that input line: its copied fields and its prompt, which every record
 names, equal to that line's) and refuses any other file, leaving it as it was. Also
-the line reader and the in-order decoding that the
-batched stdin output shares.
+the in-order decoding that the batched stdin output shares (the line reader and line counts
+are minfer.io.lines', shared with the server's batch jobs).
 
 Every input line is a row, so output line k always answers input line k: a row that cannot run
 (a bad line, a blank, invalid UTF-8 or JSON, too long) is an `error` record and the run carries
@@ -25,42 +25,17 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, NamedTuple
 
 import click
 
+# (MAX_LINE_BYTES and lines: generate's too, from here)
+from minfer.io.lines import MAX_LINE_BYTES, count_lines, lines, lines_left  # noqa: F401
+
 from .common import EXIT_USAGE, command_flags, fail, with_flags, writing
 
-# A line longer than this is a row error, read past in pieces, never held whole (json.loads of
-# it would take ~10x its size).
-MAX_LINE_BYTES = 16 << 20
 # What a record may hold beside the fields it copies from its row (generated text, an embedding,
 # an error): --resume reads a record of row k within the size of row k's copied fields plus
 # this, so a record of ours is never refused for its length (its copied fields alone may exceed
 # MAX_LINE_BYTES: json.dumps writes 9e15 as 9000000000000000.0) and no line is read unbounded.
 RESULT_BYTES = 64 << 20
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-
-
-def lines(stream: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
-    r"""(line number from 1, byte offset of its start, its bytes without \n or \r\n) per line of
-    a byte stream, read as it goes; None for a line over MAX_LINE_BYTES."""
-    number = offset = 0
-    while True:
-        line = stream.readline(MAX_LINE_BYTES + 1)
-        if not line:
-            return
-        if isinstance(line, str):   # a text stream without .buffer (an embedding program's)
-            line = line.encode("utf-8", "surrogateescape")
-        number += 1
-        start, offset = offset, offset + len(line)
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            while not line.endswith(b"\n"):   # read past the rest in bounded pieces
-                line = stream.readline(1 << 20)
-                offset += len(line)
-                if not line:
-                    break
-            yield number, start, None
-            continue
-        if line.endswith(b"\n"):
-            line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
-        yield number, start, line
 
 
 def utf8(raw: bytes, where: str, offset: int) -> Any:
@@ -436,22 +411,6 @@ def _generate_kind(record: dict) -> tuple[Checks, Checks] | None:
 # what _bulk_record writes: --resume continues only files of these records
 GENERATE_RECORD = RecordShape("text", frozenset({*_SEQUENCE, "score", "sequences", "error"}),
                               _generate_kind, "prompt")
-
-
-def count_lines(path: str) -> int:
-    """Lines of a file (a last one without a newline counts), read in bounded chunks."""
-    with open(path, "rb") as f:
-        return lines_left(f)
-
-
-def lines_left(f: BinaryIO) -> int:
-    """Lines from a binary file's position to its end (a last one without a newline counts),
-    read in bounded chunks."""
-    lines, last = 0, b"\n"
-    while chunk := f.read(1 << 20):
-        lines += chunk.count(b"\n")
-        last = chunk[-1:]
-    return lines + (last != b"\n")
 
 
 class Progress:

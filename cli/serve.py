@@ -60,14 +60,21 @@ _DEFAULTS = Limits()
 @click.option("--encode-cache", default=None, metavar="SIZE",
               help="Keep encoder outputs up to SIZE (e.g. 1GiB) on the host: a repeated input "
                    "of /v1/encode, /v1/embeddings or a generation skips the encoder.")
+@click.option("--batch-dir", default=None, metavar="DIR",
+              help="Enable OpenAI's Batch API (/v1/files, /v1/batches): its files and jobs are "
+                   "kept in DIR (created if missing); a restart with the same DIR resumes "
+                   "unfinished jobs where they stopped.")
+@click.option("--max-batch-file-size", default="200MiB", show_default=True, metavar="SIZE",
+              help="Largest batch input file an upload may hold; larger gets 413.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="info", show_default=True, help="uvicorn's log level (info logs each request).")
 def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_origins, max_running,
           max_waiting, max_body_size, max_tokens, max_inputs, max_input_tokens, request_timeout,
-          grace_period, encode_cache, log_level) -> None:
+          grace_period, encode_cache, batch_dir, max_batch_file_size, log_level) -> None:
     """Serve the model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions,
-    /v1/embeddings, /v1/encode, /v1/models, vLLM's /tokenize, /detokenize and /v1/score, /v1/rerank,
-    /health and /metrics. Concurrent requests are decoded together (continuous batching)."""
+    /v1/embeddings, /v1/encode, /v1/models, vLLM's /tokenize, /detokenize and /v1/score,
+    /v1/rerank, /health and /metrics; with --batch-dir, the Batch API (/v1/files, /v1/batches).
+    Concurrent requests are decoded together (continuous batching)."""
     from minfer.arena import parse_bytes
     try:
         from minfer.serve import app, serve as run_server
@@ -82,6 +89,10 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
         fail(str(e).replace("allowed host", "--allowed-host"), EXIT_USAGE)
     try:   # every serving limit before the port and the model: a usage error naming its flag
         max_body_bytes = parse_bytes(max_body_size, "--max-body-size")
+        max_batch_file_bytes = parse_bytes(max_batch_file_size, "--max-batch-file-size")
+        if max_batch_file_bytes < 1:
+            raise InputError(f"--max-batch-file-size must be at least 1 byte, got "
+                             f"{max_batch_file_size!r}")
         Limits(max_running=max_running, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
                max_tokens=max_tokens, max_inputs=max_inputs, max_input_tokens=max_input_tokens,
                request_timeout=request_timeout).check_values()
@@ -89,6 +100,12 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
         cache = None if encode_cache is None else EncodeCache(encode_cache)
     except (ConfigError, InputError) as e:
         fail(with_flags(str(e), command_flags(max_body_bytes="max_body_size")), EXIT_USAGE)
+    if batch_dir is not None:   # a folder it cannot use is said before the model loads
+        from minfer.serve.batch_store import Store
+        try:
+            Store(batch_dir)
+        except InputError as e:
+            fail(f"--batch-dir: {e}", EXIT_USAGE)
     try:   # before the model loads: a taken port is said at once, not after minutes of loading
         sock = bind(host, port)
     except OSError as e:   # the address is taken, or not ours to bind
@@ -100,7 +117,8 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
                           cors_origins=cors_origins, max_running=max_running,
                           max_waiting=max_waiting, max_body_bytes=max_body_bytes,
                           max_tokens=max_tokens, max_inputs=max_inputs,
-                          max_input_tokens=max_input_tokens, request_timeout=request_timeout)
+                          max_input_tokens=max_input_tokens, request_timeout=request_timeout,
+                          batch_dir=batch_dir, max_batch_file_bytes=max_batch_file_bytes)
         run_server(application, sock=sock, allowed_hosts=allowed_hosts,
                    grace_period=grace_period, log_level=log_level)
     finally:

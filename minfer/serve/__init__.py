@@ -13,6 +13,9 @@ requests together.
 - limits.py     the serving limits and their defaults
 - metrics.py    the Prometheus metrics
 - errors.py     OpenAI's error object; minfer's errors mapped to statuses
+- batches.py    the Batch API's routes (/v1/files, /v1/batches), with a batch folder
+- batch_runner.py  batch jobs' states and the thread that runs their lines
+- batch_store.py   the batch folder: files, their objects, job states on disk
 - server.py     running it with uvicorn (port 0, graceful SIGTERM)
 
     import minfer, minfer.serve

@@ -26,6 +26,10 @@
     minfer_encode_cache_bytes          gauge: bytes it holds (of minfer_encode_cache_budget_bytes)
     minfer_encode_cache_entries        gauge: rows it holds
                                        (the encode_cache lines only with `--encode-cache`)
+    minfer_batches_total               counter, by status: batch jobs that ended (completed,
+                                       cancelled, failed)
+    minfer_batch_lines_total           counter, by outcome: batch lines answered (completed: in
+                                       the output file; failed: in the error file)
 
 Gauges are read when scraped (callbacks), so they cannot drift from what they describe.
 """
@@ -104,12 +108,22 @@ class Metrics:
                                         registry=r)
         self.duration = Histogram("minfer_request_duration_seconds", "Request latency, arrival "
                                   "to last byte", ["endpoint"], buckets=_LATENCY, registry=r)
+        self.batches = Counter("minfer_batches", "Batch jobs that ended, by status", ["status"],
+                               registry=r)
+        self.batch_lines = Counter("minfer_batch_lines", "Batch lines answered, by outcome",
+                                   ["outcome"], registry=r)
         self.first_token = Histogram("minfer_time_to_first_token_seconds", "Arrival to the "
                                      "first streamed piece", buckets=_FIRST_TOKEN, registry=r)
 
     def tokens(self, prompt: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.generated_tokens.inc(generated)
+
+    def batch_ended(self, status: str) -> None:
+        self.batches.labels(status).inc()
+
+    def batch_line(self, ok: bool) -> None:
+        self.batch_lines.labels("completed" if ok else "failed").inc()
 
     def answered(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -26,8 +26,18 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat/com
              "/health": "health",
              "/metrics": "metrics", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/v1/score": "score", "/v1/rerank": "rerank", "/rerank": "rerank"}
+# paths below these (an id, then maybe an action) take the label of the collection
+ENDPOINT_PREFIXES = {"/v1/files": "files", "/v1/batches": "batches"}
 # what answers without the API key: load balancers' and scrapers' paths
 OPEN_PATHS = ("/health", "/metrics")
+
+
+def endpoint_label(path: str) -> str:
+    """The `endpoint` label of a request's path: a route's, its collection's, or "other"."""
+    if path in ENDPOINTS:
+        return ENDPOINTS[path]
+    return next((label for prefix, label in ENDPOINT_PREFIXES.items()
+                 if path == prefix or path.startswith(prefix + "/")), "other")
 
 
 class RequireKey:
@@ -151,7 +161,7 @@ class Count:
             await _answer_cancelled(error, sent, scope, receive, send)
         finally:
             status = outcome.get("status") or sent.get("status") or 500
-            self.service.metrics.answered(ENDPOINTS.get(scope["path"], "other"), status,
+            self.service.metrics.answered(endpoint_label(scope["path"]), status,
                                           time.monotonic() - outcome["start"])
             if self.service.draining:
                 log.warning("%s %s: %d, while shutting down", scope["method"], scope["path"],

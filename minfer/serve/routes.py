@@ -9,6 +9,7 @@ any ASGI server can run or mount (`minfer serve` runs it with uvicorn: server.py
     POST /detokenize            token ids -> text
     POST /v1/score              text_1 x text_2 -> log-likelihoods (seq2seq) or cosines (vLLM's)
     POST /v1/rerank, /rerank    query + documents -> best first: monoT5's P(true), or cosines
+    /v1/files, /v1/batches      OpenAI's Batch API (batches.py), with a batch folder (batch_dir)
     GET  /v1/models             the served model
     GET  /health                200 once the model is warmed up, 503 before
     GET  /metrics               Prometheus text format (metrics.py)
@@ -40,6 +41,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -54,7 +56,10 @@ from starlette.routing import Route
 
 from ..errors import Cancelled, InputError, MinferError
 from ..generation.batcher import batcher_of
-from . import encode, jobs, responses
+from ..io.limits import is_integer
+from . import batches as batch_routes, encode, jobs, responses
+from .batch_runner import Batches
+from .batch_store import MAX_FILE_BYTES, Store
 from .errors import APIError, error_response, from_exception, shutting_down
 from .limits import Limits, clean_api_key
 from .middleware import OUTCOME, CheckHost, Count, RequireKey, host_names
@@ -85,6 +90,8 @@ class Service:
         self.ready = threading.Event()
         self.allowed_hosts: frozenset[str] | None = None
         self.draining = False
+        self.batches: Batches | None = None   # with a batch folder (app's batch_dir)
+        self.max_batch_file_bytes = MAX_FILE_BYTES
         self._jobs: set[jobs.Job] = set()
 
     def restrict_hosts(self, names: Iterable[str] = ()) -> None:
@@ -105,6 +112,8 @@ class Service:
         """SIGTERM: no new work; requests waiting for a worker get 503 now (their futures are
         dropped); those running go on."""
         self.draining = True
+        if self.batches is not None:   # no new lines; those in flight end as requests do
+            self.batches.stop()
         self.workers.shutdown()
 
     def cancel_running(self) -> None:
@@ -211,28 +220,20 @@ async def _disconnected(request: Request) -> None:
 async def _generation(service: Service, request: Request, chat: bool) -> Response:
     start = _arrival(request)
     deadline = start + service.limits.request_timeout
-    limits = service.limits
     job = None
     try:
         body = await service.body(request)
         check_model(body, service.name)
-        make = chat_request if chat else completion_request
-        req = settle(service.model, make(body, limits.max_tokens, limits.max_input_tokens,
-                                         limits.max_inputs), limits.max_tokens, limits.max_inputs)
-        answer = responses.Answer(chat, service.name)
+        req = _generation_request(service, body, chat)
         job = service.job(deadline)
         if req.stream:
+            answer = responses.Answer(chat, service.name)
             response = await _start_stream(service, request, job, req, answer, start, deadline)
             job = None   # the response's own now: it lets go of the job when it ends
             return response
-        future = service.workers.submit(jobs.complete, job, req, service.metrics.tokens, chat)
-        results, logprobs = await service.wait(request, job, asyncio.wrap_future(future),
-                                               deadline)
-        choices = [(i * req.n + j, r.text, r.finish_reason, logprobs[i][j])
-                   for i, row in enumerate(results) for j, r in enumerate(row)]
-        use = responses.usage(sum(row[0].prompt_tokens for row in results),
-                              sum(r.new_tokens for row in results for r in row))
-        return JSONResponse(answer.whole(choices, use))
+        work, args, respond = _completion(service, req, chat)
+        future = service.workers.submit(work, job, *args)
+        return respond(await service.wait(request, job, asyncio.wrap_future(future), deadline))
     except _ClientGone:
         return _client_gone(request)
     except Exception as e:
@@ -240,6 +241,37 @@ async def _generation(service: Service, request: Request, chat: bool) -> Respons
     finally:
         if job is not None:
             service.finished(job)
+
+
+def _generation_request(service: Service, body: dict, chat: bool) -> GenerationRequest:
+    """A completion's or chat completion's checked request, settled against the model."""
+    limits = service.limits
+    make = chat_request if chat else completion_request
+    return settle(service.model, make(body, limits.max_tokens, limits.max_input_tokens,
+                                      limits.max_inputs), limits.max_tokens, limits.max_inputs)
+
+
+def _completion(service: Service, req: GenerationRequest, chat: bool) -> Plan:
+    """A non-streamed (chat) completion: one generation.run in a worker -> the whole answer."""
+    answer = responses.Answer(chat, service.name)
+
+    def respond(got: tuple[list, list]) -> Response:
+        results, logprobs = got
+        choices = [(i * req.n + j, r.text, r.finish_reason, logprobs[i][j])
+                   for i, row in enumerate(results) for j, r in enumerate(row)]
+        use = responses.usage(sum(row[0].prompt_tokens for row in results),
+                              sum(r.new_tokens for row in results for r in row))
+        return JSONResponse(answer.whole(choices, use))
+    return jobs.complete, (req, service.metrics.tokens, chat), respond
+
+
+def _batched_completion(service: Service, body: dict, chat: bool) -> Plan:
+    """A batch line's (chat) completion: as a direct one; a stream has nobody to read it."""
+    req = _generation_request(service, body, chat)
+    if req.stream:
+        raise APIError(400, "stream is not available in a batch job: each line's answer is "
+                       "written whole to the output file", param="stream")
+    return _completion(service, req, chat)
 
 
 def _arrival(request: Request) -> float:
@@ -352,27 +384,29 @@ async def _events(service: Service, req: GenerationRequest, answer: responses.An
     outcome["status"] = 200
 
 
-# -- embeddings, models, health, metrics --------------------------------------------------------------
-async def _embeddings(service: Service, request: Request) -> Response:
-    deadline = _arrival(request) + service.limits.request_timeout
-    job = None
-    try:
-        body = await service.body(request)
-        check_model(body, service.name)
-        req = embedding_request(body, service.limits.max_inputs)
-        job = service.job(deadline)
-        future = service.workers.submit(jobs.embed, job, req, service.limits.max_input_tokens)
-        vectors, tokens = await service.wait(request, job, asyncio.wrap_future(future), deadline)
+# -- embeddings ---------------------------------------------------------------------------------------
+def _embedding(service: Service, body: dict) -> Plan:
+    """POST /v1/embeddings -> the vectors (a list of floats or base64), usage."""
+    req = embedding_request(body, service.limits.max_inputs)
+
+    def answer(got: tuple[Any, int]) -> Response:
+        vectors, tokens = got
         service.metrics.tokens(tokens, 0)   # its prompt tokens, as its usage reports them
         return Response(responses.embeddings(vectors, service.name, tokens, req.base64),
                         media_type="application/json")
-    except _ClientGone:
-        return _client_gone(request)
-    except Exception as e:
-        return error_response(_api_error(e, "input"))
-    finally:
-        if job is not None:
-            service.finished(job)
+    return jobs.embed, (req, service.limits.max_input_tokens), answer
+
+
+# The endpoints a batch job may name, and the field their errors name: each line's body runs
+# through the plan of the direct request (one declaration: a new endpoint adds its line here)
+BATCH_ENDPOINTS: dict[str, tuple[Callable[["Service", dict], "Plan"], str]] = {
+    "/v1/completions": (lambda service, body: _batched_completion(service, body, False),
+                        "prompt"),
+    "/v1/chat/completions": (lambda service, body: _batched_completion(service, body, True),
+                             "messages"),
+    "/v1/embeddings": (lambda service, body: _embedding(service, body), "input"),
+    "/v1/encode": (encode.plan, "input"),
+}
 
 
 # -- tokenize, detokenize, score, rerank ------------------------------------------------------------
@@ -443,8 +477,6 @@ def _routes(service: Service) -> list[Route]:
     async def chat_completions(request: Request) -> Response:
         return await _generation(service, request, chat=True)
 
-    async def embeddings(request: Request) -> Response:
-        return await _embeddings(service, request)
 
     async def models(request: Request) -> Response:
         return JSONResponse(responses.model_list(service.name, service.created))
@@ -463,9 +495,21 @@ def _routes(service: Service) -> list[Route]:
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.text(), media_type=CONTENT_TYPE)
 
+    def handled(handler: Callable[[Request], Awaitable[Response]], param: str | None):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (_ClientGone, ClientDisconnect):
+                return _client_gone(request)
+            except HTTPException as e:   # Starlette's: a malformed multipart body
+                return await _http_error(request, e)
+            except Exception as e:
+                return error_response(_api_error(e, param))
+        return endpoint
+
     return [Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/embeddings", in_worker(_embedding, "input"), methods=["POST"]),
             Route("/v1/encode", in_worker(encode.plan, "input"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", in_worker(_tokenize), methods=["POST"]),
@@ -474,7 +518,9 @@ def _routes(service: Service) -> list[Route]:
             Route("/v1/rerank", in_worker(_rerank, "documents"), methods=["POST"]),
             Route("/rerank", in_worker(_rerank, "documents"), methods=["POST"]),
             Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"])]
+            Route("/metrics", metrics, methods=["GET"]),
+            *batch_routes.routes(service, service.batches, service.max_batch_file_bytes,
+                                 handled)]
 
 
 async def _http_error(request: Request, e: Exception) -> Response:
@@ -492,7 +538,8 @@ async def _server_error(request: Request, e: Exception) -> Response:
 
 def app(model: Any, *, name: str | None = None, api_key: str | None = None,
         cors_origins: Sequence[str] = (), allowed_hosts: Sequence[str] | None = None,
-        warmup: bool = True, **limits: Any) -> Starlette:
+        warmup: bool = True, batch_dir: str | os.PathLike | None = None,
+        max_batch_file_bytes: int = MAX_FILE_BYTES, **limits: Any) -> Starlette:
     """The OpenAI-compatible ASGI app serving `model` (from minfer.load).
 
     name: the model name clients send and /v1/models lists (default: the name or folder it
@@ -504,6 +551,9 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
         an app it binds to a loopback address).
     warmup: run one short request in a background thread at once; /health answers 503 until
         it is done.
+    batch_dir: the folder of the Batch API's files and jobs (created if missing); a job left
+        unfinished there by an earlier server is resumed. None: the batch routes answer 404.
+    max_batch_file_bytes: the largest batch input file an upload may hold (413 beyond).
     limits: max_running, max_waiting, max_body_bytes, max_tokens, max_inputs,
         max_input_tokens, request_timeout (limits.py)."""
     if getattr(model, "tokenizer", None) is None:
@@ -519,6 +569,12 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
     service = Service(model, name or str(recipe.get("model") or model.folder), settled)
     if allowed_hosts is not None:
         service.restrict_hosts(allowed_hosts)
+    if not is_integer(max_batch_file_bytes) or max_batch_file_bytes < 1:
+        raise InputError(f"max_batch_file_bytes must be a positive integer, got "
+                         f"{max_batch_file_bytes!r:.40}")
+    service.max_batch_file_bytes = max_batch_file_bytes
+    if batch_dir is not None:
+        service.batches = Batches(Store(batch_dir), service, BATCH_ENDPOINTS, _api_error)
     if warmup:
         threading.Thread(target=service.warm_up, name="minfer-serve-warmup", daemon=True).start()
     else:
@@ -527,6 +583,8 @@ def app(model: Any, *, name: str | None = None, api_key: str | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
+        if service.batches is not None:
+            service.batches.stop()
         service.workers.shutdown()
 
     middleware = [Middleware(Count, service=service), Middleware(CheckHost, service=service)]
