@@ -5,8 +5,8 @@ it in registers (`widening.widen`) and take the dot products with every input ro
 weight row is in L1. Blocks of output rows are spread over the threads (`prange`).
 
 Conventions: activations are float32; weights are (out, in) row-major in their stored dtype
-(float32, float16 or bfloat16 as uint16 bits, int8 with float32 scales per row, int4 two a byte
-with scales per group); outputs are written in place. `fastmath` lets LLVM reorder the dot
+(float32, float16 or bfloat16 as uint16 bits, int8 or fp8 codes with float32 scales per row,
+int4 two a byte with scales per group); outputs are written in place. `fastmath` lets LLVM reorder the dot
 products' sums so it can vectorise them (the order of a float32 sum differs from BLAS's by
 rounding, as BLAS's own does between machines). Loops index slices from 0 (`range(n)` over a
 slice rather than `range(a, b)` over the whole array), which spares the negative-index checks
@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .widening import BF16, F16, F32, I8, widen
+from .widening import BF16, E4M3, E5M2, F16, F32, I8, widen
 
 BLOCK = 32                      # output rows per parallel task
 # Up to this many input rows a product streams each weight row once and dots it with every input
@@ -158,6 +158,18 @@ def matmul_bf16(x, w, out):
 @njit(cache=True)
 def matmul_i8(x, w, scale, out):
     _matmul(x, w, scale, out, I8, True)
+
+
+# fp8 codes with a float32 scale per output row: (x . codes) * scale, the codes widened in
+# registers (widening._e4m3 / _e5m2), the scale applied once per output
+@njit(cache=True)
+def matmul_e4m3(x, w, scale, out):
+    _matmul(x, w, scale, out, E4M3, True)
+
+
+@njit(cache=True)
+def matmul_e5m2(x, w, scale, out):
+    _matmul(x, w, scale, out, E5M2, True)
 
 
 # -- 4-bit weights, computed in float32 ------------------------------------------------------------------
