@@ -173,8 +173,8 @@ class Checkpoint:
         raw = f.raw(scale_name, mmap=False)
         scale = (bf16_to_float32(raw) if info.dtype == "BF16" else raw).astype(np.float32).reshape(-1)
         if not np.isfinite(scale).all():
-            raise CheckpointError(f"{what} holds {float(scale[~np.isfinite(scale)][0]):g}: a "
-                                  "scale must be finite".replace("nan", "NaN"))
+            raise CheckpointError(f"{what} holds {_number(scale[~np.isfinite(scale)][0])}: a "
+                                  "scale must be finite")
         return _Fp8("", scale, scale_name)
 
     def holds_fp8(self) -> bool:
@@ -491,6 +491,12 @@ _CHECK_CHUNK = 1 << 18   # elements: a scratch of 0.5-2 MiB, about the size of a
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _number(value: float) -> str:
+    """A value for a message: NaN spelt so (replacing "nan" in the whole message would also
+    change a path or a tensor name that holds those letters)."""
+    return "NaN" if np.isnan(value) else f"{float(value):g}"
+
+
 def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
     """Raise a CheckpointError naming `what` and the first bad element (its index in the whole
     tensor, `first_row` being the first row read) if float `values` hold NaN, inf, or magnitudes
@@ -516,7 +522,7 @@ def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> No
             value = float(values.reshape(-1)[j])
             note = "" if not np.isfinite(value) else (
                 f" (beyond the +-{MAX_ABS_WEIGHT:g} a weight can hold: wrong byte order or corrupt?)")
-            raise CheckpointError(f"{what} holds {value:g} at {index}{note}".replace("nan", "NaN"))
+            raise CheckpointError(f"{what} holds {_number(value)} at {index}{note}")
 
 
 def check_fits(values: np.ndarray, dtype: Any, what: str, first_row: int = 0) -> None:
