@@ -76,6 +76,19 @@ def test_every_code_widens_to_its_value(fmt):
         assert out[0, 0] == want.reshape(-1)[code]
 
 
+@pytest.mark.parametrize("M", [1, 4, 5, 12])
+def test_a_nan_or_infinite_code_is_not_hidden_by_the_products(M):
+    """(The loader refuses such files; with its checks off, the products still say so.)"""
+    x = np.ones((M, 64), np.float32)
+    for fmt, code, special in (("F8_E4M3", 0x38, (0x7F, 0xFF)), ("F8_E5M2", 0x3C, (0x7F, 0x7C))):
+        w = np.full((3, 64), code, np.uint8)
+        w[1, 5], w[2, 9] = special
+        out = np.empty((M, 3), np.float32)
+        BY_FORMAT[FP8[fmt]].product(x, w, np.ones(3, np.float32), out)
+        want = x.astype(np.float64) @ values_of(fmt)[w].T
+        np.testing.assert_array_equal(out, want.astype(np.float32))     # 64, NaN, NaN / inf
+
+
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("M", [1, 3, 4, 7, 8, 9, 64, 65, 300])
 def test_products_are_the_codes_times_their_scales(fmt, M):

@@ -45,22 +45,37 @@ def _e5m2(typingctx, code):
     return types.float32(types.uint8), codegen
 
 
+def _e4m3_ir(builder, code, exact):
+    """fp8 E4M3 code (uint8) -> float32: its 7 magnitude bits at bit 7 of a float16 read as the
+    value / 2^8 (exponent bias 15 for 7, subnormals included), its sign at bit 15; times 256
+    when `exact`; S.1111.111 (E4M3's only NaN, no infinities) selected to NaN. Integer work in
+    16 bits and a select, so LLVM vectorises it (vcvtph2ps with F16C)."""
+    i16 = ir.IntType(16)
+    wide = builder.zext(code, i16)
+    magnitude = builder.and_(wide, ir.Constant(i16, 0x7F))
+    sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
+    bits = builder.or_(builder.shl(magnitude, ir.Constant(i16, 7)), sign)
+    value = builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+    if exact:
+        value = builder.fmul(value, ir.Constant(ir.FloatType(), 256.0))
+    nan = builder.icmp_unsigned("==", magnitude, ir.Constant(i16, 0x7F))
+    return builder.select(nan, ir.Constant(ir.FloatType(), float("nan")), value)
+
+
 @intrinsic
 def _e4m3(typingctx, code):
-    """fp8 E4M3 code (uint8) -> float32, exactly: its 7 magnitude bits at bit 7 of a float16 read
-    as the value / 2^8 (exponent bias 15 for 7, subnormals included), its sign at bit 15; times
-    256; S.1111.111 (E4M3's only NaN, no infinities) selected to NaN. Integer work in 16 bits
-    and a select, so LLVM vectorises it (vcvtph2ps with F16C)."""
+    """fp8 E4M3 code (uint8) -> its value, float32 (exact)."""
     def codegen(context, builder, signature, args):
-        i16 = ir.IntType(16)
-        wide = builder.zext(args[0], i16)
-        magnitude = builder.and_(wide, ir.Constant(i16, 0x7F))
-        sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
-        bits = builder.or_(builder.shl(magnitude, ir.Constant(i16, 7)), sign)
-        value = builder.fmul(builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType()),
-                             ir.Constant(ir.FloatType(), 256.0))
-        nan = builder.icmp_unsigned("==", magnitude, ir.Constant(i16, 0x7F))
-        return builder.select(nan, ir.Constant(ir.FloatType(), float("nan")), value)
+        return _e4m3_ir(builder, args[0], True)
+    return types.float32(types.uint8), codegen
+
+
+@intrinsic
+def _e4m3_over_256(typingctx, code):
+    """fp8 E4M3 code (uint8) -> its value / 2^8, float32 (exact): a product that scales its
+    outputs anyway takes the 2^8 there (`unit_factor`), one multiply an output, not a weight."""
+    def codegen(context, builder, signature, args):
+        return _e4m3_ir(builder, args[0], False)
     return types.float32(types.uint8), codegen
 
 
@@ -75,6 +90,20 @@ def widen(v, fmt):
     if fmt == E5M2:
         return _e5m2(v)
     return np.float32(v)
+
+
+@njit(inline="always")
+def widen_unit(v, fmt):
+    """`widen` up to a power-of-two factor, `unit_factor(fmt)`, that the caller multiplies its
+    scaled outputs by (E4M3: 2^8; every other format: 1, the value itself)."""
+    if fmt == E4M3:
+        return _e4m3_over_256(v)
+    return widen(v, fmt)
+
+
+@njit(inline="always")
+def unit_factor(fmt):
+    return np.float32(256.0) if fmt == E4M3 else np.float32(1.0)
 
 
 
