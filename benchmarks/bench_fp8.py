@@ -4,6 +4,10 @@ the layers' bytes, a t5-base-shaped encoder pass and the decode-sized products (
 kernels take (matmul_e4m3 / matmul_bf16, widening in registers), in the same run.
 
     python benchmarks/bench_fp8.py [--layers 4] [--tokens 256] [--rounds 5] [--threads 2]
+                                   [--limit 48MiB]
+
+With --limit, each model also loads and encodes once under that memory_limit in a fresh process:
+its peak RSS (VmHWM) over the limit, and how many layers stayed resident.
 
 The file is written by this script (random weights rounded to the nearest E4M3 code, a
 float32 scale per tensor, ComfyUI's scaled layout). Every round times each variant in turn, so
@@ -91,12 +95,40 @@ def decode_products(M: int, K: int, N: int, rng) -> dict:
             "bf16": lambda: matmul_bf16(x, bits, out)}
 
 
+LIMITED_RUN = """
+import sys, numpy as np, minfer
+from minfer.arena import parse_bytes
+path, dtype, limit, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+m = minfer.load(path, dtype=None if dtype == "auto" else dtype, compute="float32", memory_limit=limit)
+m.encode(np.random.default_rng(0).integers(2, 32000, (1, tokens)))
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) * 1024
+print(m.backend.weight_format, len(m.weight_plan.resident), len(m.weight_plan.unit_bytes),
+      (peak - parse_bytes(limit)) / 2**20)
+"""
+
+
+def limited_runs(path: Path, limit: str, tokens: int) -> None:
+    """Peak RSS over the limit of one load + encode per weight format, each a fresh process."""
+    import subprocess
+    import sys
+    for dtype in ("auto", "bfloat16"):
+        out = subprocess.run([sys.executable, "-c", LIMITED_RUN, str(path), dtype, limit, str(tokens)],
+                             capture_output=True, text=True, timeout=300)
+        if out.returncode:
+            print(f"memory_limit {limit}, {dtype}: {out.stderr.strip().splitlines()[-1]}")
+            continue
+        fmt, resident, layers, over = out.stdout.split()
+        print(f"memory_limit {limit}: {fmt} {resident} of {layers} layers resident, peak RSS "
+              f"limit {float(over):+.0f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="2")
+    ap.add_argument("--limit", default=None, help="a memory_limit for one run per format")
     args = ap.parse_args()
     import minfer
     print(machine("float32 products"))
@@ -112,6 +144,8 @@ def main() -> None:
               f"{layer['bfloat16'] / 2**20:.1f} MiB (ratio {layer['bfloat16'] / layer['float8_e4m3']:.2f})")
         a, b = fp8.encode(ids), bf16.encode(ids)
         print(f"states: largest difference / largest state {np.abs(a - b).max() / np.abs(b).max():.1e}")
+        if args.limit:
+            limited_runs(path, args.limit, args.tokens)
         for threads, _ in thread_counts(args.threads):
             times = {"fp8": [], "bf16": []}
             for m in (fp8, bf16):
