@@ -4,8 +4,10 @@
 its index, or (only when there are no safetensors) a torch.save'd pytorch_model.bin read by
 `torch_pickle.py` without running pickle code. Names are unique across files, the index must
 match the shards, and int8 / int4 weights written by `minfer convert` are read back through their
-scales. fp8 tensors (F8_E4M3, F8_E5M2) are widened exactly (`tensors.FP8_BFLOAT16`), and a file
-in ComfyUI's *scaled fp8* convention (see `_find_fp8`) is read as fp8 x its scales.
+scales. fp8 tensors (F8_E4M3, F8_E5M2) are read as their codes with a scale per row
+(`read_fp8`, for the float8 weight formats: one byte a weight) or widened exactly
+(`tensors.FP8_BFLOAT16`), and a file in ComfyUI's *scaled fp8* convention (see `_find_fp8`) is
+read as fp8 x its scales.
 `single_file.py` opens one .safetensors file without a config.json through the same class.
 
 This module does no math beyond dtype widening; the model families say which names and shapes
@@ -194,6 +196,7 @@ class Checkpoint:
         return fp8 or self.widened_format(device_kind, matrices)
 
     def _matrices(self, matrices: Any) -> list[str]:
+        """The names of `matrices` this checkpoint holds (None: every 2-D tensor)."""
         return [n for n in self.names()
                 if (len(self.info(n).shape) == 2 if matrices is None else n in matrices)]
 

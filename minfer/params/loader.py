@@ -7,8 +7,10 @@ Given a family's `WeightTable` (params/table.py) and a `Checkpoint`:
 3. `load_params` reads the fixed parameters and then one layer at a time (so host memory stays
    bounded by a layer), fuses and formats each layer, and hands it to the runtime, which keeps
    it resident or streams it. A slot whose sources the file already stores in the weight format
-   (an int8 file loaded as int8, a bfloat16 one as bfloat16) is read as its own bytes: no float32
-   copy, no second rounding.
+   (an int8 file loaded as int8, a bfloat16 one as bfloat16, fp8 as float8_e4m3 / e5m2) is read
+   as its own bytes: no float32 copy, no second rounding. The fp8 formats hold only a file's own
+   codes, so a slot the file stores otherwise (ComfyUI's 16-bit embedding beside fp8 layers)
+   keeps a format of its own (`slot_formats`).
 The result is the parameter dict the family's math reads: fixed arrays by name, and each stack as
 a `LayerStack` to iterate.
 """
@@ -77,6 +79,12 @@ def check(table: WeightTable, ckpt: Checkpoint) -> dict[str, str]:
 SlotFormats = dict[tuple[str, ...], WeightFormat]
 
 
+def _linear_entries(table: WeightTable) -> list[Linear]:
+    """Every linear slot of the table: the fixed ones, then each layer's."""
+    entries = [*table.fixed.values(), *(e for _, unit in table.units() for e in unit.values())]
+    return [e for e in entries if isinstance(e, Linear)]
+
+
 def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
                  device_kind: str = "cpu") -> SlotFormats:
     """The slots that cannot take `fmt` and the format each takes instead. Only a format that
@@ -86,8 +94,7 @@ def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
     checkpoint with no matrix in that code is a one-line error: nothing would be kept."""
     if not fmt.from_file:
         return {}
-    entries = [*table.fixed.values(), *(e for _, unit in table.units() for e in unit.values())]
-    linear = [e for e in entries if isinstance(e, Linear)]
+    linear = _linear_entries(table)
     names = {s: _Reader.name_in(ckpt, table, s) for e in linear for s in e.sources}
     own = {e.sources for e in linear
            if not e.transpose and all(ckpt.fp8_code(names[s]) == fmt.file_code for s in e.sources)}
@@ -104,10 +111,9 @@ def describe_formats(table: WeightTable, dtype: Any, fmt: WeightFormat,
     """What each kind of tensor is stored as, for `minfer info`: the linear slots per format
     (their matrices, and which when only a few), then the other parameters' dtype."""
     by: dict[str, list[str]] = {}
-    for entry in [*table.fixed.values(), *(e for _, unit in table.units() for e in unit.values())]:
-        if isinstance(entry, Linear):
-            slot = (formats or {}).get(entry.sources, fmt).slot(entry.float32, dtype)[0]
-            by.setdefault(slot.name, []).extend(entry.sources)
+    for entry in _linear_entries(table):
+        slot = (formats or {}).get(entry.sources, fmt).slot(entry.float32, dtype)[0]
+        by.setdefault(slot.name, []).extend(entry.sources)
     parts = []
     for name, sources in by.items():
         note = " (codes, a float32 scale per row)" if FORMATS[name].from_file else ""
