@@ -60,6 +60,7 @@ def info(load, batch, src_len, max_new_tokens) -> None:
              *([("sentence embedding", head.describe())] if head is not None else []),
              ("parameters", f"{params:,}"),
              ("device / dtype", f"{m.backend.device} / {m.backend.weight_format}"),
+             *([("weight formats", m.weight_formats)] if getattr(m, "weight_formats", "") else []),
              ("compute", compute_line(m.backend)),
              ("cpu threads", str(m.backend.num_threads)),
              *m.weight_plan.summary(),

@@ -212,10 +212,11 @@ def fp8_file(tmp_path, config, fmt="F8_E4M3", scales=None, name="fp8", keep=("la
 
 
 @pytest.mark.parametrize("fmt", FP8_CODES)
-def test_an_fp8_file_loads_as_bfloat16_and_encodes_as_its_values(tmp_path, fmt):
+def test_an_fp8_file_widened_to_bfloat16_encodes_as_its_values(tmp_path, fmt):
+    """(By default an fp8 file keeps its codes: test_fp8_storage.py; dtype= widens it.)"""
     config = {**SMALL, **V1_1}
     single, folder = fp8_file(tmp_path, config, fmt)
-    m = minfer.load(single, compute="float32")
+    m = minfer.load(single, dtype="bfloat16", compute="float32")
     assert m.backend.weight_format == "bfloat16"
     assert f"{fmt} -> bfloat16 values (exact)" in dict(m.describe())["weights"]
     want = states(folder)
@@ -247,18 +248,18 @@ def test_scaled_fp8_is_fp8_times_scale_exactly(tmp_path):
     w = "encoder.block.2.layer.1.DenseReluDense.wo.weight"
     assert f.info(w).dtype == "F32" and f.file_dtype(w) == "F8_E4M3"
     assert not any(n.endswith(("scale_weight", "scaled_fp8")) for n in f.names())
-    m = minfer.load(single, compute="float32")
+    m = minfer.load(single, dtype="float32")
     assert m.backend.weight_format == "float32"
     assert "x scale_weight -> float32 products (scales not powers of two)" in dict(m.describe())["weights"]
     assert rel_err(m.encode(IDS, MASK), states(folder)) <= 1e-6
 
 
-def test_power_of_two_scales_load_as_bfloat16(tmp_path):
+def test_power_of_two_scales_widen_to_bfloat16_exactly(tmp_path):
     config = {**SMALL, **V1_0}
     single, folder = fp8_file(
         tmp_path, config, scales=lambda k, w: np.array(2.0 ** np.floor(np.log2(np.abs(w).max() / 448)),
                                                        np.float32))
-    m = minfer.load(single, compute="float32")
+    m = minfer.load(single, dtype="bfloat16", compute="float32")
     assert m.backend.weight_format == "bfloat16"
     assert "exact: power-of-two scales" in dict(m.describe())["weights"]
     assert rel_err(m.encode(IDS, MASK), states(folder)) <= 1e-6
@@ -273,13 +274,16 @@ def stored_tensors(single) -> dict:
 
 
 def test_an_f16_embedding_beside_fp8_keeps_the_file_exact(tmp_path):
-    """bfloat16 cannot hold a float16 embedding exactly: the file loads as float16 then."""
+    """bfloat16 cannot hold a float16 embedding exactly: widened, the file is float16; kept,
+    the embedding alone is float16 beside the fp8 layers."""
     single, _ = fp8_file(tmp_path, {**SMALL, **V1_1})
     tensors = stored_tensors(single)
     code, raw = tensors["shared.weight"]
     tensors["shared.weight"] = fp8_to_float32(raw, code).astype(np.float16)   # (exact)
     write_safetensors(single, tensors)
-    assert minfer.load(single, compute="float32").backend.weight_format == "float16"
+    m = minfer.load(single, compute="float32")
+    assert m.backend.weight_format == "float8_e4m3"
+    assert "float16 1 matrix: shared.weight" in m.weight_formats
 
 
 # -- bad files -----------------------------------------------------------------------------------
@@ -421,6 +425,9 @@ def test_info_says_what_the_file_became(tmp_path):
     result = CliRunner().invoke(cli, ["info", "-m", str(single)])
     assert result.exit_code == 0, result.output
     assert "single file fp8.safetensors, config inferred from its tensors" in result.output
+    assert "F8_E4M3 x scale_weight -> kept as fp8 codes" in result.output
+    result = CliRunner().invoke(cli, ["info", "-m", str(single), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
     assert "F8_E4M3 x scale_weight -> float32 products" in result.output
 
 

@@ -4,8 +4,10 @@
 its index, or (only when there are no safetensors) a torch.save'd pytorch_model.bin read by
 `torch_pickle.py` without running pickle code. Names are unique across files, the index must
 match the shards, and int8 / int4 weights written by `minfer convert` are read back through their
-scales. fp8 tensors (F8_E4M3, F8_E5M2) are widened exactly (`tensors.FP8_BFLOAT16`), and a file
-in ComfyUI's *scaled fp8* convention (see `_find_fp8`) is read as fp8 x its scales.
+scales. fp8 tensors (F8_E4M3, F8_E5M2) are read as their codes with a scale per row
+(`read_fp8`, for the float8 weight formats: one byte a weight) or widened exactly
+(`tensors.FP8_BFLOAT16`), and a file in ComfyUI's *scaled fp8* convention (see `_find_fp8`) is
+read as fp8 x its scales.
 `single_file.py` opens one .safetensors file without a config.json through the same class.
 
 This module does no math beyond dtype widening; the model families say which names and shapes
@@ -23,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from .formats import QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
+from .formats import FP8_FORMAT_BY_FILE_CODE, QUANTISED_BY_FILE_CODE, SCALE_SUFFIX, WeightFormat
 from .limits import MAX_NAME_CHARS, MAX_TENSORS, is_regular_file, quoted, read_json_text
 from .safetensors import SafetensorsFile
 from .tensors import (FLOAT_CODES, FP8_CODES, TensorInfo, bf16_to_float32, fp8_to_bfloat16_bits,
@@ -73,6 +75,7 @@ class Checkpoint:
         self.check_values = True
         self._scales = self._find_scales()
         self._fp8 = self._find_fp8()
+        self._fp8_kept: set[str] = set()   # fp8 tensors read as their codes (read_fp8)
 
     def _find_scales(self) -> dict[str, tuple[str, WeightFormat]]:
         """Quantised weights written by `minfer convert --dtype int8 | int4`: `W` in the format's
@@ -172,8 +175,8 @@ class Checkpoint:
         raw = f.raw(scale_name, mmap=False)
         scale = (bf16_to_float32(raw) if info.dtype == "BF16" else raw).astype(np.float32).reshape(-1)
         if not np.isfinite(scale).all():
-            raise CheckpointError(f"{what} holds {float(scale[~np.isfinite(scale)][0]):g}: a "
-                                  "scale must be finite".replace("nan", "NaN"))
+            raise CheckpointError(f"{what} holds {_number(scale[~np.isfinite(scale)][0])}: a "
+                                  "scale must be finite")
         return _Fp8("", scale, scale_name)
 
     def holds_fp8(self) -> bool:
@@ -184,16 +187,37 @@ class Checkpoint:
         return self._where[name].tensors[name].dtype
 
     def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
-        """The most compact weight format that holds every matrix of this checkpoint exactly
-        (what a file with fp8 loads as when dtype is unset): bfloat16 on the CPU when every
-        matrix is a bfloat16 (fp8, power-of-two-scaled fp8, BF16), float16 when every matrix
-        is a float16 (fp8, F16; CUDA's half format), else float32. `matrices`: the names the
-        weight format applies to (the model's linear slots' sources; default: every 2-D
-        tensor), as norms and position-bias tables stay in the compute dtype."""
+        """The weight format a file with fp8 loads in when dtype is unset: on the CPU its fp8
+        codes as they are (`fp8_format`: one byte a weight), else the most compact format that
+        holds every matrix exactly (`widened_format`). `matrices`: the names the weight format
+        applies to (the model's linear slots' sources; default: every 2-D tensor), as norms and
+        position-bias tables stay in the compute dtype."""
+        fp8 = self.fp8_format(matrices) if device_kind == "cpu" else None
+        return fp8 or self.widened_format(device_kind, matrices)
+
+    def _matrices(self, matrices: Any) -> list[str]:
+        """The names of `matrices` this checkpoint holds (None: every 2-D tensor)."""
+        return [n for n in self.names()
+                if (len(self.info(n).shape) == 2 if matrices is None else n in matrices)]
+
+    def fp8_format(self, matrices: Any = None) -> str | None:
+        """The fp8 weight format ("float8_e4m3", "float8_e5m2") of the fp8 code most of the
+        `matrices` are stored in, None when none is fp8 (a matrix in another dtype keeps a
+        format of its own: params.loader.slot_formats)."""
+        counts: dict[str, int] = {}
+        for name in self._matrices(matrices):
+            if name in self._fp8:
+                counts[self._fp8[name].code] = counts.get(self._fp8[name].code, 0) + 1
+        if not counts:
+            return None
+        return FP8_FORMAT_BY_FILE_CODE[max(counts, key=counts.__getitem__)].name
+
+    def widened_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact float format that holds every one of `matrices` exactly: bfloat16
+        on the CPU when every matrix is a bfloat16 (fp8, power-of-two-scaled fp8, BF16), float16
+        when every matrix is a float16 (fp8, F16; CUDA's half format), else float32."""
         fits = {"bfloat16", "float16", "float32"}
-        for name in self.names():
-            if (len(self.info(name).shape) != 2 if matrices is None else name not in matrices):
-                continue
+        for name in self._matrices(matrices):
             fp8 = self._fp8.get(name)
             code = self.info(name).dtype
             fits &= ({"bfloat16", "float16", "float32"} if fp8 is not None and fp8.scale is None
@@ -202,21 +226,56 @@ class Checkpoint:
         order = ("bfloat16", "float16") if device_kind == "cpu" else ("float16",)
         return next((f for f in order if f in fits), "float32")
 
+    def fp8_code(self, name: str) -> str | None:
+        """The fp8 code tensor `name` is stored in ("F8_E4M3", "F8_E5M2"), None if not fp8."""
+        fp8 = self._fp8.get(name)
+        return None if fp8 is None else fp8.code
+
+    def read_fp8(self, name: str, rows: tuple[int, int] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """An fp8 matrix (or rows [a, b)) as the file stores it, for the float8 weight formats:
+        its codes (R, K) uint8 and a float32 scale per row (R,): the file's own (one per row, or
+        its one value repeated), 1 for an unscaled file. Unless `check_values` is off, the
+        values (code x scale, as `read` gives them) are checked a block of rows at a time."""
+        f, info = self._located(name, rows)
+        codes = f.raw(name, self.use_mmap, rows)
+        if self.use_mmap:                 # a private copy, not a view of the mapped file
+            codes = np.array(codes)
+        fp8 = self._fp8[name]
+        self._fp8_kept.add(name)
+        R = codes.shape[0]
+        if fp8.scale is None or fp8.scale.size == 1:
+            scale = np.full(R, 1.0 if fp8.scale is None else fp8.scale[0], np.float32)
+        else:
+            scale = np.array(fp8.scale[rows[0]:rows[1]] if rows is not None else fp8.scale,
+                             np.float32)
+        if self.check_values:
+            first = rows[0] if rows is not None else 0
+            step = max(1, _CHECK_CHUNK // max(1, codes[0].size if R else 1))
+            for a in range(0, R, step):
+                values = fp8_to_float32(codes[a:a + step], fp8.code)
+                values *= scale[a:a + step].reshape((-1,) + (1,) * (codes.ndim - 1))
+                check_weight_values(values, f"{info.file}: tensor '{quoted(name)}'", first + a)
+        return codes, scale
+
     def storage_note(self) -> str:
         """What the fp8 tensors were read as, for `minfer info` ("" without fp8): per file
-        dtype, how many tensors and what they became."""
+        dtype, how many tensors and what they became (kept as codes: those read by
+        `read_fp8`)."""
         if not self._fp8:
             return ""
         groups: dict[str, int] = {}
         for name, fp8 in self._fp8.items():
-            if fp8.scale is None:
+            scaled = "" if fp8.scale is None else f" x {FP8_SCALE_SUFFIX[1:]}"
+            if name in self._fp8_kept:
+                key = (f"{fp8.code}{scaled} -> kept as fp8 codes (1 byte a weight, a float32 "
+                       "scale per row)")
+            elif fp8.scale is None:
                 key = f"{fp8.code} -> bfloat16 values (exact)"
             elif self.info(name).dtype == "BF16":
-                key = (f"{fp8.code} x {FP8_SCALE_SUFFIX[1:]} -> bfloat16 values (exact: "
-                       "power-of-two scales)")
+                key = f"{fp8.code}{scaled} -> bfloat16 values (exact: power-of-two scales)"
             else:
-                key = (f"{fp8.code} x {FP8_SCALE_SUFFIX[1:]} -> float32 products (scales not "
-                       "powers of two)")
+                key = f"{fp8.code}{scaled} -> float32 products (scales not powers of two)"
             groups[key] = groups.get(key, 0) + 1
         return "; ".join(f"{key}: {n} tensor{'s' * (n != 1)}" for key, n in groups.items())
 
@@ -435,6 +494,12 @@ _CHECK_CHUNK = 1 << 18   # elements: a scratch of 0.5-2 MiB, about the size of a
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def _number(value: float) -> str:
+    """A value for a message: NaN spelt so (replacing "nan" in the whole message would also
+    change a path or a tensor name that holds those letters)."""
+    return "NaN" if np.isnan(value) else f"{float(value):g}"
+
+
 def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> None:
     """Raise a CheckpointError naming `what` and the first bad element (its index in the whole
     tensor, `first_row` being the first row read) if float `values` hold NaN, inf, or magnitudes
@@ -460,7 +525,7 @@ def check_weight_values(values: np.ndarray, what: str, first_row: int = 0) -> No
             value = float(values.reshape(-1)[j])
             note = "" if not np.isfinite(value) else (
                 f" (beyond the +-{MAX_ABS_WEIGHT:g} a weight can hold: wrong byte order or corrupt?)")
-            raise CheckpointError(f"{what} holds {value:g} at {index}{note}".replace("nan", "NaN"))
+            raise CheckpointError(f"{what} holds {_number(value)} at {index}{note}")
 
 
 def check_fits(values: np.ndarray, dtype: Any, what: str, first_row: int = 0) -> None:

@@ -14,6 +14,11 @@ float32 scale per output channel, as BMInf and CTranslate2 quantise) and "int4" 
 float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantise_int4`
 for the layout). A quantised matrix `w` is stored as `w` plus its scales `w` + SCALE_SUFFIX, in
 packed layers and in files.
+
+"float8_e4m3" and "float8_e5m2" keep an fp8 file's own codes (one byte a weight) with a float32
+scale per output channel (ComfyUI's scaled fp8: its scale, one per tensor or per row; a plain fp8
+file: 1). They only ever hold a file's codes (`from_file`): rounding float weights to fp8 is no
+part of minfer, so `encode` refuses.
 """
 
 from __future__ import annotations
@@ -140,6 +145,25 @@ def _widen_bfloat16(src: Any, dst: Any) -> None:  # the bits are the high half o
 
 
 # =====================================================================================================
+# fp8: the file's codes widened (any array namespace: NumPy, or CuPy on a GPU)
+# =====================================================================================================
+# Both widen through float16, whose bits hold every fp8 value: E5M2 is the top byte of a float16
+# (same exponent bias 15, infinities and NaNs included); E4M3's 7 magnitude bits placed at bit 7
+# of a float16 read as the value / 2^8 (bias 15 instead of 7: normals and subnormals alike, as
+# float16's subnormal step 2^-24 is E4M3's 2^-9 / 2^8), so one exact multiply by 256 restores it.
+# E4M3 has no infinities: S.1111.111 is NaN, which that float16 (1.875 / 2^8 x 256) is not.
+def _widen_fp8_e5m2(src: Any, dst: Any) -> None:
+    dst[...] = (src.astype(np.uint16) << 8).view(np.float16)
+
+
+def _widen_fp8_e4m3(src: Any, dst: Any) -> None:
+    wide = src.astype(np.uint16)
+    dst[...] = (((wide & 0x7F) << 7) | ((wide & 0x80) << 8)).view(np.float16)
+    dst *= 256
+    dst[(wide & 0x7F) == 0x7F] = np.nan
+
+
+# =====================================================================================================
 # The formats
 # =====================================================================================================
 @dataclass(frozen=True)
@@ -155,6 +179,7 @@ class WeightFormat:
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
     widen: Callable[[Any, Any], None] = widen_cast   # the NumPy widening of its rows
     quantisation: str = ""                     # how a file written in it says so (metadata)
+    from_file: bool = False                    # fp8: holds only a file's own codes (no encode)
     # (its compiled kernels: kernels.registry.BY_FORMAT[name])
 
     def array_names(self, name: str) -> tuple[str, ...]:
@@ -186,6 +211,9 @@ class WeightFormat:
 
     def encode(self, name: str, w: np.ndarray) -> dict[str, np.ndarray]:
         """A float32 (out, in) matrix (or a block of its rows) -> its stored arrays (host)."""
+        if self.from_file:
+            raise ConfigError(f"weight format {self.name!r} keeps a file's {self.file_code} codes "
+                              f"as they are; '{name}' is not stored {self.file_code}")
         if self.scaled:
             q, scale = quantise_int4(w) if self.grouped else quantise_int8(w)
             return {name: q, name + SCALE_SUFFIX: scale}
@@ -218,7 +246,17 @@ FORMATS: dict[str, WeightFormat] = {
                          widen=_widen_int4,
                          quantisation=f"int4 per group of {INT4_GROUP} input channels"),
 }
-QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values() if f.scaled}   # by the matrix's file dtype
+# fp8 as the file stores it, with a float32 scale per output channel
+FP8_FORMATS = {
+    "float8_e4m3": WeightFormat("float8_e4m3", np.uint8, "F8_E4M3", scaled=True,
+                                widen=_widen_fp8_e4m3, from_file=True),
+    "float8_e5m2": WeightFormat("float8_e5m2", np.uint8, "F8_E5M2", scaled=True,
+                                widen=_widen_fp8_e5m2, from_file=True),
+}
+FORMATS.update(FP8_FORMATS)
+FP8_FORMAT_BY_FILE_CODE = {f.file_code: f for f in FP8_FORMATS.values()}
+QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values()   # by the matrix's file dtype
+                          if f.scaled and not f.from_file}
 
 
 def weight_format(name: str) -> WeightFormat:

@@ -5,8 +5,8 @@ it in registers (`widening.widen`) and take the dot products with every input ro
 weight row is in L1. Blocks of output rows are spread over the threads (`prange`).
 
 Conventions: activations are float32; weights are (out, in) row-major in their stored dtype
-(float32, float16 or bfloat16 as uint16 bits, int8 with float32 scales per row, int4 two a byte
-with scales per group); outputs are written in place. `fastmath` lets LLVM reorder the dot
+(float32, float16 or bfloat16 as uint16 bits, int8 or fp8 codes with float32 scales per row,
+int4 two a byte with scales per group); outputs are written in place. `fastmath` lets LLVM reorder the dot
 products' sums so it can vectorise them (the order of a float32 sum differs from BLAS's by
 rounding, as BLAS's own does between machines). Loops index slices from 0 (`range(n)` over a
 slice rather than `range(a, b)` over the whole array), which spares the negative-index checks
@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .widening import BF16, F16, F32, I8, widen
+from .widening import BF16, E4M3, E5M2, F16, F32, I8, unit_factor, widen_unit
 
 BLOCK = 32                      # output rows per parallel task
 # Up to this many input rows a product streams each weight row once and dots it with every input
@@ -73,6 +73,7 @@ def _tile1x4(x0, r0, r1, r2, r3, K):
 def _matmul(x, w, scale, out, fmt, scaled):
     M, K = x.shape
     N = w.shape[0]
+    f = unit_factor(fmt)                 # (the weights are widened up to it: widen_unit)
     for b in prange((N + BLOCK - 1) // BLOCK):
         n0 = b * BLOCK
         n1 = min(N, n0 + BLOCK)
@@ -83,19 +84,19 @@ def _matmul(x, w, scale, out, fmt, scaled):
                 row = wb[i]
                 acc = np.float32(0.0)
                 for k in range(K):
-                    acc += x0[k] * widen(row[k], fmt)
-                ob[0, i] = acc * scale[n0 + i] if scaled else acc
+                    acc += x0[k] * widen_unit(row[k], fmt)
+                ob[0, i] = acc * (scale[n0 + i] * f) if scaled else acc
             continue
         if M <= STREAM_MAX_ROWS:         # beams, small batches: each weight row read once
             for i in range(n1 - n0):     # (widened in registers), dotted with every input row
                 row = wb[i]              # while it sits in L1; the inputs stay in L1 too
-                s = scale[n0 + i] if scaled else np.float32(1.0)
+                s = scale[n0 + i] * f if scaled else np.float32(1.0)
                 m = 0
                 while m + 4 <= M:
                     x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
                     a0 = a1 = a2 = a3 = np.float32(0.0)
                     for k in range(K):
-                        v = widen(row[k], fmt)
+                        v = widen_unit(row[k], fmt)
                         a0 += x0[k] * v
                         a1 += x1[k] * v
                         a2 += x2[k] * v
@@ -106,7 +107,7 @@ def _matmul(x, w, scale, out, fmt, scaled):
                     x0 = x[m]
                     a0 = np.float32(0.0)
                     for k in range(K):
-                        a0 += x0[k] * widen(row[k], fmt)
+                        a0 += x0[k] * widen_unit(row[k], fmt)
                     ob[m, i] = a0 * s
                     m += 1
             continue
@@ -119,13 +120,13 @@ def _matmul(x, w, scale, out, fmt, scaled):
                 row = wb[i + j]
                 dst = rf[j]
                 for k in range(K):
-                    dst[k] = widen(row[k], fmt)
+                    dst[k] = widen_unit(row[k], fmt)
             for j in range(nr, 4):       # past the last weight row: zeros, results dropped
                 rf[j, :] = 0.0
             s = np.ones(4, np.float32)
             if scaled:
                 for j in range(nr):
-                    s[j] = scale[n0 + i + j]
+                    s[j] = scale[n0 + i + j] * f
             m = 0
             while m + 4 <= M:
                 t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
@@ -158,6 +159,18 @@ def matmul_bf16(x, w, out):
 @njit(cache=True)
 def matmul_i8(x, w, scale, out):
     _matmul(x, w, scale, out, I8, True)
+
+
+# fp8 codes with a float32 scale per output row: (x . codes) * scale, the codes widened in
+# registers (widening._e4m3 / _e5m2), the scale applied once per output
+@njit(cache=True)
+def matmul_e4m3(x, w, scale, out):
+    _matmul(x, w, scale, out, E4M3, True)
+
+
+@njit(cache=True)
+def matmul_e5m2(x, w, scale, out):
+    _matmul(x, w, scale, out, E5M2, True)
 
 
 # -- 4-bit weights, computed in float32 ------------------------------------------------------------------

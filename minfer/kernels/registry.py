@@ -17,11 +17,12 @@ import numpy as np
 from . import (bfloat16_products, bfloat16_tiles, float_products, quantised_products, step_ops,
                tiles, widening)
 from .bfloat16_products import bmatmul_bf16, bmatmul_work_bytes
-from .float_products import matmul_bf16, matmul_f16, matmul_f32, matmul_i4, matmul_i8
+from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
+                             matmul_i4, matmul_i8)
 from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback)
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
-from .widening import widen_bf16, widen_f16, widen_i4, widen_i8
+from .widening import widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i8
 
 # The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
@@ -57,6 +58,12 @@ BY_FORMAT: dict[str, FormatKernels] = {
     "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}),
     "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}),
 }
+# fp8 codes and their row scales: float32 products only (compute="int8" / "bfloat16" refuse them:
+# backend.resolve_dtype)
+BY_FORMAT.update({
+    "float8_e4m3": FormatKernels(matmul_e4m3, widen_e4m3),
+    "float8_e5m2": FormatKernels(matmul_e5m2, widen_e5m2),
+})
 
 
 def warm_up() -> None:
@@ -72,6 +79,9 @@ def warm_up() -> None:
     for widen in (widen_f16, widen_bf16):
         widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
     widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
+    for fp8 in ("float8_e4m3", "float8_e5m2"):
+        BY_FORMAT[fp8].product(x, np.zeros((2, 4), np.uint8), np.ones(2, np.float32), out)
+        BY_FORMAT[fp8].widen(np.zeros((1, 4), np.uint8), np.empty((1, 4), np.float32))
     x64, out64 = np.zeros((1, 64), np.float32), np.zeros((1, 2), np.float32)  # (a 64-column block)
     nibbles, scales = np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32)
     matmul_i4(x64, nibbles, scales, out64)

@@ -29,7 +29,7 @@ from ..generation.protocol import DecodingModel, TokenIds
 from ..io.checkpoint import Checkpoint
 from ..io.limits import is_integer, short_repr
 from ..io.formats import weight_format
-from ..params.loader import load_params, plan_placement
+from ..params.loader import describe_formats, load_params, plan_placement, slot_formats
 from .. import scoring
 from ..padding import right_padded
 from ..scoring import PairScore
@@ -69,6 +69,7 @@ class Model(OwnsWeights, DecodingModel):
         # time are taken together (generation/batcher.py), so the lock costs little.
         self.lock = threading.RLock()
         self.free_when_idle = backend.arena.available   # set again once the weights are placed
+        self.weight_formats = ""   # what each kind of tensor is stored as (`minfer info`; load)
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -113,18 +114,20 @@ class Model(OwnsWeights, DecodingModel):
                               "(parts='all')")
         table = cls.family.weight_table(config)
         fmt = weight_format(backend.weight_format)
+        formats = slot_formats(table, ckpt, fmt, "cpu" if backend.device == "cpu" else "cuda")
         planned = cls.family.run_bytes(config, backend.dtype, 1, None, None)["peak"]
         plan = plan_placement(table, backend.dtype, fmt, backend.memory_limit,
-                              backend.workspace_reserve(planned))
+                              backend.workspace_reserve(planned), formats)
         runtime = WeightRuntime(backend, plan, recorder)
         try:
-            params = load_params(table, ckpt, backend.dtype, fmt, runtime)
+            params = load_params(table, ckpt, backend.dtype, fmt, runtime, formats)
         except BaseException:
             runtime.close()
             raise
         model = cls(config, params, backend, str(ckpt.folder), ckpt.config, generation_config,
                     tokenizer)
         model.attach_runtime(plan, runtime)
+        model.weight_formats = describe_formats(table, backend.dtype, fmt, formats)   # (info)
         # what stays in the arena whatever runs (the weights under a limit): a request that does
         # not fit in the rest can never run, one that does may have to wait for others
         model.free_when_idle = backend.arena.available

@@ -7,8 +7,10 @@ Given a family's `WeightTable` (params/table.py) and a `Checkpoint`:
 3. `load_params` reads the fixed parameters and then one layer at a time (so host memory stays
    bounded by a layer), fuses and formats each layer, and hands it to the runtime, which keeps
    it resident or streams it. A slot whose sources the file already stores in the weight format
-   (an int8 file loaded as int8, a bfloat16 one as bfloat16) is read as its own bytes: no float32
-   copy, no second rounding.
+   (an int8 file loaded as int8, a bfloat16 one as bfloat16, fp8 as float8_e4m3 / e5m2) is read
+   as its own bytes: no float32 copy, no second rounding. The fp8 formats hold only a file's own
+   codes, so a slot the file stores otherwise (ComfyUI's 16-bit embedding beside fp8 layers)
+   keeps a format of its own (`slot_formats`).
 The result is the parameter dict the family's math reads: fixed arrays by name, and each stack as
 a `LayerStack` to iterate.
 """
@@ -20,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from ..arena import align_up
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..io.checkpoint import Checkpoint
-from ..io.formats import SCALE_SUFFIX, WeightFormat
+from ..io.formats import FORMATS, SCALE_SUFFIX, WeightFormat
 from ..products import scratch_bytes
 from .layout import Layout
 from .planner import WeightPlan, plan_weights
@@ -71,50 +73,106 @@ def check(table: WeightTable, ckpt: Checkpoint) -> dict[str, str]:
 
 
 # =====================================================================================================
+# Formats per slot: a format that only keeps a file's own codes (fp8)
+# =====================================================================================================
+# {a linear slot's sources: its format} where it is not the model's weight format
+SlotFormats = dict[tuple[str, ...], WeightFormat]
+
+
+def _linear_entries(table: WeightTable) -> list[Linear]:
+    """Every linear slot of the table: the fixed ones, then each layer's."""
+    entries = [*table.fixed.values(), *(e for _, unit in table.units() for e in unit.values())]
+    return [e for e in entries if isinstance(e, Linear)]
+
+
+def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
+                 device_kind: str = "cpu") -> SlotFormats:
+    """The slots that cannot take `fmt` and the format each takes instead. Only a format that
+    keeps a file's own codes (`fmt.from_file`: fp8) has such slots: one whose sources are not
+    all stored in its code (a BF16 embedding beside fp8 layers, as in ComfyUI's scaled files)
+    keeps the most compact format that holds its sources exactly (`widened_format`). A
+    checkpoint with no matrix in that code is a one-line error: nothing would be kept."""
+    if not fmt.from_file:
+        return {}
+    linear = _linear_entries(table)
+    names = {s: _Reader.name_in(ckpt, table, s) for e in linear for s in e.sources}
+    own = {e.sources for e in linear
+           if not e.transpose and all(ckpt.fp8_code(names[s]) == fmt.file_code for s in e.sources)}
+    if not own:
+        raise ConfigError(f"dtype {fmt.name!r} keeps a file's {fmt.file_code} weights as they are, "
+                          f"and {ckpt.folder} holds no {fmt.file_code} matrix: leave dtype unset "
+                          "or name a float or quantised format")
+    return {e.sources: FORMATS[ckpt.widened_format(device_kind, {names[s] for s in e.sources})]
+            for e in linear if e.sources not in own}
+
+
+def describe_formats(table: WeightTable, dtype: Any, fmt: WeightFormat,
+                     formats: SlotFormats | None = None) -> str:
+    """What each kind of tensor is stored as, for `minfer info`: the linear slots per format
+    (their matrices, and which when only a few), then the other parameters' dtype."""
+    by: dict[str, list[str]] = {}
+    for entry in _linear_entries(table):
+        slot = (formats or {}).get(entry.sources, fmt).slot(entry.float32, dtype)[0]
+        by.setdefault(slot.name, []).extend(entry.sources)
+    parts = []
+    for name, sources in by.items():
+        note = " (codes, a float32 scale per row)" if FORMATS[name].from_file else ""
+        which = f": {', '.join(sources)}" if len(sources) <= 2 else ""
+        parts.append(f"{name}{note} {len(sources)} matri{'ces' if len(sources) != 1 else 'x'}"
+                     f"{which}")
+    return "; ".join(parts) + f"; other parameters {np.dtype(dtype).name}"
+
+
+# =====================================================================================================
 # Sizes and the plan (pure)
 # =====================================================================================================
-def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat) -> Layout:
-    """A layer's packed layout: linear slots (out, in) in `fmt`, everything else in the compute
-    `dtype`."""
+def unit_layout(table: WeightTable, unit: Unit, dtype: Any, fmt: WeightFormat,
+                formats: SlotFormats | None = None) -> Layout:
+    """A layer's packed layout: linear slots (out, in) in `fmt` (or their own, `formats`),
+    everything else in the compute `dtype`."""
     arrays: dict[str, tuple[tuple[int, ...], Any]] = {}
     linear, product = {}, {}
     for name, entry in unit.items():
         if isinstance(entry, Linear):
-            linear[name], product[name] = fmt.slot(entry.float32, dtype)
+            own = (formats or {}).get(entry.sources, fmt)
+            linear[name], product[name] = own.slot(entry.float32, dtype)
             arrays.update(linear[name].stored(name, table.shape(entry)))
         else:
             arrays[name] = (table.shape(entry), dtype)
     return Layout(arrays, linear, product)
 
 
-def _fixed_arrays(table: WeightTable, dtype: Any, fmt: WeightFormat) -> list[tuple[tuple, Any]]:
+def _fixed_arrays(table: WeightTable, dtype: Any, fmt: WeightFormat,
+                  formats: SlotFormats | None = None) -> list[tuple[tuple, Any]]:
     """(shape, dtype) of every device array the fixed parameters are placed as."""
     arrays = []
     for name, entry in table.fixed.items():
         if isinstance(entry, Linear):
-            arrays += fmt.stored(name, table.shape(entry)).values()
+            arrays += (formats or {}).get(entry.sources, fmt).stored(name, table.shape(entry)).values()
         elif not isinstance(entry, View) and not (isinstance(entry, Tensor) and entry.host):
             arrays.append((table.shape(entry), dtype))
     return arrays
 
 
-def fixed_bytes(table: WeightTable, dtype: Any, fmt: WeightFormat) -> int:
+def fixed_bytes(table: WeightTable, dtype: Any, fmt: WeightFormat,
+                formats: SlotFormats | None = None) -> int:
     """Device bytes of the always-resident parameters, as the runtime allocates them."""
     return sum(align_up(int(np.prod(shape)) * np.dtype(dt).itemsize)
-               for shape, dt in _fixed_arrays(table, dtype, fmt))
+               for shape, dt in _fixed_arrays(table, dtype, fmt, formats))
 
 
 def plan_placement(table: WeightTable, dtype: Any, fmt: WeightFormat, limit: int | None,
-                   workspace: int) -> WeightPlan:
-    """Which layers stay resident under `limit` (nothing is read or allocated)."""
+                   workspace: int, formats: SlotFormats | None = None) -> WeightPlan:
+    """Which layers stay resident under `limit` (nothing is read or allocated); `formats`: the
+    slots stored in a format of their own (`slot_formats`)."""
     units = {}
-    scratch = max((scratch_bytes(fmt, table.shape(e), dtype) for e in table.fixed.values()
-                   if isinstance(e, Linear)), default=0)
+    scratch = max((scratch_bytes((formats or {}).get(e.sources, fmt), table.shape(e), dtype)
+                   for e in table.fixed.values() if isinstance(e, Linear)), default=0)
     for name, unit in table.units():
-        layout = unit_layout(table, unit, dtype, fmt)
+        layout = unit_layout(table, unit, dtype, fmt, formats)
         units[name] = layout.nbytes
         scratch = max(scratch, layout.scratch_bytes(dtype))
-    return plan_weights(units, fixed_bytes(table, dtype, fmt), workspace, limit, scratch,
+    return plan_weights(units, fixed_bytes(table, dtype, fmt, formats), workspace, limit, scratch,
                         priority=lambda name: table.priority.get(name.partition(".")[0], 0))
 
 
@@ -129,6 +187,13 @@ class _Reader:
 
     def __call__(self, name: str, dtype: Any = np.float32, rows: tuple[int, int] | None = None):
         return self.ckpt.read(self.stand_in.get(name, name), dtype, rows)
+
+    @staticmethod
+    def name_in(ckpt: Checkpoint, table: WeightTable, name: str) -> str:
+        """The checkpoint's name for a table name: itself, or the alias standing in for it."""
+        if name in ckpt:
+            return name
+        return next((a for a in table.aliases.get(name, ()) if a in ckpt), name)
 
     def _source_rows(self, entry: Linear, rows: tuple[int, int] | None) -> list[tuple[str, Any]]:
         """(source, row range) of each part of a slot; `rows` (a block of a single-source slot)
@@ -149,8 +214,13 @@ class _Reader:
     def encoded(self, name: str, entry: Linear, fmt: WeightFormat,
                 rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
         """The slot's arrays in `fmt`: the stored bytes themselves when every source is stored
-        in that format, else encoded from float32."""
+        in that format (fp8: its codes and row scales), else encoded from float32."""
         code = fmt.file_code
+        if fmt.from_file:   # (slot_formats gave every other slot a format of its own)
+            parts = [self.ckpt.read_fp8(self.stand_in.get(s, s), r)
+                     for s, r in self._source_rows(entry, rows)]
+            return {name: np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0],
+                    name + SCALE_SUFFIX: np.concatenate([s for _, s in parts])}
         if not entry.transpose and all(self.ckpt.info(self.stand_in.get(s, s)).dtype == code
                                        for s in entry.sources):
             parts = [self.ckpt.read_stored(self.stand_in.get(s, s), r)
@@ -189,16 +259,19 @@ def _place_linear(runtime: WeightRuntime, read: _Reader, name: str, entry: Linea
 
 
 def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFormat,
-                runtime: WeightRuntime) -> dict[str, Any]:
+                runtime: WeightRuntime, formats: SlotFormats | None = None) -> dict[str, Any]:
     """Check the checkpoint, then place every parameter per the runtime's plan: fixed ones
-    resident, each layer resident or streamed, read one layer at a time."""
+    resident, each layer resident or streamed, read one layer at a time; `formats`: the slots
+    stored in a format of their own (`slot_formats`)."""
     read = _Reader(ckpt, check(table, ckpt))
+    formats = formats or {}
     params: dict[str, Any] = {}
     for name, entry in table.fixed.items():
         if isinstance(entry, View):
             params[name] = params[entry.of]
         elif isinstance(entry, Linear):
-            params[name] = _place_linear(runtime, read, name, entry, table.shape(entry), fmt)
+            params[name] = _place_linear(runtime, read, name, entry, table.shape(entry),
+                                         formats.get(entry.sources, fmt))
         elif isinstance(entry, Derived):
             params[name] = runtime.place_fixed(entry.build(read).astype(dtype, copy=False), name)
         elif entry.host:
@@ -208,7 +281,7 @@ def load_params(table: WeightTable, ckpt: Checkpoint, dtype: Any, fmt: WeightFor
     for stack, layers in table.stacks.items():
         units = []
         for i, unit in enumerate(layers):
-            layout = unit_layout(table, unit, dtype, fmt)
+            layout = unit_layout(table, unit, dtype, fmt, formats)
             arrays: dict[str, np.ndarray] = {}
             for name, entry in unit.items():
                 if isinstance(entry, Linear):
