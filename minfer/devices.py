@@ -109,7 +109,8 @@ def make_backend(device: str = "cpu", dtype: Any = None, workspace: int | str | 
 
     Without `memory_limit` the arena holds `workspace` bytes (default 1GiB, touched lazily) of
     activations and caches. With it, the arena holds the whole limit and `workspace` is the part
-    reserved for runs (default: planned per model for one 256-token prompt and 128 new tokens)."""
+    reserved for runs (default: planned per model for one 256-token prompt and 128 new tokens; an
+    encoder-only model: one 512-token input)."""
     name = (device or "cpu").strip().lower()
     if name == "auto":
         name = "cuda" if cuda_available() else "cpu"

@@ -146,6 +146,20 @@ def test_a_single_file_encodes_as_its_folder(tmp_path):
         assert m.load_recipe["model"] == str(single.resolve())
 
 
+def test_a_limit_keeps_room_for_a_512_token_input_of_an_encoder_file(tmp_path):
+    """A diffusion text encoder under memory_limit: the default workspace is planned for one
+    512-token input (Flux's and Wan's length), so the layers kept resident leave room for it."""
+    config = {**SMALL, **V1_1}
+    single = write_safetensors(tmp_path / "enc.safetensors", encoder_tensors(config))
+    free = minfer.load(single)
+    need = free.plan(1, 512)["peak"]
+    assert need > free.plan(1, 256)["peak"]
+    limited = minfer.load(single, memory_limit=sum(free.weight_plan.unit_bytes.values()) + need)
+    assert limited.weight_plan.workspace == need
+    ids = np.random.default_rng(0).integers(2, config["vocab_size"], size=(1, 512))
+    assert rel_err(limited.encode(ids), free.encode(ids)) <= 1e-6
+
+
 def test_the_fixtures_reference_states_from_their_file_alone():
     """A real transformers UMT5EncoderModel save (bfloat16 weights) as one file with its
     config: the states transformers computed."""

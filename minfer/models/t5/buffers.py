@@ -20,8 +20,10 @@ from ...arena import BufferSet, BufferSpec, bytes_needed
 from .config import T5Config
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
-# to this many tokens generating up to this many.
+# to this many tokens generating up to this many; an encoder-only model (the text encoder of a
+# diffusion pipeline: Flux, Wan and Chroma encode 512 tokens) one input of this many.
 DEFAULT_INPUT_LEN, DEFAULT_NEW_TOKENS = 256, 128
+DEFAULT_ENCODER_INPUT_LEN = 512
 
 # LongT5's encoder takes its queries in chunks of whole blocks of about this many positions (a
 # chunk's scores and global bias are rows x (3bl + G): bounded rows keep them linear in T), and
@@ -250,7 +252,7 @@ def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
     cross K/V projection and a beam reorder (the device's library temporaries fit its arena's
     own pool, arena.SCOPE_TEMPORARIES; the model code itself allocates nothing on the device);
     of an encoder-only model, one encoder pass and its output."""
-    S = input_len or DEFAULT_INPUT_LEN
+    S = input_len or (DEFAULT_ENCODER_INPUT_LEN if cfg.encoder_only else DEFAULT_INPUT_LEN)
     out = bytes_needed({"out": ((batch, S, cfg.d_model), dtype)})
     encoder = out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
     if cfg.encoder_only:
