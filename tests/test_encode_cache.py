@@ -108,6 +108,21 @@ def test_generation_and_embed_skip_the_encoder_on_repeats(folder, counted):
     assert model.embed(TEXTS).tobytes() == e1.tobytes() and len(counted) == n + 1
 
 
+def test_a_mask_that_is_not_right_padding_skips_generations_cache():
+    """A caller's left-padded mask: the unpadded key would name other tokens (and poison the
+    rows of a prompt that equals them), so such a batch runs the encoder and keeps nothing."""
+    dates = "weights/tiny-t5-dates"
+    plain, cached = minfer.load(dates), minfer.load(dates, encode_cache="16MiB")
+    pad, a = plain.token_ids.pad, plain.tokenizer.encode("date: 4th of July 1976")
+    ids, mask = np.array([[pad, pad] + a]), np.array([[0, 0] + [1] * len(a)])
+    want = plain.generate(ids, attention_mask=mask, max_new_tokens=12)
+    for _ in range(2):
+        assert cached.generate(ids, attention_mask=mask, max_new_tokens=12) == want
+    assert cached.encode_cache.stats().entries == 0
+    other = [[pad, pad] + a[:-2]]
+    assert cached.generate(other, max_new_tokens=12) == plain.generate(other, max_new_tokens=12)
+
+
 def test_threads_share_one_cache(folder):
     model = minfer.load(folder, encode_cache="16MiB")
     want = model.encode(TEXTS, preset="flux", max_length=10)

@@ -337,11 +337,14 @@ class T5Model(Model):
         input, or runs the encoder and keeps each input's states. Generation needs only the
         states of an input's own tokens (cross-attention masks the padding), so a row is kept
         as its unpadded ids with a mask of ones: the key `encode` of that unpadded row uses,
-        whatever the padding of the batch it came in."""
+        whatever the padding of the batch it came in. A mask that is not right padding (ones,
+        then zeros) skips the cache."""
         cache = self.encode_cache
         if cache is None:
             return None
         lengths = mask.sum(axis=1)
+        if any(m[n:].any() for m, n in zip(mask, lengths)):
+            return None   # not right padding (a caller's own mask): the unpadded key would lie
         keys = [row_key(self.cache_identity, row[:n], np.ones(n, np.int64))
                 for row, n in zip(ids, lengths)]
 
