@@ -103,7 +103,7 @@ def serve(load, host, port, api_key, served_model_name, allowed_hosts, cors_orig
     if batch_dir is not None:   # a folder it cannot use is said before the model loads
         from minfer.serve.batch_store import Store
         try:
-            Store(batch_dir)
+            Store(batch_dir).close()
         except InputError as e:
             fail(f"--batch-dir: {e}", EXIT_USAGE)
     try:   # before the model loads: a taken port is said at once, not after minutes of loading

@@ -351,6 +351,19 @@ def test_a_batch_dir_that_cannot_be_used_is_refused_before_the_model_loads(tmp_p
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
 
 
+def test_a_second_server_on_a_batch_dir_in_use_is_refused(tmp_path):
+    """Two servers on one folder would resume the same jobs and both append their answers."""
+    folder = tmp_path / "jobs"
+    with serving(DATES, "--batch-dir", str(folder)):
+        done = subprocess.run([sys.executable, "-m", "minfer", "serve", "-m", str(DATES),
+                               "--port", "0", "--batch-dir", str(folder)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "in use by another server" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    with serving(DATES, "--batch-dir", str(folder)) as again:   # free once the first stops
+        assert again.openai(KEY).batches.list().data == []
+
+
 # -- a crash never loses or repeats an answer ---------------------------------------------------
 def test_the_resume_point_is_after_the_last_complete_line(tmp_path):
     path = tmp_path / "out.jsonl"

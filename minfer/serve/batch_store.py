@@ -22,6 +22,11 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
+try:
+    import fcntl
+except ImportError:   # (not on Windows: the folder is then not locked)
+    fcntl = None  # type: ignore[assignment]
+
 from ..errors import InputError
 from ..io.lines import MAX_LINE_BYTES, lines
 from ..io.limits import MAX_NESTING, first_line, json_nesting, parse_json
@@ -69,13 +74,33 @@ def read_object(path: Path) -> dict | None:
     return parse_json(raw, path, InputError)
 
 
+def _locked(path: Path) -> int | None:
+    """An open descriptor holding an exclusive lock on `path` for as long as it is open: two
+    servers on one folder would resume the same jobs and both append their answers (and the
+    second's start would delete the first's uploads in progress). None where the system has no
+    flock."""
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"batch folder {path.parent} is in use by another server (it holds "
+                         f"{path.name}); give each server its own --batch-dir") from None
+    return fd
+
+
 class Store:
     """The batch folder: file bytes and objects, batch objects."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.files, self.batches = self.folder / "files", self.folder / "batches"
+        self._lock: int | None = None
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._lock = _locked(self.folder / ".lock")
             for sub in (self.files, self.batches):
                 sub.mkdir(parents=True, exist_ok=True)
                 for aside in sub.glob("*.tmp"):   # a write a crash interrupted: never renamed
@@ -84,7 +109,14 @@ class Store:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as e:
+            self.close()
             raise InputError(f"batch folder {self.folder}: {e.strerror or e}") from None
+
+    def close(self) -> None:
+        """Let go of the folder (its lock): another server may take it."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     # -- files --------------------------------------------------------------------------------------
     def content(self, file_id: str) -> Path:
