@@ -122,3 +122,20 @@ def test_errors_are_one_line_json(server):
     too_long = post(server, {"input": "x", "max_length": 10 ** 6})
     assert too_long.status_code == 400 and "max_length" in too_long.json()["error"]["message"]
     assert post(server, {"input": "x"}, headers={}).status_code == 401
+
+
+def test_float16_states_beyond_its_range_are_a_400_naming_dtype(model, monkeypatch):
+    """States past 65504 would go out as infinities (base64) or fail the JSON (floats)."""
+    from minfer.serve.encode import encode_request, run
+    from minfer.serve.errors import from_exception
+    from minfer.serve.jobs import Job
+    from minfer.serve.schema import field_of
+    real = model.encode
+    monkeypatch.setattr(model, "encode", lambda *a, **k: (lambda s, m: (s * 1e6, m))(*real(*a, **k)))
+    for dtype in ("float32", "bfloat16"):
+        got, _ = run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": dtype}, 8), 64)
+        assert np.abs(got[0][0]).max() > 65504
+    with pytest.raises(minfer.InputError) as e:
+        run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": "float16"}, 8), 64)
+    error = from_exception(e.value, field_of(str(e.value), "input"))   # as the route maps it
+    assert error.status == 400 and error.param == "dtype" and "65504" in error.message

@@ -98,9 +98,19 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]
     tokens = sum(map(len, rows))
     if rule is not None:
         states, mask = model.encode(rows, preset=req.preset, max_length=length, return_mask=True)
-        return list(zip(states, mask)), tokens
-    states, mask = model.encode(rows, return_mask=True)
-    return [(s[:len(r)], k[:len(r)]) for s, k, r in zip(states, mask, rows)], tokens
+        got = list(zip(states, mask))
+    else:
+        states, mask = model.encode(rows, return_mask=True)
+        got = [(s[:len(r)], k[:len(r)]) for s, k, r in zip(states, mask, rows)]
+    if req.dtype == "float16":   # (float32 and bfloat16 share float32's range)
+        top = max(float(np.abs(s).max(initial=0)) for s, _ in got)
+        if top > HALF_MAX:
+            raise InputError(f"dtype float16: the states reach {top:.6g}, beyond float16's "
+                             f"largest value {HALF_MAX:g}; ask for float32 or bfloat16")
+    return got, tokens
+
+
+HALF_MAX = float(np.finfo(np.float16).max)   # 65504: a larger state would be sent as infinity
 
 
 def as_dtype(states: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:

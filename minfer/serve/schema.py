@@ -48,7 +48,7 @@ _FIELD_OF = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
 
 # request fields the serving jobs' own messages begin with
 _REQUEST_FIELDS = ("text_1", "text_2", "query", "documents", "logprobs", "normalize",
-                   "response_format")
+                   "response_format", "dtype")
 
 _SAME_NAME = ("temperature", "top_p", "top_k", "stop", "seed", "repetition_penalty",
               "length_penalty", "early_stopping")
