@@ -26,7 +26,7 @@ from .errors import ConfigError
 from .params.transfers import Transfers
 
 # dtype option -> how the linear layers are stored, per device kind
-_FORMATS = {"cpu": ("float32", "float16", "bfloat16", "int8", "int4"),
+_FORMATS = {"cpu": ("float32", "float16", "bfloat16", "int8", "int4", "int8g32", "int8g16"),
             "cuda": ("float16", "float32", "int8")}
 _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
 # compute option -> the dtype activations are in. On the CPU "int8" and "bfloat16" keep float32
