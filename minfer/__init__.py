@@ -84,7 +84,9 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
         computed in float32), "bfloat16" (CPU: stored 2 bytes; see compute), "int8"
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
-        channels: io/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
+        channels: io/formats.py's INT4_GROUP), "int8g32" / "int8g16" (CPU: int8 with a
+        float32 scale and offset per group of 32 / 16 input channels, computed in float32:
+        what a GGUF file's blocks load as) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.

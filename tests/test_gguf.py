@@ -393,3 +393,14 @@ def test_config_replaces_the_metadata(tmp_path):
     want = minfer.load(folder, compute="float32").encode(LONG, mask)
     assert rel_err(minfer.load(tmp_path / "e.gguf", config=folder).encode(LONG, mask), want) <= 1e-4
     assert rel_err(minfer.load(tmp_path / "e.gguf").encode(LONG, mask), want) > 1e-3
+
+
+def test_layers_stream_under_a_memory_limit(tmp_path):
+    """A limit below the four layers: they stream through two slots (their grouped int8 bytes
+    and pairs, as packed), and the states are the unlimited run's."""
+    config = {**SIZES, **KINDS["umt5"], "num_layers": 4}
+    write_gguf(tmp_path / "e.gguf", config, t5_tensors(config), MIXES["Q4_K_M"])
+    want = minfer.load(tmp_path / "e.gguf").encode(LONG, np.ones(LONG.shape, bool))
+    m = minfer.load(tmp_path / "e.gguf", memory_limit="9600KiB", workspace="6MiB")
+    assert dict(m.weight_plan.summary())["streamed layers"].startswith("4 units through 2 slots")
+    np.testing.assert_array_equal(m.encode(LONG, np.ones(LONG.shape, bool)), want)
