@@ -352,6 +352,11 @@ def test_a_truncated_file(tmp_path):
     one_line_error(path, "m.gguf: not a GGUF file gguf .* can read")
     path.write_bytes(b"\x05" * 64)
     one_line_error(path, "m.gguf: not a GGUF file")
+    path.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(64))
+    one_line_error(path, "m.gguf: GGUF version 1; minfer reads versions 2 and 3")
+    path.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little")
+                     + bytes(64))
+    one_line_error(path, r"m.gguf: GGUF header claims 1099511627776 tensors")
 
 
 def test_a_missing_tensor_and_shapes_no_config_fits(tmp_path):

@@ -338,6 +338,11 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[_Tensor]]:
         head = f.read(24)
     if len(head) < 24 or head[:4] != MAGIC:
         raise CheckpointError(f"{path}: not a GGUF file (it does not start with {MAGIC!r})")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0 and version:     # (how gguf's reader tells the other byte order)
+        raise CheckpointError(f"{path}: a big-endian GGUF file; minfer reads little-endian ones")
+    if version not in (2, 3):
+        raise CheckpointError(f"{path}: GGUF version {version}; minfer reads versions 2 and 3")
     tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
     if tensors > MAX_TENSORS or keys > MAX_METADATA_KEYS:
         raise CheckpointError(f"{path}: GGUF header claims {tensors} tensors and {keys} metadata "
@@ -467,7 +472,11 @@ class GGUFFile(SingleFileChecks):
         for t in table:
             m = _GGUF_BLOCK.fullmatch(t.name)
             gated = m is not None and f"{m.group(1)}.blk.{m.group(2)}.ffn_gate.weight" in present
-            self._tensors[hf_name(t.name, gated) or t.name] = t
+            name = hf_name(t.name, gated) or t.name
+            if name in self._tensors:     # (blk.1 and blk.01: one block twice)
+                raise CheckpointError(f"{self.path}: tensors '{quoted(self._tensors[name].name)}' "
+                                      f"and '{quoted(t.name)}' are the same tensor ({name})")
+            self._tensors[name] = t
         natural = {BLOCK_TYPES[t.kind].group for t in table if t.kind in BLOCK_TYPES}
         self._natural_groups = natural
         self._presented = GROUPED_INT8[min(natural)] if natural else None
