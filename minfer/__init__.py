@@ -220,7 +220,12 @@ def _open_single_file(path: _Path, config: _Any, parts: str | None) -> tuple[_An
     gguf = path.suffix.lower() == ".gguf" or _is_gguf(path)
     ckpt = _GGUFFile(path) if gguf else _SingleFile(path)
     if config is None:
-        ckpt.config = _config_from_tensors(ckpt.shapes(), str(path))
+        try:
+            ckpt.config = _config_from_tensors(ckpt.shapes(), str(path))
+        except CheckpointError as e:
+            if not gguf:
+                raise
+            raise CheckpointError(ckpt.in_file_names(str(e))) from None
         if gguf:   # what the metadata states beside the shapes (checked against them below)
             ckpt.config.update(ckpt.metadata_config())
         what = f"the T5 config inferred from {ckpt.inferred_from}"

@@ -215,7 +215,8 @@ def decode_rows(kind: str, raw: np.ndarray, K: int, group: int) -> tuple[np.ndar
     (each pair repeated)."""
     t = BLOCK_TYPES[kind]
     R = raw.shape[0]
-    q, scale, offset = t.decode(raw.reshape(R * (K // t.values), t.nbytes))
+    with np.errstate(invalid="ignore", over="ignore"):   # a NaN or inf d: the reads' checks name it
+        q, scale, offset = t.decode(raw.reshape(R * (K // t.values), t.nbytes))
     params = np.empty((R, K // t.group, 2), np.float32)
     params[..., 0] = scale.reshape(R, -1)
     params[..., 1] = offset.reshape(R, -1)
@@ -486,6 +487,11 @@ class GGUFFile(SingleFileChecks):
     def file_name(self, name: str) -> str:
         t = self._tensors.get(name)
         return t.name if t is not None else gguf_name(name)
+
+    def in_file_names(self, message: str) -> str:
+        """A message naming tensors in Hugging Face's words ('encoder.block.0....weight') with
+        the file's own names instead (config_from_tensors speaks Hugging Face's)."""
+        return re.sub(r"'([\w.]+\.weight)'", lambda m: f"'{self.file_name(m.group(1))}'", message)
 
     def names(self) -> list[str]:
         return list(self._tensors)
