@@ -143,6 +143,24 @@ def one_line_error(path, match, error=CheckpointError, **options):
     return str(e.value)
 
 
+# -- the names ------------------------------------------------------------------------------------
+def test_names_are_ggufs_own_mapping():
+    """Every tensor of every T5 kind, encoder and decoder: the GGUF name is what gguf's
+    tensor_mapping gives the Hugging Face name, and it maps back."""
+    from minfer.io.gguf import hf_name
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5, SIZES["num_layers"])
+    for kind in KINDS.values():
+        cfg = T5Config.from_hf({**SIZES, **kind}).with_parts(["decoder.x"], "all", "test")
+        table = weight_table(cfg)
+        gated = kind["feed_forward_proj"].startswith("gated")
+        for name in [*table.tensors, *table.optional]:
+            if name.endswith("embed_tokens.weight"):     # aliases of shared.weight
+                continue
+            want = names.get_name(name, try_suffixes=(".weight",))
+            assert want is not None and gguf_name(name) == want, name
+            assert hf_name(want, gated) == name
+
+
 # -- the values ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["F32", "F16", "BF16", *BLOCKS])
 def test_every_type_reads_as_ggufs_dequantisation(tmp_path, kind):

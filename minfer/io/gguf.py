@@ -246,6 +246,7 @@ _BLOCK_NAMES = {
     "ffn_norm": "layer.{ff}.layer_norm", "ffn_gate": "layer.{ff}.DenseReluDense.wi_0",
     "ffn_up": "layer.{ff}.DenseReluDense.wi_1", "ffn_down": "layer.{ff}.DenseReluDense.wo",
 }
+_CROSS = {p for p in _BLOCK_NAMES if p.startswith("cross_")}   # decoder blocks' only
 _GGUF_BLOCK = re.compile(r"(enc|dec)\.blk\.(\d+)\.(\w+)\.weight")
 _HF_BLOCK = re.compile(r"(encoder|decoder)\.block\.(\d+)\.(.+)\.weight")
 
@@ -260,7 +261,7 @@ def hf_name(name: str, gated: bool) -> str | None:
     if name.endswith(".weight") and name[:-len(".weight")] in _TOP_NAMES:
         return _TOP_NAMES[name[:-len(".weight")]] + ".weight"
     m = _GGUF_BLOCK.fullmatch(name)
-    if m is None or m.group(3) not in _BLOCK_NAMES:
+    if m is None or m.group(3) not in _BLOCK_NAMES or (m.group(1) == "enc" and m.group(3) in _CROSS):
         return None
     stack, i, part = m.groups()
     inner = _BLOCK_NAMES[part].format(ff=_ff(stack))
@@ -284,7 +285,7 @@ def gguf_name(name: str) -> str:
         inner += "_1"
     short = "enc" if stack == "encoder" else "dec"
     for part, hf in _BLOCK_NAMES.items():
-        if hf.format(ff=_ff(stack)) == inner:
+        if hf.format(ff=_ff(stack)) == inner and not (short == "enc" and part in _CROSS):
             return f"{short}.blk.{i}.{part}.weight"
     return name
 
