@@ -479,10 +479,8 @@ class GGUFFile(SingleFileChecks):
                 raise CheckpointError(f"{self.path}: tensors '{quoted(self._tensors[name].name)}' "
                                       f"and '{quoted(t.name)}' are the same tensor ({name})")
             self._tensors[name] = t
-        natural = {BLOCK_TYPES[t.kind].group for t in table if t.kind in BLOCK_TYPES}
-        self._natural_groups = natural
-        self._presented = GROUPED_INT8[min(natural)] if natural else None
-        self._weight_format, self._matrices = "", None
+        self._presented: Any = None      # the grouped int8 format the blocks are read in
+        self.present_as(self.exact_format())
 
     # -- what the file holds ----------------------------------------------------------------------
     def file_name(self, name: str) -> str:
@@ -510,9 +508,14 @@ class GGUFFile(SingleFileChecks):
         """The tensor's shape and what it reads as: its float type, or for a block type the
         grouped int8 format it is presented in (`present_as`), else F32 (its float32 values)."""
         t = self._tensors[name]
-        code = t.kind if t.kind in FLOAT_TYPES else (
-            self._presented.file_code if self._presented is not None else "F32")
+        held = self._held(t)
+        code = t.kind if t.kind in FLOAT_TYPES else held.file_code if held else "F32"
         return TensorInfo(name, code, t.shape, self.path, t.start, t.start + t.nbytes)
+
+    def _held(self, t: _Tensor) -> Any:
+        """The grouped int8 format a block-typed tensor is presented in (None: its values)."""
+        fmt, kind = self._presented, BLOCK_TYPES.get(t.kind)
+        return fmt if fmt is not None and kind is not None and not kind.group % fmt.group else None
 
     def metadata_config(self) -> dict[str, Any]:
         """The Hugging Face config fields the metadata states (checked: positive integers, a
@@ -569,8 +572,8 @@ class GGUFFile(SingleFileChecks):
         divides theirs (read_stored then gives q and the (scale, offset) pairs), else as their
         float32 values (from which another format encodes); remembered for storage_note."""
         fmt = FORMATS.get(weight_format)
-        fits = fmt is not None and fmt.group and all(g % fmt.group == 0
-                                                     for g in self._natural_groups)
+        groups = {BLOCK_TYPES[k].group for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
+        fits = fmt is not None and fmt.group and all(g % fmt.group == 0 for g in groups)
         self._presented = fmt if fits else None
         self._weight_format, self._matrices = weight_format, matrices
 
@@ -655,7 +658,7 @@ class GGUFFile(SingleFileChecks):
         format's groups, or (presented as F32) its float32 values."""
         from .checkpoint import check_weight_values
         t = self._tensors.get(name)
-        if t is not None and t.kind in BLOCK_TYPES and self._presented is None:
+        if t is not None and t.kind in BLOCK_TYPES and self._held(t) is None:
             return self.read(name, np.float32, rows), None
         t, raw = self._raw(name, rows)
         what = f"{self.path}: tensor '{quoted(t.name)}'"
