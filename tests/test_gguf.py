@@ -64,12 +64,19 @@ def blocks_of(w: np.ndarray, kind: str, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def ggufs_name(name: str) -> str:
+    """The GGUF name gguf's own tensor_mapping gives a Hugging Face T5 tensor name (what
+    convert_hf_to_gguf.py writes), independent of minfer's mapping."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5, 64)
+    return names.get_name(name, try_suffixes=(".weight",)) or name
+
+
 def write_gguf(path, config: dict, tensors: dict, kind_of, arch="t5encoder", metadata=None,
                seed=0):
-    """Write `tensors` (Hugging Face names, float32) as GGUF: each matrix in `kind_of(name)`
-    ("F32", "F16", "BF16" or a block type), vectors and position-bias tables F32 (F16 in an
-    F16 file). Returns the values as the file holds
-    them (gguf's dequantisation), in Hugging Face's names."""
+    """Write `tensors` (Hugging Face names, float32) as GGUF under gguf's names: each matrix in
+    `kind_of(name)` ("F32", "F16", "BF16" or a block type), vectors and position-bias tables F32
+    (F16 in an F16 file). Returns the values as the file holds them (gguf's dequantisation), in
+    Hugging Face's names."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_embedding_length(config["d_model"])
@@ -92,14 +99,14 @@ def write_gguf(path, config: dict, tensors: dict, kind_of, arch="t5encoder", met
         if is_bias(name):   # never quantised by llama.cpp; float16 in an F16 file
             kind = "F16" if kind == "F16" else "F32"
         if kind == "F32":
-            w.add_tensor(gguf_name(name), a)
+            w.add_tensor(ggufs_name(name), a)
             held[name] = a
         elif kind == "F16":
-            w.add_tensor(gguf_name(name), a.astype(np.float16))
+            w.add_tensor(ggufs_name(name), a.astype(np.float16))
             held[name] = a.astype(np.float16).astype(np.float32)
         else:
             raw = blocks_of(a, kind, rng)
-            w.add_tensor(gguf_name(name), raw, raw_dtype=Q[kind])
+            w.add_tensor(ggufs_name(name), raw, raw_dtype=Q[kind])
             held[name] = gguf.quants.dequantize(raw, Q[kind]).reshape(a.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()
