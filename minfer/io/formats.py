@@ -170,12 +170,12 @@ def _widen_bfloat16(src: Any, dst: Any) -> None:  # the bits are the high half o
 class WeightFormat:
     """How a linear slot (out, in) is stored: as a plain array of `storage` dtype, or quantised
     (`scaled`: with float32 scales per output channel, or per group of input channels when
-    `grouped`; `packed`: two values a byte)."""
+    `grouped`, with an offset beside each scale when `offsets`; `packed`: two values a byte)."""
     name: str
     storage: Any                               # numpy dtype of the stored array
     file_code: str                             # its safetensors dtype (the matrix's, if scaled)
     scaled: bool = False                       # int8 / int4: scales beside the matrix
-    grouped: bool = False                      # int4: a scale per group of input channels
+    grouped: bool = False                      # int4, grouped int8: scales per group of inputs
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
     group: int = 0                             # grouped int8: input channels per group (else
                                                # per row, or int4_group(in))
@@ -204,7 +204,7 @@ class WeightFormat:
 
     def group_of(self, K: int) -> int:
         """A grouped int8 matrix's input channels per group for inner size K: the format's
-        group, or K (one group a row) when K is no multiple of it (GGUF's never is not)."""
+        group, or K (one group a row) when K is no multiple of it (a GGUF matrix always is)."""
         return self.group if K % self.group == 0 else K
 
     def stored(self, name: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], Any]]:
