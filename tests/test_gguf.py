@@ -251,10 +251,11 @@ def test_a_gguf_encoder_encodes_as_its_values(tmp_path, kind, mix):
         assert rel_err(m.encode(ids, mask), want.encode(ids, mask)) <= 1e-4, ids.shape
 
 
-def test_a_whole_t5_generates_as_its_values(tmp_path):
-    """Architecture t5 (a decoder and an untied head): an encoder by default, the whole model
-    with parts="all", whose one-row decoding steps run the grouped kernels."""
-    config = {**SIZES, **KINDS["v1_1"]}
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_whole_t5_generates_as_its_values(tmp_path, kind):
+    """Architecture t5 (a decoder; v1.0's head tied, the others' not): an encoder by default,
+    the whole model with parts="all", whose one-row decoding steps run the grouped kernels."""
+    config = {**SIZES, **KINDS[kind]}
     held = write_gguf(tmp_path / "t5.gguf", config, t5_tensors(config, "all"),
                       MIXES["Q4_K_M"], arch="t5")
     assert minfer.load(tmp_path / "t5.gguf").parts == ("encoder",)
