@@ -24,6 +24,7 @@ from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, In
 from .hub import check_subfolder as _check_subfolder, resolve_model as _resolve_model
 from .io.checkpoint import Checkpoint as _Checkpoint, read_json as _read_json
 from .io.sentence_transformers import read_sentence_modules as _read_sentence_modules
+from .io.gguf import GGUFFile as _GGUFFile, is_gguf as _is_gguf
 from .io.single_file import SingleFile as _SingleFile, is_single_file as _is_single_file
 from .kernels import set_threads as _set_threads
 from .models.registry import model_class_of as _model_class_of
@@ -50,7 +51,7 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
          tokenizer: str | _Path | None = None, encode_cache: int | str | None = None,
          **options: _Any) -> T5Model | XLModel:
     """Load a model by hub name, from a local folder in the Hugging Face layout, or from a
-    single .safetensors file.
+    single .safetensors or GGUF file.
 
     model: "t5-small", "google/flan-t5-base", "transfo-xl-wt103", ... (fetched into the
         huggingface_hub cache) or a folder with config.json and model.safetensors (or an index and
@@ -66,7 +67,15 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         scale_weight) is read as fp8 x scale. With dtype unset such a file loads in the most
         compact format that holds its matrices exactly: bfloat16 for fp8 (or fp8 with
         power-of-two scales) on the CPU, float16 on CUDA, float32 for other scaled fp8;
-        `minfer info` says what the fp8 tensors became.
+        `minfer info` says what the fp8 tensors became. Or one GGUF file of a T5 / UMT5
+        model as llama.cpp's convert_hf_to_gguf.py writes it (architecture t5encoder, or t5
+        for a whole seq2seq model; city96's T5-XXL / UMT5-XXL encoder files): read with the
+        `gguf` package (the [gguf] extra), config from its metadata and shapes, tensors F32,
+        F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (io/gguf.py).
+        With dtype unset its blocks load exactly, one byte a weight, as "int8g32" (int8 with a
+        float32 scale and offset per group of 32) or "int8g16" where Q2_K, Q3_K or Q6_K blocks
+        are present; a file mixing blocks with float matrices (or any on CUDA) loads as
+        float32. Its vocabulary is not read: text needs tokenizer=.
     config: a single file's config.json (its path, or a folder holding one) instead of the
         inferred config: for a file whose shapes do not say everything (another
         layer_norm_epsilon, a LongT5). Only with a single file.
@@ -77,7 +86,9 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         bf16/fp16 checkpoints are widened), "float16" (CUDA default; on the CPU stored 2 bytes and
         computed in float32), "bfloat16" (CPU: stored 2 bytes; see compute), "int8"
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
-        channels: io/formats.py's INT4_GROUP) or "auto" (the checkpoint's own: int8, int4,
+        channels: io/formats.py's INT4_GROUP), "int8g32" / "int8g16" (CPU: int8 with a
+        float32 scale and offset per group of 32 / 16 input channels, computed in float32:
+        what a GGUF file's blocks load as) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.
@@ -142,8 +153,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         modules = None
     else:
         if config is not None:
-            raise ConfigError(f"config={config!r}: only a single .safetensors file takes a "
-                              "config.json from elsewhere; a model folder has its own")
+            raise ConfigError(f"config={config!r}: only a single .safetensors file (or GGUF file) "
+                              "takes a config.json from elsewhere; a model folder has its own")
         root = folder = _resolve_model(model, revision, offline=offline, token=token,
                                       cache_dir=cache_dir, subfolder=subfolder,
                                       also=(tokenizer_subfolder,) if tokenizer_subfolder else ())
@@ -152,15 +163,23 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         modules = _read_sentence_modules(folder)
         ckpt = _Checkpoint(modules.transformer if modules is not None else folder)
         model_class = _model_class_of(ckpt.config, str(ckpt.folder / "config.json"))
+    gguf = isinstance(ckpt, _GGUFFile)
+    matrices = _matrices(model_class, ckpt, parts) if gguf or ckpt.holds_fp8() else None
     if dtype == "auto" or dtype is None:
-        # a quantised checkpoint stays in its format unless asked otherwise; fp8 loads in the
-        # most compact format that holds it exactly; compute="int8" needs a quantised one (int8
-        # when the file's is not), compute="bfloat16" bfloat16
-        if ckpt.holds_fp8():
-            dtype = ckpt.exact_format(_device_kind(device), _matrices(model_class, ckpt, parts))
+        # a quantised checkpoint stays in its format unless asked otherwise; fp8 and GGUF load in
+        # the most compact format that holds them exactly; compute="int8" needs a quantised one
+        # (int8 when the file's is not), compute="bfloat16" bfloat16
+        if matrices is not None:
+            dtype = ckpt.exact_format(_device_kind(device), matrices)
         else:
             dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
         mode = None if compute is None else _option_name(compute)
+        grouped = _FORMATS[dtype].group if dtype in _FORMATS else 0
+        if grouped and mode in ("int8", "bfloat16"):   # either would round the blocks again
+            raise ConfigError(f"compute={compute!r}: {single} holds GGUF blocks, which load "
+                              f"exactly as {dtype} (int8 per group of {grouped} with offsets) "
+                              "and multiply in float32: leave compute unset, or set dtype "
+                              "(e.g. dtype='int8') to re-quantise them")
         if mode == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
         elif mode == "bfloat16":
@@ -170,6 +189,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                                   "dtype='bfloat16' to widen them")
             dtype = "bfloat16"
     be = _make_backend(device, dtype, workspace, memory_limit, compute)
+    if gguf:   # its blocks as the weight format's own bytes where it holds them exactly
+        ckpt.present_as(be.weight_format, matrices)
     if compute is None and be.compute == "bfloat16":
         # chosen for this CPU (AVX512_BF16): a copy elsewhere (a pickle, a Ray worker) computes
         # the same, on another CPU's widening build
@@ -207,10 +228,18 @@ def _open_single_file(path: _Path, config: _Any, parts: str | None) -> tuple[_An
     class, the parts it loads as (an encoder unless asked) and every name and shape checked
     against the weight table, each problem one line naming the file (or the config) and the
     tensor, before any weight is read."""
-    ckpt = _SingleFile(path)
+    gguf = path.suffix.lower() == ".gguf" or _is_gguf(path)
+    ckpt = _GGUFFile(path) if gguf else _SingleFile(path)
     if config is None:
-        ckpt.config = _config_from_tensors(ckpt.shapes(), str(path))
-        what = "the T5 config inferred from its tensors"
+        try:
+            ckpt.config = _config_from_tensors(ckpt.shapes(), str(path))
+        except CheckpointError as e:
+            if not gguf:
+                raise
+            raise CheckpointError(ckpt.in_file_names(str(e))) from None
+        if gguf:   # what the metadata states beside the shapes (checked against them below)
+            ckpt.config.update(ckpt.metadata_config())
+        what = f"the T5 config inferred from {ckpt.inferred_from}"
     else:
         ckpt.use_config(config)
         what = f"the config in {ckpt.config_source}"
@@ -245,9 +274,9 @@ def _source_note(ckpt: _Any, single: _Path | None) -> str:
     parts = []
     if single is not None:
         inferred = ckpt.config_source == str(single)
-        parts.append(f"single file {single.name}, config "
-                     + ("inferred from its tensors" if inferred else f"from {ckpt.config_source}"))
-    if ckpt.holds_fp8():
+        parts.append(f"single file {single.name}, config " + (
+            f"inferred from {ckpt.inferred_from}" if inferred else f"from {ckpt.config_source}"))
+    if ckpt.holds_fp8() or isinstance(ckpt, _GGUFFile):
         parts.append(ckpt.storage_note())
     return "; ".join(parts)
 

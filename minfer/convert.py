@@ -39,8 +39,10 @@ from .tokenizers.select import PICKLED_VOCABULARIES, TOKENIZER_FILES, load_token
 
 COPY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 # dtype -> the safetensors dtype of every tensor that is not a quantised matrix
-# (not the fp8 formats: they keep a file's own codes, and convert rounds nothing to fp8)
-_CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items() if not f.from_file}
+# (not the fp8 formats: they keep a file's own codes, and convert rounds nothing to fp8; not the
+# grouped int8 ones: they hold a GGUF file's blocks, and no safetensors file carries them)
+_CODES = {name: "F32" if f.scaled else f.file_code for name, f in FORMATS.items()
+          if not f.from_file and not f.group}
 _CODE_OF = {dt: code for code, dt in STORAGE.items()}   # a stored array's dtype -> its code
 
 

@@ -84,7 +84,8 @@ class PackedWeight:
     `matmul(xp, x, out)` and `ops.embed` its `rows(xp, ids, out)`.
 
     stored: the format's stored matrix (out, in), or (out, in / 2) bytes for int4; shape: the
-    logical (out, in); scale: (out,) or (out, groups) float32, or None; widen(src, dst): rows of
+    logical (out, in); scale: (out,) or (out, groups) float32, (out, groups, 2) for the grouped
+    int8 formats (a scale and an offset per group: `formats.apply_scale`), or None; widen(src, dst): rows of
     `bits` -> float rows (unscaled); kernel(x, bits, [scale,] out): the compiled small-M product,
     or None (off, or not on the CPU); compute: "float32", or the rounding of the inputs before
     every product ("int8", "bfloat16": `ROUNDINGS`); rounded_kernel: the compiled product of that
@@ -200,7 +201,7 @@ class PackedWeight:
             if self.scale is not None:
                 at = align_up(n * width)
                 scale = raw[at:at + 4 * n * max(scale_cols, 1)].view(np.float32)
-                scale = scale.reshape(n, scale_cols) if self.scale.ndim == 2 else scale
+                scale = scale.reshape((n, *self.scale.shape[1:]))
                 xp.take(self.scale, ids[a:a + n], axis=0, out=scale)
                 apply_scale(out[a:a + n], scale)
         return out
@@ -223,7 +224,7 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
         return PackedWeight(w, scale, fmt.widen, None, scratch, shape=shape, compute=compute)
     bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
     # the int4 kernels take whole blocks of 64 columns per group; other sizes widen
-    blocks = not fmt.grouped or int4_group(shape[1]) % 64 == 0
+    blocks = not fmt.packed or int4_group(shape[1]) % 64 == 0
     kernel = own.product if blocks else None
     rounded = own.rounded.get(compute) if blocks else None
     return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, compute,

@@ -379,9 +379,8 @@ def test_files_that_are_no_t5_encoder(tmp_path):
     msg = one_line_error(other, "not a T5 / UMT5 encoder in Hugging Face's names .* it holds "
                                 "'text_model.embeddings.token_embedding.weight'")
     assert str(other) in msg
-    (tmp_path / "x.gguf").write_bytes(b"GGUF" + bytes(20))
-    one_line_error(tmp_path / "x.gguf", "x.gguf: a GGUF file; a single-file model is read from "
-                                        "a .safetensors file")
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + bytes(20))     # (GGUF files: test_gguf.py)
+    one_line_error(tmp_path / "x.gguf", "x.gguf: GGUF version 0; minfer reads versions 2 and 3")
     (tmp_path / "junk.safetensors").write_bytes(b"\x05" + bytes(3))
     one_line_error(tmp_path / "junk.safetensors", "junk.safetensors: truncated safetensors file")
 

@@ -12,8 +12,10 @@ Formats: "float32" and "float16" (on CUDA float16 is also the compute dtype), "b
 top half of a float32, stored as its uint16 bits: NumPy has no bfloat16), "int8" (symmetric, one
 float32 scale per output channel, as BMInf and CTranslate2 quantise) and "int4" (symmetric, one
 float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantise_int4`
-for the layout). A quantised matrix `w` is stored as `w` plus its scales `w` + SCALE_SUFFIX, in
-packed layers and in files.
+for the layout) and "int8g32" / "int8g16" (grouped int8: one float32 scale *and offset* per group
+of 32 / 16 input channels, value = q * scale + offset: GGUF's block quantisations, which all have
+that form, held exactly; see `quantise_grouped_int8`). A quantised matrix `w` is stored as `w`
+plus its scales `w` + SCALE_SUFFIX, in packed layers and in files.
 
 "float8_e4m3" and "float8_e5m2" keep an fp8 file's own codes (one byte a weight) with a float32
 scale per output channel (ComfyUI's scaled fp8: its scale, one per tensor or per row; a plain fp8
@@ -94,6 +96,22 @@ def quantise_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed, scale
 
 
+def quantise_grouped_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(out, in) float -> int8 (out, in) and float32 (out, in / G, 2): per group of G input
+    channels its scale d = absmax / 127 and offset 0 (the offsets are there for GGUF's
+    asymmetric blocks, whose values the GGUF reader stores directly: io/gguf.py), q =
+    round(w / d). A zero group gets scale 1."""
+    w = np.asarray(w, dtype=np.float32)
+    N, K = w.shape
+    groups = w.reshape(N, K // group, group)
+    scale = np.abs(groups).max(axis=2) / np.float32(127.0)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(groups / scale[..., None]), -127, 127).astype(np.int8).reshape(N, K)
+    params = np.zeros((N, K // group, 2), np.float32)
+    params[..., 0] = scale
+    return q, params
+
+
 def _widen_int4(src: Any, dst: Any) -> None:
     """Packed int4 rows (R, K / 2) -> their values q (R, K) as floats, unscaled (any array
     namespace; see `quantise_int4` for the layout)."""
@@ -114,12 +132,18 @@ def _widen_int4(src: Any, dst: Any) -> None:
 
 def apply_scale(w: Any, scale: Any) -> Any:
     """Rows of widened values w (R, K) times their scales: one per row (R,), or one per group of
-    input channels (R, K / G)."""
+    input channels (R, K / G), or per group a scale and an offset (R, K / G, 2): q * scale +
+    offset, rounded once as GGUF's own float32 dequantisation rounds it (q * scale is exact)."""
     if scale.ndim == 1:
         w *= scale[:, None]
+        return w
+    R, groups = scale.shape[:2]
+    view = w.reshape(R, groups, -1)
+    if scale.ndim == 2:
+        view[...] *= scale[:, :, None]
     else:
-        R, groups = scale.shape
-        w.reshape(R, groups, -1)[...] *= scale[:, :, None]
+        view[...] *= scale[:, :, 0:1]
+        view[...] += scale[:, :, 1:2]
     return w
 
 
@@ -170,13 +194,16 @@ def _widen_fp8_e4m3(src: Any, dst: Any) -> None:
 class WeightFormat:
     """How a linear slot (out, in) is stored: as a plain array of `storage` dtype, or quantised
     (`scaled`: with float32 scales per output channel, or per group of input channels when
-    `grouped`; `packed`: two values a byte)."""
+    `grouped`, with an offset beside each scale when `offsets`; `packed`: two values a byte)."""
     name: str
     storage: Any                               # numpy dtype of the stored array
     file_code: str                             # its safetensors dtype (the matrix's, if scaled)
     scaled: bool = False                       # int8 / int4: scales beside the matrix
-    grouped: bool = False                      # int4: a scale per group of input channels
+    grouped: bool = False                      # int4, grouped int8: scales per group of inputs
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
+    group: int = 0                             # grouped int8: input channels per group (else
+                                               # per row, or int4_group(in))
+    offsets: bool = False                      # grouped int8: a (scale, offset) pair per group
     widen: Callable[[Any, Any], None] = widen_cast   # the NumPy widening of its rows
     quantisation: str = ""                     # how a file written in it says so (metadata)
     from_file: bool = False                    # fp8: holds only a file's own codes (no encode)
@@ -196,7 +223,14 @@ class WeightFormat:
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The scales' shape for a logical (out, in) matrix."""
+        if self.group:
+            return (shape[0], shape[1] // self.group_of(shape[1])) + ((2,) if self.offsets else ())
         return (shape[0], shape[1] // int4_group(shape[1])) if self.grouped else (shape[0],)
+
+    def group_of(self, K: int) -> int:
+        """A grouped int8 matrix's input channels per group for inner size K: the format's
+        group, or K (one group a row) when K is no multiple of it (a GGUF matrix always is)."""
+        return self.group if K % self.group == 0 else K
 
     def stored(self, name: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], Any]]:
         """The arrays a matrix `name` of logical `shape` (out, in) is stored as:
@@ -215,7 +249,8 @@ class WeightFormat:
             raise ConfigError(f"weight format {self.name!r} keeps a file's {self.file_code} codes "
                               f"as they are; '{name}' is not stored {self.file_code}")
         if self.scaled:
-            q, scale = quantise_int4(w) if self.grouped else quantise_int8(w)
+            q, scale = (quantise_grouped_int8(w, self.group_of(w.shape[1])) if self.group
+                        else quantise_int4(w) if self.grouped else quantise_int8(w))
             return {name: q, name + SCALE_SUFFIX: scale}
         if self.name == "bfloat16":
             return {name: to_bfloat16_bits(w)}
@@ -245,6 +280,14 @@ FORMATS: dict[str, WeightFormat] = {
     "int4": WeightFormat("int4", np.uint8, "U8", scaled=True, grouped=True, packed=True,
                          widen=_widen_int4,
                          quantisation=f"int4 per group of {INT4_GROUP} input channels"),
+    # GGUF's blocks (io/gguf.py): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K in groups of 32, and
+    # Q2_K, Q3_K, Q6_K in groups of 16, are each q * scale + offset with q an integer in
+    # [-128, 127]. The file codes are no safetensors dtypes: the GGUF reader presents its
+    # quantised tensors under them, so the loader takes their bytes as they are.
+    "int8g32": WeightFormat("int8g32", np.int8, "I8G32", scaled=True, grouped=True, group=32,
+                            offsets=True, quantisation="int8 per group of 32, with offsets"),
+    "int8g16": WeightFormat("int8g16", np.int8, "I8G16", scaled=True, grouped=True, group=16,
+                            offsets=True, quantisation="int8 per group of 16, with offsets"),
 }
 # fp8 as the file stores it, with a float32 scale per output channel
 FP8_FORMATS = {
@@ -255,8 +298,10 @@ FP8_FORMATS = {
 }
 FORMATS.update(FP8_FORMATS)
 FP8_FORMAT_BY_FILE_CODE = {f.file_code: f for f in FP8_FORMATS.values()}
-QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values()   # by the matrix's file dtype
-                          if f.scaled and not f.from_file}
+GROUPED_INT8 = {f.group: f for f in FORMATS.values() if f.group}   # group size -> its format
+# by the matrix's file dtype (what `minfer convert` writes: neither fp8 nor the grouped formats)
+QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values()
+                          if f.scaled and not f.from_file and not f.group}
 
 
 def weight_format(name: str) -> WeightFormat:

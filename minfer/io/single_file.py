@@ -8,7 +8,8 @@ from the tensors (`models.t5.config.config_from_tensors`) or read from `config=`
 a folder holding one). `check_names` holds the file's names and shapes against the weight table
 that config implies, each problem one line naming the file and the tensor, before anything is
 read. `folder` is the file's folder (what lists files and names the model in messages and
-`minfer info`); `path` is the file.
+`minfer info`); `path` is the file. `SingleFileChecks` (config=, the shapes, the name checks) is
+shared with io/gguf.py's reader of GGUF files.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .limits import is_regular_file, quoted, shown
 SUFFIX = ".safetensors"
 # other single files users hold, which this reader does not parse: say so instead of "not a
 # safetensors file"
-_OTHER_FORMATS = {".gguf": "a GGUF file", ".bin": "a torch pickle file", ".pt": "a torch file",
+_OTHER_FORMATS = {".bin": "a torch pickle file", ".pt": "a torch file",
                   ".pth": "a torch file", ".ckpt": "a torch checkpoint", ".sft": None}
 
 
@@ -42,22 +43,17 @@ def is_single_file(model: Any) -> Path | None:
         return None
 
 
-class SingleFile(Checkpoint):
-    """A model's weights in one .safetensors file; `config` is set by the caller."""
+class SingleFileChecks:
+    """What the single-file readers share (this one's SingleFile and io/gguf.py's GGUFFile):
+    config=, the tensors' shapes, and the names checked against a weight table. The reader
+    provides `path`, `names()`, `info(name)`, and `file_name(name)`: a tensor's name as the file
+    spells it (messages name that)."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.folder = self.path.parent
-        kind = _OTHER_FORMATS.get(self.path.suffix.lower(), "")
-        if kind:
-            raise CheckpointError(f"{self.path}: {kind}; a single-file model is read from a "
-                                  f"{SUFFIX} file (or pass the model's folder)")
-        if not is_regular_file(self.path, CheckpointError):
-            raise CheckpointError(f"{self.path}: file is missing")
-        self.index = None
-        self.config: dict = {}
-        self.config_source = str(self.path)
-        self._open([self.path])
+    path: Path
+    inferred_from = "its tensors"        # what an inferred config comes from (minfer info)
+
+    def file_name(self, name: str) -> str:
+        return name
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(self.info(name).shape) for name in self.names()}
@@ -80,11 +76,12 @@ class SingleFile(Checkpoint):
         names and `aliases`): a missing tensor, one the model has no place for and a shape the
         config does not imply are one-line errors naming this file and the tensor; `what` says
         where the config came from."""
+        named = self.file_name
         present = set(self.names())
         for name in tensors:
             if name not in present and not any(a in present for a in aliases.get(name, ())):
-                raise CheckpointError(f"{self.path}: tensor '{quoted(name)}' is missing ({what} "
-                                      "needs it)")
+                raise CheckpointError(f"{self.path}: tensor '{quoted(named(name))}' is missing "
+                                      f"({what} needs it)")
         unexpected = sorted(present - set(tensors) - set(optional))
         comfy = [n for n in unexpected if n.endswith((".comfy_quant", ".weight_scale"))
                  or n == "_quantization_metadata"]
@@ -94,12 +91,30 @@ class SingleFile(Checkpoint):
                                   "yet; its scaled_fp8 layout and plain fp8 / F16 / BF16 files are")
         if unexpected:
             more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-            raise CheckpointError(f"{self.path}: unexpected tensor '{quoted(unexpected[0])}'{more}: "
-                                  f"no part of {what}")
+            raise CheckpointError(f"{self.path}: unexpected tensor '{quoted(named(unexpected[0]))}'"
+                                  f"{more}: no part of {what}")
         stands_for = {a: n for n, alts in aliases.items() for a in alts}
         for name in sorted(present):
             want = tensors.get(name) or optional.get(name) or tensors.get(stands_for.get(name, ""))
             got = tuple(self.info(name).shape)
             if want is not None and got != tuple(want):
-                raise CheckpointError(f"{self.path}: tensor '{quoted(name)}' has shape {list(got)}, "
-                                      f"{what} implies {list(want)}")
+                raise CheckpointError(f"{self.path}: tensor '{quoted(named(name))}' has shape "
+                                      f"{list(got)}, {what} implies {list(want)}")
+
+
+class SingleFile(SingleFileChecks, Checkpoint):
+    """A model's weights in one .safetensors file; `config` is set by the caller."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.folder = self.path.parent
+        kind = _OTHER_FORMATS.get(self.path.suffix.lower(), "")
+        if kind:
+            raise CheckpointError(f"{self.path}: {kind}; a single-file model is read from a "
+                                  f"{SUFFIX} or .gguf file (or pass the model's folder)")
+        if not is_regular_file(self.path, CheckpointError):
+            raise CheckpointError(f"{self.path}: file is missing")
+        self.index = None
+        self.config: dict = {}
+        self.config_source = str(self.path)
+        self._open([self.path])

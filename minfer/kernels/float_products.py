@@ -287,3 +287,58 @@ def matmul_i4(x, w, scale, out):
                 for j in range(nr):
                     ob[m, i + j] = t[j]
                 m += 1
+
+
+# -- grouped int8 weights (GGUF's blocks), computed in float32 -----------------------------------------
+# A row of a grouped int8 matrix (io/formats.py: "int8g32", "int8g16") is K int8 values q and, per
+# group of G columns, a float32 scale s and offset o (params (N, K / G, 2)): the weight is q * s + o.
+# Four weight rows at a time are widened into float rows in L1, each value q * s + o rounded once
+# (q * s is exact, so a fused multiply-add gives the same float as GGUF's own float32
+# dequantisation), then dotted with every input row in 4x4 tiles (1x4 for the last M % 4 rows).
+# One path for every M: a decoding step's one row pays the widening per weight row, which the
+# dot products' loads dominate anyway.
+@njit(inline="always")
+def _widen_i8g_row(row, prow, dst):
+    groups = prow.shape[0]
+    G = row.shape[0] // groups
+    for g in range(groups):
+        s, o = prow[g, 0], prow[g, 1]
+        src, out = row[g * G:(g + 1) * G], dst[g * G:(g + 1) * G]
+        for i in range(G):
+            out[i] = np.float32(src[i]) * s + o
+
+
+@njit(inline="always")
+def _dot_widened(x, rf, ob, i, nr):
+    """Input rows x (M, K) dotted with the widened weight rows rf (4, K): outputs ob[:, i:i+nr]."""
+    M, K = x.shape
+    m = 0
+    while m + 4 <= M:
+        t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+        for a in range(4):
+            for j in range(nr):
+                ob[m + a, i + j] = t[a * 4 + j]
+        m += 4
+    while m < M:
+        t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+        for j in range(nr):
+            ob[m, i + j] = t[j]
+        m += 1
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i8g(x, w, params, out):
+    K = x.shape[1]
+    N = w.shape[0]
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        ob = out[:, n0:n1]
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                _widen_i8g_row(w[n0 + i + j], params[n0 + i + j], rf[j])
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            _dot_widened(x, rf, ob, i, nr)

@@ -18,7 +18,7 @@ from . import (bfloat16_products, bfloat16_tiles, float_products, quantised_prod
                tiles, widening)
 from .bfloat16_products import bmatmul_bf16, bmatmul_work_bytes
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
-                             matmul_i4, matmul_i8)
+                             matmul_i4, matmul_i8, matmul_i8g)
 from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback)
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
@@ -57,6 +57,10 @@ BY_FORMAT: dict[str, FormatKernels] = {
                               {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
     "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}),
     "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}),
+    # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); no
+    # rounding product (compute="int8" / "bfloat16" refuse these formats: backend.py)
+    "int8g32": FormatKernels(matmul_i8g, widen_i8),
+    "int8g16": FormatKernels(matmul_i8g, widen_i8),
 }
 # fp8 codes and their row scales: float32 products only (compute="int8" / "bfloat16" refuse them:
 # backend.resolve_dtype)
@@ -87,6 +91,7 @@ def warm_up() -> None:
     matmul_i4(x64, nibbles, scales, out64)
     widen_i4(nibbles, np.empty((2, 64), np.float32))
     work = np.empty(4096, np.uint8)
+    matmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64)
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
     bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)

@@ -1,0 +1,675 @@
+"""One GGUF file of a T5 / UMT5 model, as llama.cpp's convert_hf_to_gguf.py writes it (architecture
+`t5encoder` for a T5EncoderModel, `t5` for a whole seq2seq model; city96's T5-XXL and UMT5-XXL
+encoder files are these), presented as a checkpoint in Hugging Face's names.
+
+The header (metadata and the tensor table) is parsed by the `gguf` package, llama.cpp's own
+reader; every tensor's type, size and place in the file is checked first (`_CheckedReader`), so a
+truncated file or an unknown type is a one-line error naming the tensor. Tensor bytes are then
+read with file I/O, a tensor or a block of its rows at a time, not through the reader's memory
+map (mapped pages would count as the process's memory beside the packed copies, as
+checkpoint.py explains).
+
+Names: GGUF's (`token_embd.weight`, `enc.blk.N.attn_q.weight`, `enc.blk.N.attn_rel_b.weight`,
+`enc.output_norm.weight`, ...; gguf's tensor_mapping.py holds the correspondence) are presented as
+Hugging Face's (`shared.weight`, `encoder.block.N.layer.0.SelfAttention.q.weight`, ...), so the
+T5 weight table and `config_from_tensors` apply as they are; messages name the file's own names.
+`ffn_up` is `wi_1` in a block with `ffn_gate` (`wi_0`, a gated FF) and `wi` otherwise. The
+metadata (`t5encoder.embedding_length`, `.attention.head_count`, `.attention.key_length`,
+`.attention.relative_buckets_count`, `.attention.layer_norm_rms_epsilon`, ...) gives the config
+fields the shapes cannot (`metadata_config`); the relative attention's maximum distance is not
+in the file (llama.cpp fixes it at 128, as every released T5 has it).
+
+Values, exactly as GGUF's own float32 dequantisation gives them: F32, F16 and BF16 as stored;
+every supported block type is, per group of 16 or 32 values, an integer q times a float32 scale
+plus a float32 offset (Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m; Q5_0: d * (q - 16);
+Q5_1: d * q + m; Q2_K, Q4_K, Q5_K: (d * sc) * q - dmin * m with 6- or 4-bit sc, m per sub-block;
+Q3_K: (d * (sc - 32)) * q; Q6_K: (d * sc) * (q - 32)). d * sc (a float16 times a small integer)
+is exact in float32 and so is its product with q, so q * scale + offset rounds once, as the
+reference does. The blocks decode into q (int8) and (scale, offset) pairs: the grouped int8
+weight formats (io/formats.py "int8g32", "int8g16") hold them as they are (`present_as`).
+
+The tokenizer is not read: the file's sentencepiece vocabulary (tokenizer.ggml.*) is no
+spiece.model, so text input needs `tokenizer=` (the model's tokenizer folder).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .formats import FORMATS, GROUPED_INT8
+from .limits import MAX_TENSORS, is_integer, is_regular_file, quoted, shown
+from .single_file import SingleFileChecks
+from .tensors import TensorInfo, bf16_to_float32
+
+MAGIC = b"GGUF"
+ARCHITECTURES = ("t5encoder", "t5")     # general.architecture values this reader takes
+MAX_METADATA_KEYS = 1 << 16             # real files hold ~40
+QK_K = 256                              # values per K-quant super-block
+
+
+# =====================================================================================================
+# Block types: their bytes -> (q, scale, offset)
+# =====================================================================================================
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of every block, as float32 (n, 1)."""
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view("<f2").astype(np.float32)
+
+
+def _split(b: np.ndarray, widths: tuple[int, ...]) -> np.ndarray:
+    """Bytes (n, k) -> fields (n, len(widths), k): field i the `widths[i]` bits above the
+    previous ones (low bits first)."""
+    out, shift = [], 0
+    for w in widths:
+        out.append((b >> shift) & ((1 << w) - 1))
+        shift += w
+    return np.stack(out, axis=1)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:       # (n, k) -> (n, 2, k): low nibbles, then high
+    return _split(b, (4, 4))
+
+
+def _bits(b: np.ndarray, width: int) -> np.ndarray:   # (n, k) -> (n, 8 / width, k)
+    return _split(b, (width,) * (8 // width))
+
+
+def _flat(*parts: np.ndarray) -> np.ndarray:
+    """Block-wise fields -> one (n, values) array, in the order of their axes."""
+    return np.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1)
+
+
+def _no_offset(scale: np.ndarray) -> np.ndarray:
+    return np.zeros_like(scale)
+
+
+def _q8_0(b):     # d (f16), 32 x int8
+    d = _half(b, 0)
+    return b[:, 2:34].view(np.int8), d, _no_offset(d)
+
+
+def _q4_0(b):     # d, 16 bytes: value i in the low nibble of byte i, value 16 + i in its high one
+    d = _half(b, 0)
+    return _flat(_nibbles(b[:, 2:18])).astype(np.int8) - 8, d, _no_offset(d)
+
+
+def _q4_1(b):     # d, m, 16 bytes of nibbles as Q4_0's: d * q + m
+    return _flat(_nibbles(b[:, 4:20])).astype(np.int8), _half(b, 0), _half(b, 2)
+
+
+def _five_bits(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Q5's values: Q4_0's nibbles, bit i of the 32-bit `high` (little-endian) the fifth of value i."""
+    fifth = _flat(_bits(high, 1).transpose(0, 2, 1))      # byte j bit k -> value 8j + k
+    return (_flat(_nibbles(low)) | (fifth << 4)).astype(np.int8)
+
+
+def _q5_0(b):     # d, 4 bytes of fifth bits, 16 bytes of nibbles: d * (q - 16)
+    d = _half(b, 0)
+    return _five_bits(b[:, 6:22], b[:, 2:6]) - 16, d, _no_offset(d)
+
+
+def _q5_1(b):     # d, m, fifth bits, nibbles: d * q + m
+    return _five_bits(b[:, 8:24], b[:, 4:8]), _half(b, 0), _half(b, 2)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """2-bit values of a K-quant super-block: 64 bytes in two halves of 32; half h, shift 2s,
+    byte i is value 128h + 32s + i."""
+    n = qs.shape[0]
+    return _flat(_bits(qs.reshape(n * 2, 32), 2).reshape(n, 2, 4, 32))
+
+
+def _q2_k(b):     # 16 scale bytes (sc low nibble, m high), 64 bytes of 2-bit q, d, dmin
+    sc = b[:, 0:16]
+    d, dmin = _half(b, 80), _half(b, 82)
+    scale = d * (sc & 15).astype(np.float32)
+    offset = -(dmin * (sc >> 4).astype(np.float32))
+    return _crumbs(b[:, 16:80]).astype(np.int8), scale, offset
+
+
+def _q3_k(b):     # 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales, d
+    n = b.shape[0]
+    packed = b[:, 96:108]
+    low = _flat(_nibbles(packed[:, 0:8]))                 # scale j < 8: byte j's low nibble
+    high = _flat(_bits(packed[:, 8:12], 2))               # scale j: bits 2(j // 4) of byte 8 + j % 4
+    sc = (low | (high << 4)).astype(np.int8) - 32
+    scale = _half(b, 108) * sc.astype(np.float32)
+    # bit k of high-bit byte i belongs to value 32k + i; a clear bit takes 4 off
+    hbit = _flat(_bits(b[:, 0:32], 1).reshape(n, 8, 32))
+    q = _crumbs(b[:, 32:96]).astype(np.int8) - 4 + (hbit.astype(np.int8) << 2)
+    return q, scale, _no_offset(scale)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins. Bytes 0-3 hold scales 0-3 in
+    their low 6 bits, 4-7 the mins 0-3; bytes 8-11 hold the low 4 bits of scales 4-7 (low nibble)
+    and mins 4-7 (high), whose top 2 bits are the top bits of bytes 0-3 / 4-7."""
+    a, m, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([a & 63, (both & 15) | ((a >> 6) << 4)], axis=1)
+    mn = np.concatenate([m & 63, (both >> 4) | ((m >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 128 bytes of nibbles: byte 32c + i holds value 64c + i (low) and 64c + 32 + i."""
+    n = qs.shape[0]
+    return _flat(_nibbles(qs.reshape(n * 4, 32)).reshape(n, 4, 2, 32))
+
+
+def _q4_k(b):     # d, dmin, 12 bytes of scales / mins, 128 bytes of nibbles: (d sc) q - dmin m
+    sc, mn = _k_scales(b[:, 4:16])
+    return _k_nibbles(b[:, 16:144]).astype(np.int8), _half(b, 0) * sc, -(_half(b, 2) * mn)
+
+
+def _q5_k(b):     # as Q4_K, with 32 bytes of fifth bits: bit k of byte i belongs to value 32k + i
+    n = b.shape[0]
+    sc, mn = _k_scales(b[:, 4:16])
+    fifth = _flat(_bits(b[:, 16:48], 1).reshape(n, 8, 32))
+    q = (_k_nibbles(b[:, 48:176]) | (fifth << 4)).astype(np.int8)
+    return q, _half(b, 0) * sc, -(_half(b, 2) * mn)
+
+
+def _q6_k(b):     # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, d
+    n = b.shape[0]
+    # each half h of 128 values: low nibbles from bytes 64h + 32c + i (shift 4s: value
+    # 128h + 32(2s + c) + i), high bits from bytes 32h + i (shift 2k: value 128h + 32k + i)
+    low = _nibbles(b[:, 0:128].reshape(n * 2, 64)).reshape(n, 2, 2, 2, 32)
+    high = _bits(b[:, 128:192].reshape(n * 2, 32), 2).reshape(n, 2, 4, 32)
+    q = (_flat(low) | (_flat(high) << 4)).astype(np.int8) - 32
+    scale = _half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q, scale, _no_offset(scale)
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A GGUF block quantisation: values per block, bytes per block, values per (scale, offset)
+    group, and its decoder: blocks (n, nbytes) uint8 -> q (n, values) int8, scale and offset
+    (n, values / group) float32."""
+    values: int
+    nbytes: int
+    group: int
+    decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+BLOCK_TYPES = {
+    "Q8_0": BlockType(32, 34, 32, _q8_0), "Q4_0": BlockType(32, 18, 32, _q4_0),
+    "Q4_1": BlockType(32, 20, 32, _q4_1), "Q5_0": BlockType(32, 22, 32, _q5_0),
+    "Q5_1": BlockType(32, 24, 32, _q5_1), "Q2_K": BlockType(QK_K, 84, 16, _q2_k),
+    "Q3_K": BlockType(QK_K, 110, 16, _q3_k), "Q4_K": BlockType(QK_K, 144, 32, _q4_k),
+    "Q5_K": BlockType(QK_K, 176, 32, _q5_k), "Q6_K": BlockType(QK_K, 210, 16, _q6_k),
+}
+FLOAT_TYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+SUPPORTED = (*FLOAT_TYPES, *BLOCK_TYPES)
+
+
+def decode_rows(kind: str, raw: np.ndarray, K: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows (R, bytes per row) of block type `kind` with K values each -> q (R, K) int8 and
+    params (R, K / group, 2) float32 (scale, offset): group the type's own, or a divisor of it
+    (each pair repeated)."""
+    t = BLOCK_TYPES[kind]
+    R = raw.shape[0]
+    with np.errstate(invalid="ignore", over="ignore"):   # a NaN or inf d: the reads' checks name it
+        q, scale, offset = t.decode(raw.reshape(R * (K // t.values), t.nbytes))
+    params = np.empty((R, K // t.group, 2), np.float32)
+    params[..., 0] = scale.reshape(R, -1)
+    params[..., 1] = offset.reshape(R, -1)
+    if group != t.group:
+        params = np.repeat(params, t.group // group, axis=1)
+    return np.ascontiguousarray(q.reshape(R, K)), params
+
+
+# =====================================================================================================
+# Names
+# =====================================================================================================
+_TOP_NAMES = {"token_embd": "shared", "output": "lm_head",
+              "enc.output_norm": "encoder.final_layer_norm",
+              "dec.output_norm": "decoder.final_layer_norm"}
+_STACKS = {"enc": "encoder", "dec": "decoder"}
+# a block's GGUF name -> its Hugging Face name inside the block ({ff}: the FF sublayer, 1 in the
+# encoder, 2 in the decoder; ffn_up: wi_1 beside ffn_gate, else wi)
+_BLOCK_NAMES = {
+    "attn_norm": "layer.0.layer_norm", "attn_q": "layer.0.SelfAttention.q",
+    "attn_k": "layer.0.SelfAttention.k", "attn_v": "layer.0.SelfAttention.v",
+    "attn_o": "layer.0.SelfAttention.o",
+    "attn_rel_b": "layer.0.SelfAttention.relative_attention_bias",
+    "cross_attn_norm": "layer.1.layer_norm", "cross_attn_q": "layer.1.EncDecAttention.q",
+    "cross_attn_k": "layer.1.EncDecAttention.k", "cross_attn_v": "layer.1.EncDecAttention.v",
+    "cross_attn_o": "layer.1.EncDecAttention.o",
+    "cross_attn_rel_b": "layer.1.EncDecAttention.relative_attention_bias",
+    "ffn_norm": "layer.{ff}.layer_norm", "ffn_gate": "layer.{ff}.DenseReluDense.wi_0",
+    "ffn_up": "layer.{ff}.DenseReluDense.wi_1", "ffn_down": "layer.{ff}.DenseReluDense.wo",
+}
+_CROSS = {p for p in _BLOCK_NAMES if p.startswith("cross_")}   # decoder blocks' only
+_GGUF_BLOCK = re.compile(r"(enc|dec)\.blk\.(\d+)\.(\w+)\.weight")
+_HF_BLOCK = re.compile(r"(encoder|decoder)\.block\.(\d+)\.(.+)\.weight")
+
+
+def _ff(stack: str) -> str:
+    return "1" if stack in ("enc", "encoder") else "2"
+
+
+def hf_name(name: str, gated: bool) -> str | None:
+    """A GGUF tensor name -> its Hugging Face name (None: no T5 tensor); `gated`: the block has
+    an ffn_gate."""
+    if name.endswith(".weight") and name[:-len(".weight")] in _TOP_NAMES:
+        return _TOP_NAMES[name[:-len(".weight")]] + ".weight"
+    m = _GGUF_BLOCK.fullmatch(name)
+    if m is None or m.group(3) not in _BLOCK_NAMES or (m.group(1) == "enc" and m.group(3) in _CROSS):
+        return None
+    stack, i, part = m.groups()
+    inner = _BLOCK_NAMES[part].format(ff=_ff(stack))
+    if part == "ffn_up" and not gated:
+        inner = inner[:-len("_1")]
+    return f"{_STACKS[stack]}.block.{int(i)}.{inner}.weight"
+
+
+_HF_TOP = {hf + ".weight": gguf + ".weight" for gguf, hf in _TOP_NAMES.items()}
+
+
+def gguf_name(name: str) -> str:
+    """A Hugging Face T5 tensor name -> the name GGUF gives it (the name itself when none)."""
+    if name in _HF_TOP:
+        return _HF_TOP[name]
+    m = _HF_BLOCK.fullmatch(name)
+    if m is None:
+        return name
+    stack, i, inner = m.groups()
+    if inner.endswith("DenseReluDense.wi"):     # an ungated FF's input is ffn_up too
+        inner += "_1"
+    short = "enc" if stack == "encoder" else "dec"
+    for part, hf in _BLOCK_NAMES.items():
+        if hf.format(ff=_ff(stack)) == inner and not (short == "enc" and part in _CROSS):
+            return f"{short}.blk.{i}.{part}.weight"
+    return name
+
+
+# =====================================================================================================
+# The header
+# =====================================================================================================
+def is_gguf(path: Path) -> bool:
+    """Whether the file starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _gguf_package():
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError("reading a GGUF file needs the gguf package (llama.cpp's reader): "
+                              "pip install 'minfer[gguf]'") from None
+    return gguf
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor of the file: its GGUF name and type, its shape as NumPy orders it (GGUF lists
+    the dimensions the other way round: (out, in) for a matrix, as Hugging Face stores it), and
+    its bytes' place."""
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+    @property
+    def rows(self) -> int:
+        """Rows as reads take them: the first axis of a matrix (or more), one for a vector."""
+        return self.shape[0] if len(self.shape) > 1 else 1
+
+    @property
+    def row_values(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) > 1 else math.prod(self.shape)
+
+
+def _read_header(path: Path) -> tuple[dict[str, Any], list[_Tensor]]:
+    """The metadata (key -> Python value; arrays of more than 16 values skipped: the tokenizer's)
+    and the tensor table of a GGUF file, every tensor checked against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (it does not start with {MAGIC!r})")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0 and version:     # (how gguf's reader tells the other byte order)
+        raise CheckpointError(f"{path}: a big-endian GGUF file; minfer reads little-endian ones")
+    if version not in (2, 3):
+        raise CheckpointError(f"{path}: GGUF version {version}; minfer reads versions 2 and 3")
+    tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+    if tensors > MAX_TENSORS or keys > MAX_METADATA_KEYS:
+        raise CheckpointError(f"{path}: GGUF header claims {tensors} tensors and {keys} metadata "
+                              f"keys (at most {MAX_TENSORS} and {MAX_METADATA_KEYS}): corrupt?")
+    gguf = _gguf_package()
+    table: list[_Tensor] = []
+
+    class _CheckedReader(gguf.GGUFReader):
+        """gguf's reader, with each tensor's type and extent checked before the reader builds
+        its view (which fails on a short file without naming the tensor)."""
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:   # (name length, name, rank, dims, type, offset): GGUF's order
+                _, name, _, dims, raw_type, offset = field.parts
+                table.append(_tensor_entry(path, size, bytes(name).decode("utf-8", "replace"),
+                                           [int(d) for d in dims], int(raw_type[0]),
+                                           int(start_offs) + int(offset[0]), gguf))
+            return super()._build_tensors(start_offs, fields)
+
+    try:
+        reader = _CheckedReader(path)
+    except CheckpointError:
+        raise
+    except Exception as e:   # gguf's own errors: ValueError, KeyError, IndexError, ...
+        raise CheckpointError(f"{path}: not a GGUF file gguf {_version(gguf)} can read: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    metadata = {key: _field_value(field) for key, field in reader.fields.items()
+                if not key.startswith("GGUF.")}
+    del reader       # (and its memory map: nothing keeps a view of it)
+    return metadata, table
+
+
+def _version(gguf: Any) -> str:
+    try:
+        from importlib.metadata import version
+        return version("gguf")
+    except Exception:
+        return "(version unknown)"
+
+
+def _tensor_entry(path: Path, size: int, name: str, dims: list[int], raw_type: int, start: int,
+                  gguf: Any) -> _Tensor:
+    what = f"{path}: tensor '{quoted(name)}'"
+    try:
+        kind = gguf.GGMLQuantizationType(raw_type).name
+    except ValueError:
+        raise CheckpointError(f"{what} has GGML type {raw_type}, which gguf {_version(gguf)} does "
+                              f"not know (supported: {', '.join(SUPPORTED)})") from None
+    if kind not in SUPPORTED:
+        raise CheckpointError(f"{what} is {kind}: that quantisation is not supported (supported: "
+                              f"{', '.join(SUPPORTED)})")
+    shape = tuple(reversed(dims))
+    values = math.prod(shape)
+    t = BLOCK_TYPES.get(kind)
+    if len(shape) > 2 or any(d < 1 for d in shape):
+        raise CheckpointError(f"{what} has shape {list(shape)}: no T5 tensor has it")
+    if t is not None and (len(shape) == 0 or shape[-1] % t.values):
+        raise CheckpointError(f"{what} is {kind} with rows of {shape[-1] if shape else 0} "
+                              f"values, not whole blocks of {t.values}")
+    nbytes = values // t.values * t.nbytes if t else values * FLOAT_TYPES[kind].itemsize
+    if start + nbytes > size:
+        raise CheckpointError(f"{what} ends at byte {start + nbytes}, past the end of the file "
+                              f"({size} bytes): the file is truncated")
+    return _Tensor(name, kind, shape, start, nbytes)
+
+
+def _field_value(field: Any) -> Any:
+    """A metadata field's value: a Python scalar or string (arrays: a list when short, else
+    None: only the tokenizer's vocabulary is long, and it is not read)."""
+    types = [int(t) for t in field.types]
+    if not types:
+        return None
+    STRING, ARRAY = 8, 9                # GGUFValueType's codes
+    if types[0] == ARRAY:
+        if len(field.data) > 16:
+            return None
+        return [(bytes(field.parts[i]).decode("utf-8", "replace") if types[-1] == STRING
+                 else field.parts[i].tolist()[0]) for i in field.data]
+    part = field.parts[field.data[0]]
+    if types[0] == STRING:
+        return bytes(part).decode("utf-8", "replace")
+    return part.tolist()[0]
+
+
+# =====================================================================================================
+# The checkpoint
+# =====================================================================================================
+# Hugging Face config field -> the metadata key it is read from ("{arch}." before it), and
+# whether it may be 0 (token ids)
+_CONFIG_KEYS = {
+    "d_model": ("embedding_length", False), "d_ff": ("feed_forward_length", False),
+    "num_layers": ("block_count", False), "num_decoder_layers": ("decoder_block_count", False),
+    "num_heads": ("attention.head_count", False), "d_kv": ("attention.key_length", False),
+    "relative_attention_num_buckets": ("attention.relative_buckets_count", False),
+    "decoder_start_token_id": ("decoder_start_token_id", True),
+}
+_EPSILON_KEYS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")
+_TOKEN_KEYS = {"eos_token_id": "tokenizer.ggml.eos_token_id",
+               "pad_token_id": "tokenizer.ggml.padding_token_id"}
+
+
+class GGUFFile(SingleFileChecks):
+    """A T5 / UMT5 model in one GGUF file, read like a `Checkpoint` under Hugging Face's names.
+    `config` is set by the caller (`config_from_tensors` over `shapes()`, updated with
+    `metadata_config()`, or `use_config`)."""
+
+    inferred_from = "its GGUF metadata and tensors"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.folder = self.path.parent
+        if not is_regular_file(self.path, CheckpointError):
+            raise CheckpointError(f"{self.path}: file is missing")
+        self.config: dict = {}
+        self.config_source = str(self.path)
+        self.index = None
+        self.use_mmap = False             # (Checkpoint's switch: reads here are file I/O)
+        self.check_values = True
+        self.metadata, table = _read_header(self.path)
+        self.architecture = self.metadata.get("general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            raise CheckpointError(f"{self.path}: a GGUF file of architecture "
+                                  f"{shown(self.architecture)}; minfer reads T5 / UMT5 models "
+                                  f"(architecture {' or '.join(map(repr, ARCHITECTURES))})")
+        present = {t.name for t in table}
+        self._tensors: dict[str, _Tensor] = {}
+        for t in table:
+            m = _GGUF_BLOCK.fullmatch(t.name)
+            gated = m is not None and f"{m.group(1)}.blk.{m.group(2)}.ffn_gate.weight" in present
+            name = hf_name(t.name, gated) or t.name
+            if name in self._tensors:     # (blk.1 and blk.01: one block twice)
+                raise CheckpointError(f"{self.path}: tensors '{quoted(self._tensors[name].name)}' "
+                                      f"and '{quoted(t.name)}' are the same tensor ({name})")
+            self._tensors[name] = t
+        self._presented: Any = None      # the grouped int8 format the blocks are read in
+        self.present_as(self.exact_format())
+
+    # -- what the file holds ----------------------------------------------------------------------
+    def file_name(self, name: str) -> str:
+        t = self._tensors.get(name)
+        return t.name if t is not None else gguf_name(name)
+
+    def in_file_names(self, message: str) -> str:
+        """A message naming tensors in Hugging Face's words ('encoder.block.0....weight') with
+        the file's own names instead (config_from_tensors speaks Hugging Face's)."""
+        return re.sub(r"'([\w.]+\.weight)'", lambda m: f"'{self.file_name(m.group(1))}'", message)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def holds_fp8(self) -> bool:
+        return False
+
+    def quantised_format(self) -> str | None:
+        return self._presented.name if self._presented is not None else None
+
+    def info(self, name: str) -> TensorInfo:
+        """The tensor's shape and what it reads as: its float type, or for a block type the
+        grouped int8 format it is presented in (`present_as`), else F32 (its float32 values)."""
+        t = self._tensors[name]
+        held = self._held(t)
+        code = t.kind if t.kind in FLOAT_TYPES else held.file_code if held else "F32"
+        return TensorInfo(name, code, t.shape, self.path, t.start, t.start + t.nbytes)
+
+    def _held(self, t: _Tensor) -> Any:
+        """The grouped int8 format a block-typed tensor is presented in (None: its values)."""
+        fmt, kind = self._presented, BLOCK_TYPES.get(t.kind)
+        return fmt if fmt is not None and kind is not None and not kind.group % fmt.group else None
+
+    def metadata_config(self) -> dict[str, Any]:
+        """The Hugging Face config fields the metadata states (checked: positive integers, a
+        positive epsilon); what the shapes say is `config_from_tensors`'."""
+        arch = self.architecture
+        out: dict[str, Any] = {}
+        for field, (key, zero) in _CONFIG_KEYS.items():
+            value = self.metadata.get(f"{arch}.{key}")
+            if value is not None:
+                out[field] = self._integer(f"{arch}.{key}", value, zero)
+        for field, key in _TOKEN_KEYS.items():
+            if self.metadata.get(key) is not None:
+                out[field] = self._integer(key, self.metadata[key], True)
+        for key in _EPSILON_KEYS:
+            value = self.metadata.get(f"{arch}.{key}")
+            if value is None:
+                continue
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or not 0 < value < 1):
+                raise CheckpointError(f"{self.path}: metadata '{arch}.{key}' is {shown(value)}, "
+                                      "expected an epsilon in (0, 1)")
+            out["layer_norm_epsilon"] = float(value)
+            break
+        return out
+
+    def _integer(self, key: str, value: Any, zero: bool) -> int:
+        if not is_integer(value) or value < (0 if zero else 1) or value > 2**31 - 1:
+            raise CheckpointError(f"{self.path}: metadata '{key}' is {shown(value)}, expected "
+                                  f"a{' non-negative' if zero else ' positive'} integer")
+        return int(value)
+
+    # -- the weight format ------------------------------------------------------------------------
+    def _matrix_kinds(self, matrices: Any) -> set[str]:
+        return {t.kind for n, t in self._tensors.items()
+                if (len(t.shape) == 2 if matrices is None else n in matrices)}
+
+    def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact weight format that holds every matrix exactly: the grouped int8 of
+        the finest group the blocks use (CPU) when every matrix is quantised, float16 or
+        bfloat16 when all are, else float32 (a file mixing blocks with float matrices, or blocks
+        on CUDA, whose products have no grouped int8 form)."""
+        kinds = self._matrix_kinds(matrices)
+        blocks = {k for k in kinds if k in BLOCK_TYPES}
+        if blocks and blocks == kinds and device_kind == "cpu":
+            return GROUPED_INT8[min(BLOCK_TYPES[k].group for k in blocks)].name
+        if blocks:
+            return "float32"
+        if kinds == {"F16"}:
+            return "float16"
+        return "bfloat16" if kinds == {"BF16"} and device_kind == "cpu" else "float32"
+
+    def present_as(self, weight_format: str, matrices: Any = None) -> None:
+        """Present the block types in `weight_format` when it is a grouped int8 whose group
+        divides theirs (read_stored then gives q and the (scale, offset) pairs), else as their
+        float32 values (from which another format encodes); remembered for storage_note."""
+        fmt = FORMATS.get(weight_format)
+        groups = {BLOCK_TYPES[k].group for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
+        fits = fmt is not None and fmt.group and all(g % fmt.group == 0 for g in groups)
+        self._presented = fmt if fits else None
+        self._weight_format, self._matrices = weight_format, matrices
+
+    def storage_note(self) -> str:
+        """What the matrices became, for `minfer info`: per GGUF type, how many and into what."""
+        counts: dict[str, int] = {}
+        for n, t in self._tensors.items():
+            if not (len(t.shape) == 2 if self._matrices is None else n in self._matrices):
+                continue
+            if t.kind in BLOCK_TYPES and self._presented is not None:
+                into = (f"{self._presented.name} (exact: q x scale + offset per group of "
+                        f"{self._presented.group})")
+            elif t.kind in BLOCK_TYPES:
+                into = ("float32 (exact)" if self._weight_format == "float32" else
+                        f"{self._weight_format} (rounded from its float32 values)")
+            else:
+                into = self._weight_format or "float32"
+            key = f"{t.kind} -> {into}"
+            counts[key] = counts.get(key, 0) + 1
+        return f"GGUF {self.architecture}; " + "; ".join(
+            f"{key}: {n} matri{'ces' if n != 1 else 'x'}" for key, n in counts.items())
+
+    # -- reads ------------------------------------------------------------------------------------
+    def _raw(self, name: str, rows: tuple[int, int] | None) -> tuple[_Tensor, np.ndarray]:
+        """The tensor's bytes (rows [a, b) of a matrix) as (rows, bytes per row) uint8."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor '{quoted(gguf_name(name))}' is missing")
+        a, b = rows if rows is not None else (0, t.rows)
+        if not (len(t.shape) >= 1 and 0 <= a <= b <= t.shape[0]):
+            raise CheckpointError(f"{self.path}: rows {rows} outside tensor '{quoted(t.name)}' "
+                                  f"{list(t.shape)}")
+        width = t.nbytes // t.rows
+        out = np.empty((b - a, width), np.uint8)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(t.start + a * width)
+                got = f.readinto(memoryview(out).cast("B"))
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor '{quoted(t.name)}': "
+                                  f"{e.strerror or e}") from None
+        if got != out.nbytes:
+            raise CheckpointError(f"{self.path}: tensor '{quoted(t.name)}' is cut short (the "
+                                  "file shrank since it was opened?)")
+        return t, out
+
+    @staticmethod
+    def _shaped(t: _Tensor, rows: tuple[int, int] | None) -> tuple[int, ...]:
+        """The shape of rows [a, b) of the tensor (all of it: its shape)."""
+        return t.shape if rows is None else (rows[1] - rows[0], *t.shape[1:])
+
+    def read(self, name: str, dtype: Any = np.float32, rows: tuple[int, int] | None = None,
+             check: bool | None = None) -> np.ndarray:
+        """The tensor (or rows [a, b)) as `dtype`: float types widened, block types decoded to
+        their exact float32 values; values checked as Checkpoint.read checks them."""
+        from .checkpoint import check_fits, check_weight_values
+        t, raw = self._raw(name, rows)
+        what = f"{self.path}: tensor '{quoted(t.name)}'"
+        if t.kind in BLOCK_TYPES:
+            q, params = decode_rows(t.kind, raw, t.row_values, BLOCK_TYPES[t.kind].group)
+            values = q.astype(np.float32)
+            G = BLOCK_TYPES[t.kind].group
+            view = values.reshape(q.shape[0], -1, G)
+            view *= params[..., 0:1]
+            view += params[..., 1:2]
+        else:
+            values = raw.view(FLOAT_TYPES[t.kind])
+            if t.kind == "BF16":
+                values = bf16_to_float32(values)
+        values = values.reshape(self._shaped(t, rows))
+        if np.dtype(dtype).kind == "f" and np.dtype(dtype).itemsize < values.dtype.itemsize:
+            check_fits(values, dtype, what, rows[0] if rows else 0)
+        out = np.ascontiguousarray(values, dtype=dtype)
+        if self.check_values if check is None else check:
+            check_weight_values(out, what, rows[0] if rows else 0)
+        return out
+
+    def read_stored(self, name: str, rows: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The tensor (or rows) as `info(name).dtype` says: a float type as stored (BF16 as its
+        uint16 bits), a block type as q (int8) and its (scale, offset) pairs in the presented
+        format's groups, or (presented as F32) its float32 values."""
+        from .checkpoint import check_weight_values
+        t = self._tensors.get(name)
+        if t is not None and t.kind in BLOCK_TYPES and self._held(t) is None:
+            return self.read(name, np.float32, rows), None
+        t, raw = self._raw(name, rows)
+        what = f"{self.path}: tensor '{quoted(t.name)}'"
+        check = self.check_values
+        if t.kind in BLOCK_TYPES:
+            q, params = decode_rows(t.kind, raw, t.row_values, self._presented.group)
+            if check:
+                check_weight_values(params, what + " (its block scales)", rows[0] if rows else 0)
+            return q, params
+        values = raw.view(FLOAT_TYPES[t.kind]).reshape(self._shaped(t, rows))
+        if check:
+            check_weight_values(bf16_to_float32(values) if t.kind == "BF16" else values, what,
+                                rows[0] if rows else 0)
+        return values, None
