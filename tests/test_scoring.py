@@ -4,6 +4,7 @@ monoT5's P("true"), cosine similarity for an embedding model, batching that chan
 one-line errors."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,18 @@ def test_monot5_relevance_is_p_true_at_the_first_step(dates):
         two = logits[[ids[0][0], ids[1][0]]]
         assert score == pytest.approx(np.exp(two[0]) / np.exp(two).sum(), abs=1e-6)
     assert dates.rerank("a query", docs, words=words, top_n=2) == got[:2]
+
+
+def test_rerank_equals_transformers_monot5_relevance(dates):
+    """weights/make_rerank_fixtures.py: HF's T5ForConditionalGeneration and tokenizer on the same
+    model give each document's P(words[0]); minfer's ids, scores (1e-4) and order are theirs."""
+    ref = json.loads((ROOT / "weights" / "t5" / "rerank_reference.json").read_text())
+    assert scoring.MONOT5_TEMPLATE == ref["template"]
+    inputs = scoring.monot5_inputs(dates, ref["query"], ref["documents"])
+    assert inputs == ref["input_ids"]
+    got = dates.rerank(ref["query"], ref["documents"], words=tuple(ref["words"]), batch_size=4)
+    assert [i for i, _ in got] == ref["order"]
+    assert np.allclose([s for _, s in got], [ref["scores"][i] for i in ref["order"]], atol=1e-4)
 
 
 def test_long_documents_are_cut_to_fit_max_input_tokens(dates):
