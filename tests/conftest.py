@@ -190,3 +190,16 @@ def strict_cuda(monkeypatch):
     monkeypatch.delattr(minfer, "cuda", raising=False)
     importlib.import_module("minfer.cuda")
     yield strict_cupy
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray cluster for a module's pipeline tests (skipped without ray). Two CPUs for two
+    actors and one for the read tasks: an actor pool holds its CPUs for the whole run, and with
+    none left read_json's tasks never start (the pipeline waits forever)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             configure_logging=False, _node_ip_address="127.0.0.1")
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray
+    ray.shutdown()

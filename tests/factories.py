@@ -56,3 +56,17 @@ def folder_with(tmp_path, tensors=None):
     if tensors is not None:
         save_file(tensors, str(tmp_path / "model.safetensors"))
     return tmp_path
+
+
+def t5_tensors(config: dict, parts: str = "encoder", seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 weights of the T5 `config` describes (its `parts`), in Hugging Face's
+    names: norm gains near 1, matrices scaled by their fan-in."""
+    cfg = T5Config.from_hf(config).with_parts(["decoder.x"], parts, "test")
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_table(cfg).tensors.items():
+        if name.endswith("layer_norm.weight"):
+            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
+    return out

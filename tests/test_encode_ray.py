@@ -80,16 +80,6 @@ def test_bad_settings_fail_the_actor_at_once(model, cls, kwargs, exc, needle):
 
 
 # -- a real local Ray Data pipeline ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _node_ip_address="127.0.0.1")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    ray.shutdown()
-
-
 @needs_ray
 def test_ray_data_pipeline_encodes_and_embeds_as_the_model_does(ray_session, model, folder):
     ray = ray_session

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, rel_err
+from factories import t5_tensors
 
 import minfer
 from minfer.errors import CheckpointError, ConfigError
@@ -113,19 +114,6 @@ def write_gguf(path, config: dict, tensors: dict, kind_of, arch="t5encoder", met
     w.write_tensors_to_file()
     w.close()
     return held
-
-
-def t5_tensors(config: dict, parts: str = "encoder", seed: int = 0) -> dict[str, np.ndarray]:
-    """Random float32 weights of the T5 `config` describes, in Hugging Face's names."""
-    cfg = T5Config.from_hf(config).with_parts(["decoder.x"], parts, "test")
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in weight_table(cfg).tensors.items():
-        if name.endswith("layer_norm.weight"):
-            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            out[name] = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-    return out
 
 
 def is_bias(name: str) -> bool:

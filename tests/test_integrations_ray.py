@@ -121,18 +121,6 @@ def test_threads_default_to_one_outside_ray(model):
 
 
 # -- a real local Ray Data pipeline ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    # two CPUs for the two actors, one for the read tasks: an actor pool holds its CPUs for the
-    # whole run, and with none left read_json's tasks never start (the pipeline waits forever)
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
-             configure_logging=False, _node_ip_address="127.0.0.1")
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    yield ray
-    ray.shutdown()
-
-
 @needs_ray
 def test_ray_data_pipeline_two_actors_matches_the_plain_loop(ray_session, model):
     # from_items: a lone surrogate survives only as a Python object (a JSON reader drops it or

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, rel_err
+from factories import t5_tensors
 
 import minfer
 from minfer_cli.main import cli
@@ -97,15 +98,7 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None):
 
 def encoder_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float32 weights of the encoder `config` describes, in Hugging Face's names."""
-    cfg = T5Config.from_hf(config).with_parts(["encoder.x"], "encoder", "test")
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in weight_table(cfg).tensors.items():
-        if name.endswith("layer_norm.weight"):
-            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
-        else:
-            out[name] = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
-    return out
+    return t5_tensors(config, "encoder", seed)
 
 
 def folder_of(tmp_path, name, config, tensors):

@@ -275,18 +275,7 @@ def matmul_i4(x, w, scale, out):
                 _widen_i4_row(w[n0 + i + j], scale[n0 + i + j], rf[j], K)
             for j in range(nr, 4):       # past the last weight row: zeros, results dropped
                 rf[j, :] = 0.0
-            m = 0
-            while m + 4 <= M:
-                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
-                for a in range(4):
-                    for j in range(nr):
-                        ob[m + a, i + j] = t[a * 4 + j]
-                m += 4
-            while m < M:
-                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
-                for j in range(nr):
-                    ob[m, i + j] = t[j]
-                m += 1
+            _dot_widened(x, rf, ob, i, nr)
 
 
 # -- grouped int8 weights (GGUF's blocks), computed in float32 -----------------------------------------
