@@ -33,6 +33,7 @@ from .models.t5 import T5Config, T5Model
 from .models.t5.config import config_from_tensors as _config_from_tensors
 from .models.transfo_xl import XLConfig, XLModel, XLSession
 from .tokenizers import has_tokenizer as _has_tokenizer, load_tokenizer as _load_tokenizer
+from .tokenizers.gguf_vocab import gguf_tokenizer as _gguf_tokenizer
 from .io.formats import FORMATS as _FORMATS
 
 __all__ = ["load", "T5Model", "T5Config", "XLModel", "XLConfig", "XLSession", "MinferError",
@@ -75,7 +76,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         With dtype unset its blocks load exactly, one byte a weight, as "int8g32" (int8 with a
         float32 scale and offset per group of 32) or "int8g16" where Q2_K, Q3_K or Q6_K blocks
         are present; a file mixing blocks with float matrices (or any on CUDA) loads as
-        float32. Its vocabulary is not read: text needs tokenizer=.
+        float32. Its own T5 vocabulary (tokenizer.ggml.*) is its tokenizer unless tokenizer=
+        names a folder.
     config: a single file's config.json (its path, or a folder holding one) instead of the
         inferred config: for a file whose shapes do not say everything (another
         layer_norm_epsilon, a LongT5). Only with a single file.
@@ -200,6 +202,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         tokenizer = _tokenizer_folder(tokenizer)
     elif single is None:
         tokenizer = _tokenizer(root, tokenizer_subfolder, ckpt.folder, folder)
+    elif gguf and ckpt.metadata.get("tokenizer.ggml.model") == "t5":   # the file's own vocabulary
+        tokenizer = _gguf_tokenizer(ckpt.metadata, ckpt.path)
     generation = None if single is not None else _read_json(ckpt.folder / "generation_config.json")
     loaded = model_class.load(ckpt, be, generation, tokenizer, recorder, parts)
     note = _source_note(ckpt, single)

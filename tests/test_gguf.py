@@ -73,7 +73,7 @@ def ggufs_name(name: str) -> str:
 
 
 def write_gguf(path, config: dict, tensors: dict, kind_of, arch="t5encoder", metadata=None,
-               seed=0):
+               seed=0, vocabulary=None):
     """Write `tensors` (Hugging Face names, float32) as GGUF under gguf's names: each matrix in
     `kind_of(name)` ("F32", "F16", "BF16" or a block type), vectors and position-bias tables F32
     (F16 in an F16 file). Returns the values as the file holds them (gguf's dequantisation), in
@@ -94,6 +94,8 @@ def write_gguf(path, config: dict, tensors: dict, kind_of, arch="t5encoder", met
         w.add_decoder_start_token_id(config["decoder_start_token_id"])
     for key, value in (metadata or {}).items():
         w.add_uint32(key, value)
+    if vocabulary is not None:   # (writes the tokenizer.ggml.* keys: test_gguf_vocab.py)
+        vocabulary(w)
     held = {}
     for name, a in tensors.items():
         kind = kind_of(name) if a.ndim == 2 else "F32"

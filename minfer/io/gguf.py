@@ -28,8 +28,9 @@ is exact in float32 and so is its product with q, so q * scale + offset rounds o
 reference does. The blocks decode into q (int8) and (scale, offset) pairs: the grouped int8
 weight formats (io/formats.py "int8g32", "int8g16") hold them as they are (`present_as`).
 
-The tokenizer is not read: the file's sentencepiece vocabulary (tokenizer.ggml.*) is no
-spiece.model, so text input needs `tokenizer=` (the model's tokenizer folder).
+The tokenizer: the file's sentencepiece vocabulary (tokenizer.ggml.*: pieces, scores, types,
+the normalizer's precompiled charsmap) becomes a tokenizer.json for the `tokenizers` library
+(tokenizers/gguf_vocab.py), used when `tokenizer=` names no folder.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ from .tensors import TensorInfo, bf16_to_float32
 MAGIC = b"GGUF"
 ARCHITECTURES = ("t5encoder", "t5")     # general.architecture values this reader takes
 MAX_METADATA_KEYS = 1 << 16             # real files hold ~40
+# the vocabulary's arrays (gguf_vocab.py makes the tokenizer of them): read whole when at most
+# MAX_VOCABULARY entries (mT5 / UMT5: 256,384 tokens; T5's precompiled_charsmap: 237,561 bytes)
+VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                     "tokenizer.ggml.token_type", "tokenizer.ggml.precompiled_charsmap")
+MAX_VOCABULARY = 1 << 21
 
 
 # =====================================================================================================
@@ -201,8 +207,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], list[_Tensor]]:
     except Exception as e:   # gguf's own errors: ValueError, KeyError, IndexError, ...
         raise CheckpointError(f"{path}: not a GGUF file gguf {_version(gguf)} can read: "
                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    metadata = {key: _field_value(field) for key, field in reader.fields.items()
-                if not key.startswith("GGUF.")}
+    metadata = {key: _field_value(field, key in VOCABULARY_ARRAYS)
+                for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     del reader       # (and its memory map: nothing keeps a view of it)
     return metadata, table
 
@@ -241,15 +247,15 @@ def _tensor_entry(path: Path, size: int, name: str, dims: list[int], raw_type: i
     return _Tensor(name, kind, shape, start, nbytes)
 
 
-def _field_value(field: Any) -> Any:
-    """A metadata field's value: a Python scalar or string (arrays: a list when short, else
-    None: only the tokenizer's vocabulary is long, and it is not read)."""
+def _field_value(field: Any, vocabulary: bool = False) -> Any:
+    """A metadata field's value: a Python scalar or string (arrays: a list when short, or when
+    one of the vocabulary's (VOCABULARY_ARRAYS) of at most MAX_VOCABULARY entries; else None)."""
     types = [int(t) for t in field.types]
     if not types:
         return None
     STRING, ARRAY = 8, 9                # GGUFValueType's codes
     if types[0] == ARRAY:
-        if len(field.data) > 16:
+        if len(field.data) > (MAX_VOCABULARY if vocabulary else 16):
             return None
         return [(bytes(field.parts[i]).decode("utf-8", "replace") if types[-1] == STRING
                  else field.parts[i].tolist()[0]) for i in field.data]

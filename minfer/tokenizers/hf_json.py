@@ -33,6 +33,7 @@ sentinels).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,12 @@ _WORD_SPLITTERS = {"WhitespaceSplit", "Whitespace", "BertPreTokenizer"}
 class JsonTokenizer(LibraryTokenizer):
     """A `tokenizer.json` run by the `tokenizers` library."""
 
-    def __init__(self, path: Path, settings: dict[str, Any]):
+    def __init__(self, path: Path, settings: dict[str, Any], built: str | None = None):
+        """`built`: the tokenizer.json text made from another source (a GGUF file's vocabulary:
+        gguf_vocab.py), `path` that source; the folder's config files are then not read."""
         library = import_library(path)
         self.path = path
-        data, text = read_json_text(path)
+        data, text = read_json_text(path) if built is None else (json.loads(built), built)
         if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
             raise TokenizerError(f"{path}: not a tokenizer.json (no 'model' object)")
         try:
@@ -66,7 +69,8 @@ class JsonTokenizer(LibraryTokenizer):
         # are), whatever `model_max_length` says.
         self._tok.no_padding()
         self._tok.no_truncation()
-        self._add_config_tokens(config_tokens(path.parent, library.AddedToken))
+        if built is None:
+            self._add_config_tokens(config_tokens(path.parent, library.AddedToken))
         self._index(settings.get("split_special_tokens") is True)
         unk = data["model"].get("unk_id")
         self._resolve_specials(settings, {
