@@ -75,8 +75,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (io/gguf.py).
         With dtype unset its blocks load exactly, one byte a weight, as "int8g32" (int8 with a
         float32 scale and offset per group of 32) or "int8g16" where Q2_K, Q3_K or Q6_K blocks
-        are present; a file mixing blocks with float matrices (or any on CUDA) loads as
-        float32. Its own T5 vocabulary (tokenizer.ggml.*) is its tokenizer unless tokenizer=
+        are present (a float matrix beside them keeps its own float format); on CUDA a GGUF
+        file loads as float32. Its own T5 vocabulary (tokenizer.ggml.*) is its tokenizer unless tokenizer=
         names a folder.
     config: a single file's config.json (its path, or a folder holding one) instead of the
         inferred config: for a file whose shapes do not say everything (another

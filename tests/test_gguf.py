@@ -223,7 +223,7 @@ MIXES = {   # the files users hold: one type throughout, or llama.cpp's mixes
     "Q8_0+F16": lambda n: "F16" if n == "shared.weight" else "Q8_0",
 }
 FORMAT_OF = {"Q4_K_M": "int8g16", "Q3_K_S": "int8g16", "F16": "float16", "BF16": "bfloat16",
-             "F32": "float32", "Q8_0+F16": "float32"}
+             "F32": "float32"}   # ("Q8_0+F16": the blocks int8g32, the F16 embedding float16)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -305,6 +305,23 @@ def test_text_needs_the_tokenizer_folder(tmp_path):
     m = minfer.load(tmp_path / "e.gguf", tokenizer=toks)
     ids = m.tokenizer.encode("a photo of a cat")
     np.testing.assert_array_equal(m.encode("a photo of a cat"), m.encode(np.array([ids])))
+
+
+def test_a_float_embedding_beside_blocks_keeps_its_own_format(tmp_path):
+    """llama.cpp's --token-embedding-type f16 beside Q8_0 layers: the blocks stay one byte a
+    weight (not the whole model in float32), the embedding float16, as info says."""
+    config = {**SIZES, **KINDS["v1_1"]}
+    held = write_gguf(tmp_path / "m.gguf", config, t5_tensors(config), MIXES["Q8_0+F16"])
+    m = minfer.load(tmp_path / "m.gguf")
+    assert m.backend.weight_format == "int8g32"
+    assert "float16 1 matrix: shared.weight" in m.weight_formats
+    assert "int8g32 14 matrices" in m.weight_formats   # q, k, v, o, wi_0, wi_1, wo in 2 layers
+    plain = minfer.load(tmp_path / "m.gguf", dtype="float32")
+    assert sum(plain.weight_plan.unit_bytes.values()) > 3 * sum(m.weight_plan.unit_bytes.values())
+    want = minfer.load(oracle(tmp_path, "f", config, held)).encode(IDS, MASK)
+    assert rel_err(m.encode(IDS, MASK), want) < 1e-4
+    result = CliRunner().invoke(cli, ["info", "-m", str(tmp_path / "m.gguf")])
+    assert "F16 -> float16: 1 matrix" in result.output, result.output
 
 
 def test_info_says_what_each_tensor_became(tmp_path):

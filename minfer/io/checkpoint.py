@@ -226,6 +226,11 @@ class Checkpoint:
         order = ("bfloat16", "float16") if device_kind == "cpu" else ("float16",)
         return next((f for f in order if f in fits), "float32")
 
+    def keeps(self, name: str, fmt: Any) -> bool:
+        """Whether tensor `name` is stored in a form the weight format `fmt` holds as it is:
+        the fp8 code of a format that keeps a file's codes."""
+        return bool(fmt.from_file) and self.fp8_code(name) == fmt.file_code
+
     def fp8_code(self, name: str) -> str | None:
         """The fp8 code tensor `name` is stored in ("F8_E4M3", "F8_E5M2"), None if not fp8."""
         fp8 = self._fp8.get(name)

@@ -389,19 +389,30 @@ class GGUFFile(SingleFileChecks):
                 if (len(t.shape) == 2 if matrices is None else n in matrices)}
 
     def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
-        """The most compact weight format that holds every matrix exactly: the grouped int8 of
-        the finest group the blocks use (CPU) when every matrix is quantised, float16 or
-        bfloat16 when all are, else float32 (a file mixing blocks with float matrices, or blocks
-        on CUDA, whose products have no grouped int8 form)."""
-        kinds = self._matrix_kinds(matrices)
-        blocks = {k for k in kinds if k in BLOCK_TYPES}
-        if blocks and blocks == kinds and device_kind == "cpu":
+        """The most compact weight format that holds the matrices exactly: on the CPU, when any is
+        of a block type, the grouped int8 of the finest group the blocks use (a float matrix
+        beside them keeps a float format of its own: `keeps`, params.loader.slot_formats); else
+        `widened_format`."""
+        blocks = {k for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
+        if blocks and device_kind == "cpu":
             return GROUPED_INT8[min(BLOCK_TYPES[k].group for k in blocks)].name
-        if blocks:
-            return "float32"
+        return self.widened_format(device_kind, matrices)
+
+    def widened_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact float format that holds every one of `matrices` exactly: float16
+        or (CPU) bfloat16 when all are stored so, else float32 (blocks included: on CUDA, whose
+        products have no grouped int8 form)."""
+        kinds = self._matrix_kinds(matrices)
         if kinds == {"F16"}:
             return "float16"
         return "bfloat16" if kinds == {"BF16"} and device_kind == "cpu" else "float32"
+
+    def keeps(self, name: str, fmt: Any) -> bool:
+        """Whether tensor `name` is stored in a form the weight format `fmt` holds as it is: a
+        block type whose groups the grouped int8 `fmt` divides."""
+        t = self._tensors.get(name)
+        return (bool(getattr(fmt, "group", 0)) and t is not None and t.kind in BLOCK_TYPES
+                and BLOCK_TYPES[t.kind].group % fmt.group == 0)
 
     def present_as(self, weight_format: str, matrices: Any = None) -> None:
         """Present the block types in `weight_format` when it is a grouped int8 whose group
@@ -425,6 +436,8 @@ class GGUFFile(SingleFileChecks):
             elif t.kind in BLOCK_TYPES:
                 into = ("float32 (exact)" if self._weight_format == "float32" else
                         f"{self._weight_format} (rounded from its float32 values)")
+            elif self._presented is not None:   # a float matrix beside blocks: its own format
+                into = self.widened_format("cpu", {n})
             else:
                 into = self._weight_format or "float32"
             key = f"{t.kind} -> {into}"

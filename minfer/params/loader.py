@@ -88,17 +88,22 @@ def _linear_entries(table: WeightTable) -> list[Linear]:
 def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
                  device_kind: str = "cpu") -> SlotFormats:
     """The slots that cannot take `fmt` and the format each takes instead. Only a format that
-    keeps a file's own codes (`fmt.from_file`: fp8) has such slots: one whose sources are not
-    all stored in its code (a BF16 embedding beside fp8 layers, as in ComfyUI's scaled files)
-    keeps the most compact format that holds its sources exactly (`widened_format`). A
-    checkpoint with no matrix in that code is a one-line error: nothing would be kept."""
-    if not fmt.from_file:
+    holds a file's own bytes has such slots — fp8 codes (`fmt.from_file`), or a GGUF file's
+    blocks as grouped int8 (`fmt.group`): a slot whose sources are not all stored in that form
+    (`ckpt.keeps`: a BF16 embedding beside fp8 layers, as in ComfyUI's scaled files; an F16
+    embedding beside Q8_0 blocks) keeps the most compact format that holds its sources exactly
+    (`widened_format`). A checkpoint with no fp8 matrix of the asked code is a one-line error:
+    nothing would be kept; grouped int8 over a checkpoint without blocks quantises every slot
+    (what `dtype="int8g32"` asks of a float checkpoint)."""
+    if not (fmt.from_file or fmt.group):
         return {}
     linear = _linear_entries(table)
     names = {s: _Reader.name_in(ckpt, table, s) for e in linear for s in e.sources}
     own = {e.sources for e in linear
-           if not e.transpose and all(ckpt.fp8_code(names[s]) == fmt.file_code for s in e.sources)}
+           if not e.transpose and all(ckpt.keeps(names[s], fmt) for s in e.sources)}
     if not own:
+        if fmt.group:
+            return {}
         raise ConfigError(f"dtype {fmt.name!r} keeps a file's {fmt.file_code} weights as they are, "
                           f"and {ckpt.folder} holds no {fmt.file_code} matrix: leave dtype unset "
                           "or name a float or quantised format")
