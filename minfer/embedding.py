@@ -214,7 +214,7 @@ def embed(model: Any, texts: str | Sequence[str], *, prompt_name: str | None = N
     for start in range(0, len(order), batch_size):   # encode() splits what the arena cannot hold
         rows = order[start:start + batch_size]
         grid, mask = right_padded([ids[i] for i in rows], model.token_ids.pad)
-        states = model.encode(grid, mask)
+        states = model.encode(grid, mask, padding_states=False)   # (pooled under the mask)
         pooled_mask = mask.copy()
         pooled_mask[:, :skip] = 0
         with quiet():   # overflow in the head is raised below, not printed

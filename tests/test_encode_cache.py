@@ -51,6 +51,27 @@ def test_a_hit_returns_the_bytes_of_the_miss(folder, counted):
     assert counted[-1] == (1, 10)
 
 
+def test_own_tokens_are_keyed_whatever_the_padding(folder, counted):
+    """padding_states=False (embed, /v1/encode, Wan): a text beside a longer one is the key it
+    is alone; its own tokens' states are the bytes first computed, the padding's zeros."""
+    model = minfer.load(folder, encode_cache="16MiB")
+    plain = minfer.load(folder)
+    alone = model.encode([TEXTS[1]], padding_states=False)            # (1, n, C): no padding
+    runs = len(counted)
+    both = model.encode([TEXTS[0], TEXTS[1]], padding_states=False)  # TEXTS[0] is longer
+    assert counted[-1][0] == 1 and len(counted) == runs + 1          # only TEXTS[0] ran
+    n = alone.shape[1]
+    assert both[1, :n].tobytes() == alone[0].tobytes() and not both[1, n:].any()
+    want = plain.encode([TEXTS[0], TEXTS[1]])
+    np.testing.assert_allclose(both[1, :n], want[1, :n], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(plain.encode([TEXTS[0], TEXTS[1]], padding_states=False)[1, n:], 0)
+    # the default keeps the padding's states, keyed with the padding: the padded row runs again
+    # (the longest, unpadded, is the same key either way)
+    runs = len(counted)
+    full = model.encode([TEXTS[0], TEXTS[1]])
+    assert counted[runs:] == [(1, full.shape[1])] and full[1, n:].any()
+
+
 def test_lru_eviction_within_the_budget():
     row = np.ones((4, 8), np.float32)                 # 128 bytes + 256 counted per entry
     cache = EncodeCache(3 * 384)

@@ -314,7 +314,7 @@ class MinferEncoder(_RowActor):
             return list(zip(states, mask))
         cut = self.max_length is not None
         states, mask = self.model.encode(texts, max_length=self.max_length, truncation=cut,
-                                         return_mask=True)
+                                         return_mask=True, padding_states=False)
         return [(s[:n], k[:n]) for s, k, n in zip(states, mask, mask.sum(axis=1))]
 
     def __call__(self, batch: Any) -> Any:

@@ -100,7 +100,7 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]
         states, mask = model.encode(rows, preset=req.preset, max_length=length, return_mask=True)
         got = list(zip(states, mask))
     else:
-        states, mask = model.encode(rows, return_mask=True)
+        states, mask = model.encode(rows, return_mask=True, padding_states=False)
         got = [(s[:len(r)], k[:len(r)]) for s, k, r in zip(states, mask, rows)]
     if req.dtype == "float16":   # (float32 and bfloat16 share float32's range)
         top = max(float(np.abs(s).max(initial=0)) for s, _ in got)

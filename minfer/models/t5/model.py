@@ -103,7 +103,8 @@ class T5Model(Model):
     def encode(self, inputs: Any, attention_mask: Any = None, *, padding: str = "longest",
                max_length: int | None = None, truncation: bool = False,
                use_attention_mask: bool = True, preset: str | None = None,
-               return_mask: bool = False, return_tensors: str | None = None) -> Any:
+               return_mask: bool = False, return_tensors: str | None = None,
+               padding_states: bool = True) -> Any:
         """Token ids ((B, T) array or id lists) or text (a string or a list of them, tokenized
         with `</s>`) -> encoder states (B, T, C) float32 on the host.
 
@@ -122,6 +123,10 @@ class T5Model(Model):
             transformer (chroma, ltx), else which positions hold the input's tokens.
         return_tensors: "np" (default) or "pt": torch tensors sharing the arrays' memory (DLPack,
             no copy; needs torch).
+        padding_states: False when only each row's own tokens' states are wanted (the mask
+            used, right padding): the padded positions' states are zeros, and cached rows are
+            keyed by their own tokens, whatever the padding of the call they came in (embed,
+            /v1/encode and Wan's preset, which zeroes them anyway, ask for this).
         With `encode_cache=` at load, rows already encoded with the same ids and mask come from
         the cache (the same bytes as when they were computed).
         """
@@ -137,7 +142,8 @@ class T5Model(Model):
                 inputs = [rule.clean(t) for t in text_list(inputs, "encode()")]
         check_tensors_option(return_tensors)
         ids, mask = self._encoder_batch(inputs, attention_mask, padding, max_length, truncation)
-        states = self.encoder_states(ids, mask if use_attention_mask else np.ones_like(mask))
+        own = use_attention_mask and (not padding_states or bool(rule and rule.zero_tail))
+        states = self.encoder_states(ids, mask if use_attention_mask else np.ones_like(mask), own)
         if rule is not None and rule.zero_tail:   # (B, T, C): the padding's states -> 0
             states[mask == 0] = 0.0
         if not return_mask:
@@ -154,31 +160,45 @@ class T5Model(Model):
         return (f"{type(self).__name__}|{self.folder}|{be.device}|{np.dtype(be.dtype).name}|"
                 f"{be.weight_format}|{be.compute}")
 
-    def encoder_states(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def encoder_states(self, ids: np.ndarray, mask: np.ndarray,
+                       own_tokens: bool = False) -> np.ndarray:
         """(B, T) ids and the (B, T) mask the encoder attends with -> states (B, T, C) float32,
         each row from the encode cache when it holds it (the rest computed together, then
-        kept)."""
+        kept). `own_tokens` (a right-padding mask): only each row's own tokens' states are
+        wanted; the padding's are zeros and a row is keyed by its own tokens (as generation
+        keys it), whatever the padding of the call."""
+        lengths = mask.sum(axis=1)
+        own = own_tokens and not any(m[n:].any() for m, n in zip(mask, lengths))
         cache = self.encode_cache
         if cache is None:
-            return self._run_encoder(ids, mask)
-        keys = [row_key(self.cache_identity, i, m) for i, m in zip(ids, mask)]
-        out = np.empty((*ids.shape, self.config.d_model), np.float32)
+            states = self._run_encoder(ids, mask)
+            if own:
+                states[mask == 0] = 0.0
+            return states
+        if own:
+            keys = [row_key(self.cache_identity, row[:n], np.ones(n, np.int64))
+                    for row, n in zip(ids, lengths)]
+        else:
+            keys = [row_key(self.cache_identity, i, m) for i, m in zip(ids, mask)]
+        out = (np.zeros if own else np.empty)((*ids.shape, self.config.d_model), np.float32)
         first: dict[bytes, int] = {}    # each missing key's first row (a repeated row runs once)
         for b, key in enumerate(keys):
             hit = cache.get(key)
             if hit is not None:
-                out[b] = hit
+                out[b, :len(hit)] = hit
             else:
                 first.setdefault(key, b)
         if first:
             rows = list(first.values())
             fresh = self._run_encoder(ids[rows], mask[rows])        # (b, T, C)
+            where = {}
             for j, b in enumerate(rows):
-                cache.put(keys[b], fresh[j])
-            where = {key: j for j, key in enumerate(first)}
+                kept = fresh[j, :lengths[b]] if own else fresh[j]
+                cache.put(keys[b], kept)
+                where[keys[b]] = kept
             for b, key in enumerate(keys):
                 if key in where:
-                    out[b] = fresh[where[key]]
+                    out[b, :len(where[key])] = where[key]
         return out
 
     def _run_encoder(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
