@@ -24,7 +24,9 @@ copies together, as the pipelines' repeat(1, n, 1).view(B * n, T, C) lays them o
   ltx     prompt_embeds, prompt_attention_mask (bool; LTXPipeline tiles its mask over the
           batch, repeat(n, 1), unlike its states: here both keep each prompt's copies together)
 torch is needed (diffusers is not imported); `dtype` / `device` are where the pipeline runs:
-its transformer's dtype, its execution device.
+its transformer's dtype, its execution device. `num_images_per_prompt=n` repeats the states here,
+so call the pipeline with num_images_per_prompt=1 (given prompt_embeds, it does not repeat them
+again) and n x B of everything else it takes per image.
 """
 
 from __future__ import annotations
