@@ -65,10 +65,10 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         models/t5/config.py's config_from_tensors) and it loads as an encoder (parts="all"
         reads a decoder the file holds). Tensors may be F32, F16, BF16, F8_E4M3 or F8_E5M2
         (widened exactly), and ComfyUI's scaled fp8 (each fp8 weight times its float32
-        scale_weight) is read as fp8 x scale. With dtype unset such a file loads in the most
-        compact format that holds its matrices exactly: bfloat16 for fp8 (or fp8 with
-        power-of-two scales) on the CPU, float16 on CUDA, float32 for other scaled fp8;
-        `minfer info` says what the fp8 tensors became. Or one GGUF file of a T5 / UMT5
+        scale_weight) is read as fp8 x scale. With dtype unset such a file keeps its fp8 codes
+        on the CPU ("float8_e4m3" / "float8_e5m2": one byte a weight and a float32 scale per
+        row; a matrix stored otherwise keeps its own exact format), and loads as float16 on
+        CUDA; `minfer info` says what the fp8 tensors became. Or one GGUF file of a T5 / UMT5
         model as llama.cpp's convert_hf_to_gguf.py writes it (architecture t5encoder, or t5
         for a whole seq2seq model; city96's T5-XXL / UMT5-XXL encoder files): read with the
         `gguf` package (the [gguf] extra), config from its metadata and shapes, tensors F32,
