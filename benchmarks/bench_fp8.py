@@ -25,8 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import sys
+
 import numpy as np
 from product_timing import machine, thread_counts, time_shape
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from factories import encode_fp8  # noqa: E402   (the nearest E4M3 code, from the definition)
 
 # t5-base's encoder (v1.1's gated FF: two input projections)
 BASE = dict(model_type="t5", feed_forward_proj="gated-gelu", vocab_size=32128, d_model=768,
@@ -34,18 +39,6 @@ BASE = dict(model_type="t5", feed_forward_proj="gated-gelu", vocab_size=32128, d
             relative_attention_max_distance=128, layer_norm_epsilon=1e-6)
 DECODE_SHAPES = [(1, 768, 3072), (4, 768, 3072), (8, 768, 3072), (8, 3072, 768),
                  (1, 768, 32128), (8, 768, 32128)]
-
-
-def nearest_e4m3(w: np.ndarray) -> np.ndarray:
-    """float -> the code of the nearest finite E4M3 value."""
-    from minfer.io.tensors import fp8_to_float32
-    values = fp8_to_float32(np.arange(256, dtype=np.uint8), "F8_E4M3").astype(np.float64)
-    finite = np.flatnonzero(np.isfinite(values))
-    order = finite[np.argsort(values[finite], kind="stable")]
-    table = values[order]
-    at = np.clip(np.searchsorted(table, w), 1, len(table) - 1)
-    nearer = np.where(np.abs(w - table[at - 1]) <= np.abs(table[at] - w), at - 1, at)
-    return order[nearer].astype(np.uint8)
 
 
 def write_file(path: Path, layers: int, rng) -> Path:
@@ -74,7 +67,7 @@ def write_file(path: Path, layers: int, rng) -> Path:
             continue
         w = rng.standard_normal(shape).astype(np.float32) * shape[1] ** -0.5
         scale = np.float32(2.0 ** np.ceil(np.log2(np.abs(w).max() / 448)))   # (power of two)
-        add(name, "F8_E4M3", nearest_e4m3(w / scale))
+        add(name, "F8_E4M3", encode_fp8(w / scale, "F8_E4M3"))
         add(name[:-len(".weight")] + ".scale_weight", "F32", np.array(scale, np.float32))
     add("scaled_fp8", "F8_E4M3", np.zeros(0, np.uint8))
     raw = json.dumps(header).encode()
@@ -87,7 +80,7 @@ def decode_products(M: int, K: int, N: int, rng) -> dict:
     from minfer.io.tensors import fp8_to_bfloat16_bits
     from minfer.kernels.float_products import matmul_bf16, matmul_e4m3
     x = rng.standard_normal((M, K)).astype(np.float32)
-    codes = nearest_e4m3(rng.standard_normal((N, K)) * 8)
+    codes = encode_fp8(rng.standard_normal((N, K)) * 8, "F8_E4M3")
     scale = np.full(N, 1 / 8, np.float32)
     bits = fp8_to_bfloat16_bits(codes, "F8_E4M3")          # the same values, as bfloat16
     out = np.empty((M, N), np.float32)

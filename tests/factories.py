@@ -1,6 +1,7 @@
 """Test inputs written with NumPy (no torch): random T5 checkpoints in the HF layout, and raw
 safetensors files with whatever header a test needs."""
 import json
+import math
 import struct
 
 import numpy as np
@@ -70,3 +71,30 @@ def t5_tensors(config: dict, parts: str = "encoder", seed: int = 0) -> dict[str,
         else:
             out[name] = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
     return out
+
+
+# -- fp8, from the definitions (tests and benchmarks: no ml_dtypes, no minfer) ---------------
+def reference_fp8(code: int, fmt: str) -> float:
+    """One fp8 code's value from the format's definition (integer significand x power of two)."""
+    e_bits, m_bits = (4, 3) if fmt == "F8_E4M3" else (5, 2)
+    bias = 2 ** (e_bits - 1) - 1
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> m_bits) & (2 ** e_bits - 1), code & (2 ** m_bits - 1)
+    if fmt == "F8_E4M3" and code & 0x7F == 0x7F:
+        return math.nan
+    if fmt == "F8_E5M2" and e == 2 ** e_bits - 1:
+        return sign * math.inf if m == 0 else math.nan
+    if e == 0:
+        return sign * math.ldexp(m, 1 - bias - m_bits)
+    return sign * math.ldexp(2 ** m_bits + m, e - bias - m_bits)
+
+
+def encode_fp8(x: np.ndarray, fmt: str) -> np.ndarray:
+    """float -> the fp8 code of the nearest finite value (a test's own encoder: no ml_dtypes)."""
+    values = np.array([reference_fp8(c, fmt) for c in range(256)])
+    finite = np.flatnonzero(np.isfinite(values))
+    order = finite[np.argsort(values[finite], kind="stable")]
+    table = values[order]
+    at = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
+    nearer = np.where(np.abs(x - table[at - 1]) <= np.abs(table[at] - x), at - 1, at)
+    return order[nearer].astype(np.uint8)

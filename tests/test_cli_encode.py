@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_text_model_folder
 from factories import write_t5
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -31,8 +30,8 @@ def one_line_error(done, pattern, code=1):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_text_model_folder(tmp_path_factory.mktemp("cli") / "m")
+def folder(text_model_folder):   # (conftest's: the session's small T5 with the tiny tokenizer)
+    return text_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import make_text_model_folder
 
 import minfer
 from minfer.encoding.cache import EncodeCache, row_key
@@ -16,8 +15,8 @@ TEXTS = ["a cat sat on the mat", "hi", "one two three four"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_text_model_folder(tmp_path_factory.mktemp("c") / "m")
+def folder(text_model_folder):   # (conftest's: the session's small T5 with the tiny tokenizer)
+    return text_model_folder
 
 
 @pytest.fixture

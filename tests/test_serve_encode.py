@@ -5,7 +5,6 @@ import base64
 
 import numpy as np
 import pytest
-from conftest import make_text_model_folder
 from serve_process import serving
 
 import minfer
@@ -16,8 +15,8 @@ PROMPTS = ["a cat sat on the mat", "hi there", "one two three four"]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_text_model_folder(tmp_path_factory.mktemp("srv") / "m")
+def folder(text_model_folder):   # (conftest's: the session's small T5 with the tiny tokenizer)
+    return text_model_folder
 
 
 @pytest.fixture(scope="module")

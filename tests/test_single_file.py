@@ -7,7 +7,6 @@ The oracle is minfer loading the same weights from a normal folder with their co
 path is checked against transformers by test_t5_parity.py and the fixtures' reference states);
 the fp8 values are checked against a decoder written here from the formats' definitions."""
 import json
-import math
 import pickle
 import shutil
 import struct
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import ROOT, rel_err
-from factories import t5_tensors
+from factories import encode_fp8, reference_fp8, t5_tensors
 
 import minfer
 from minfer_cli.main import cli
@@ -50,33 +49,7 @@ XXL = {"v1_0": dict(V1_0, vocab_size=32128, d_model=1024, d_kv=128, num_heads=12
                     num_layers=24, num_decoder_layers=24)}
 
 
-# -- fp8, from the definitions -------------------------------------------------------------------
-def reference_fp8(code: int, fmt: str) -> float:
-    """One fp8 code's value from the format's definition (integer significand x power of two)."""
-    e_bits, m_bits = (4, 3) if fmt == "F8_E4M3" else (5, 2)
-    bias = 2 ** (e_bits - 1) - 1
-    sign = -1.0 if code & 0x80 else 1.0
-    e, m = (code >> m_bits) & (2 ** e_bits - 1), code & (2 ** m_bits - 1)
-    if fmt == "F8_E4M3" and code & 0x7F == 0x7F:
-        return math.nan
-    if fmt == "F8_E5M2" and e == 2 ** e_bits - 1:
-        return sign * math.inf if m == 0 else math.nan
-    if e == 0:
-        return sign * math.ldexp(m, 1 - bias - m_bits)
-    return sign * math.ldexp(2 ** m_bits + m, e - bias - m_bits)
-
-
-def encode_fp8(x: np.ndarray, fmt: str) -> np.ndarray:
-    """float -> the fp8 code of the nearest finite value (a test's own encoder: no ml_dtypes)."""
-    values = np.array([reference_fp8(c, fmt) for c in range(256)])
-    finite = np.flatnonzero(np.isfinite(values))
-    order = finite[np.argsort(values[finite], kind="stable")]
-    table = values[order]
-    at = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
-    nearer = np.where(np.abs(x - table[at - 1]) <= np.abs(table[at] - x), at - 1, at)
-    return order[nearer].astype(np.uint8)
-
-
+# -- files ---------------------------------------------------------------------------------------
 def write_safetensors(path, tensors: dict, metadata: dict | None = None):
     """A safetensors file of {name: array} or {name: (dtype code, uint8 array)} (fp8 is no
     NumPy dtype: its bytes are written under the code given)."""
