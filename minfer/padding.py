@@ -18,3 +18,9 @@ def right_padded(rows: Sequence[Sequence[int]], pad_id: int,
         ids[r, :len(row)] = row
         mask[r, :len(row)] = 1
     return ids, mask
+
+
+def is_right_padding(mask: np.ndarray) -> bool:
+    """Whether every row of a (B, T) 0/1 mask is ones, then zeros (what right_padded makes)."""
+    lengths = mask.sum(axis=1)
+    return not any(m[n:].any() for m, n in zip(mask, lengths))

@@ -16,7 +16,7 @@ from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finit
 from ...generation.protocol import DecodeState
 from ...io.sentence_transformers import SentenceModules
 from ...tokenizers.select import need_tokenizer
-from ...padding import right_padded
+from ...padding import is_right_padding, right_padded
 from ..base import PLAN_MAX, Model, as_batch
 from . import math as t5
 from .buffers import DecodeBuffers, StepScratch
@@ -168,7 +168,7 @@ class T5Model(Model):
         wanted; the padding's are zeros and a row is keyed by its own tokens (as generation
         keys it), whatever the padding of the call."""
         lengths = mask.sum(axis=1)
-        own = own_tokens and not any(m[n:].any() for m, n in zip(mask, lengths))
+        own = own_tokens and is_right_padding(mask)
         cache = self.encode_cache
         if cache is None:
             states = self._run_encoder(ids, mask)
@@ -363,7 +363,7 @@ class T5Model(Model):
         if cache is None:
             return None
         lengths = mask.sum(axis=1)
-        if any(m[n:].any() for m, n in zip(mask, lengths)):
+        if not is_right_padding(mask):
             return None   # not right padding (a caller's own mask): the unpadded key would lie
         keys = [row_key(self.cache_identity, row[:n], np.ones(n, np.int64))
                 for row, n in zip(ids, lengths)]
