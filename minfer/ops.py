@@ -18,6 +18,7 @@ calls; with `MINFER_KERNELS=numpy` they run the NumPy code below, which computes
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -245,6 +246,64 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
         xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
 
     over_heads(xp, H, heads)
+
+
+@dataclass(frozen=True)
+class DistanceBias:
+    """A pass's additive attention bias given by distance, not as a (B, H, T, S) tensor: T5's
+    position bias depends only on key - query and the head, and padding only on the key.
+    table (H, T + S - 1): the bias of distance j - i at column j - i + T - 1; key_mask (B, S):
+    0 for a real key, `mask_value` for padding; index (T, S) int64: j - i + T - 1, for backends
+    without the fused kernel, which build a head chunk's bias from the table with it."""
+    table: Any
+    key_mask: Any
+    index: Any
+
+
+def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scores: Any,
+                       ctx: Any, stats: tuple[Any, Any] | None = None) -> None:
+    """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance.
+    q, k, v (B, H, T|S, D); scores a (B, H, T, S) contiguous scratch; ctx (B, T, H, D).
+
+    With the compiled kernels each thread's heads take their products into their own contiguous
+    part of `scores`, then one compiled sweep per row adds the table's bias and the key mask and
+    takes the softmax (kernels/pass_softmax.py). Elsewhere the heads run in two rounds, the
+    second half of `scores` holding a round's bias built from the table (so the scratch is
+    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
+    flat = scores.reshape(-1)
+    kc = compiled(xp, q)
+    if kc is not None:
+        def heads(h0: int, h1: int) -> None:
+            s = flat[B * h0 * T * S:B * h1 * T * S].reshape(B, h1 - h0, T, S)
+            xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
+            kc.softmax_distance_bias(s, bias.table, h0, bias.key_mask)
+            xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
+        over_heads(xp, H, heads)
+        return
+    half = (H + 1) // 2
+    mask = bias.key_mask.reshape(B, 1, 1, S)
+    for h0 in range(0, H, half):
+        h1 = min(H, h0 + half)
+        n = B * (h1 - h0) * T * S
+        s = flat[:n].reshape(B, h1 - h0, T, S)
+        chunk = flat[n:2 * n].reshape(B, h1 - h0, T, S)
+        xp.take(bias.table[h0:h1], bias.index, axis=1, out=chunk[0])   # (h, T, S)
+        if B > 1:
+            chunk[1:] = chunk[0]
+        chunk += mask
+        xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
+        s += chunk
+        softmax_(xp, s, None if stats is None else (stats[0][:, h0:h1], stats[1][:, h0:h1]))
+        xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
+
+
+def distance_scores(B: int, H: int, T: int, S: int) -> int:
+    """Elements of `distance_attention`'s scores scratch: (B, H, T, S) rounded up to two
+    equal rounds of heads (its other backends' bias)."""
+    return B * 2 * ((H + 1) // 2) * T * S
 
 
 def mask_value(dtype: Any) -> float:

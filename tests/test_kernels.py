@@ -483,3 +483,83 @@ def test_a_compile_child_that_fails_is_not_tried_again(tmp_path):
                                             "assert kernels.compiled() is not None\n")
     assert kernels.COMPILE_NOTICE in runs[0].stderr and kernels.COMPILE_NOTICE not in runs[1].stderr
     assert list((tmp_path / "cache").rglob("minfer-kernels-*.failed"))
+
+
+# -- a pass's softmax with its bias by distance (kernels/pass_softmax.py, ops.distance_attention) ----
+def _distance_reference(s, table, key_mask):
+    """softmax(s + table[h, j - i + T - 1] + key_mask[b, j]) in float64."""
+    B, H, T, S = s.shape
+    idx = np.arange(S)[None, :] - np.arange(T)[:, None] + T - 1
+    rows = table[:, idx] if table.shape[0] == H else np.broadcast_to(table[0][idx], (H, T, S))
+    logits = s.astype(np.float64) + rows[None] + key_mask[:, None, None, :]
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("B, H, T, S", [(1, 1, 1, 1), (2, 3, 5, 7), (3, 2, 17, 33), (1, 4, 64, 64)])
+def test_softmax_with_a_distance_table_equals_the_bias_matrix(B, H, T, S):
+    s = (rng.standard_normal((B, H, T, S)) * 8).astype(np.float32)   # spans e^-60 .. 1
+    table = rng.standard_normal((H, T + S - 1)).astype(np.float32)
+    key_mask = np.zeros((B, S), np.float32)
+    key_mask[0, S // 2:] = np.finfo(np.float32).min                    # row 0's second half padded
+    got = s.copy()
+    k.softmax_distance_bias(got, table, 0, key_mask)
+    want = _distance_reference(s, table, key_mask)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    assert (got[0, :, :, S // 2:] == 0).all() if S > 1 else True   # padded keys weigh nothing
+    # a head range: heads h0.. of a longer table, and one row shared by every head
+    wide = np.concatenate([rng.standard_normal((2, T + S - 1)).astype(np.float32), table])
+    got = s.copy()
+    k.softmax_distance_bias(got, wide, 2, key_mask)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+    got = s.copy()
+    k.softmax_distance_bias(got, table[:1], 0, key_mask)
+    np.testing.assert_allclose(got, _distance_reference(s, table[:1], key_mask), rtol=2e-6, atol=1e-7)
+
+
+def test_the_distance_softmax_exponential_is_exact_to_float32_rounding():
+    # the sweep's own exp (a polynomial, so that it vectorises) over every exponent it meets:
+    # rows (0, x) give (1, e^x) / (1 + e^x); below e^-87.3 (no normal float32) exactly 0
+    x = -np.concatenate([np.linspace(0, 87, 100001), rng.random(1000) * 1e-6]).astype(np.float32)
+    s = np.stack([np.zeros_like(x), x], axis=-1).reshape(1, 1, -1, 2)
+    k.softmax_distance_bias(s, np.zeros((1, s.shape[2] + 1), np.float32), 0,
+                            np.zeros((1, 2), np.float32))
+    np.testing.assert_allclose(s[0, 0, :, 1] / s[0, 0, :, 0], np.exp(x.astype(np.float64)),
+                               rtol=1e-6)
+    s = np.array([0.0, -88.0, -200.0, 0.0], np.float32).reshape(1, 1, 1, 4)
+    k.softmax_distance_bias(s, np.zeros((1, 4), np.float32), 0, np.zeros((1, 4), np.float32))
+    np.testing.assert_array_equal(s[0, 0, 0], [0.5, 0.0, 0.0, 0.5])
+
+
+def test_the_distance_softmax_keeps_nan_and_uniform_rows_as_numpy():
+    s = rng.standard_normal((1, 1, 3, 4)).astype(np.float32)
+    s[0, 0, 0, 2] = np.nan
+    s[0, 0, 1, 1] = np.inf
+    s[0, 0, 2] = np.finfo(np.float32).min              # an all-masked row: uniform, never NaN
+    k.softmax_distance_bias(s, np.zeros((1, 6), np.float32), 0, np.zeros((1, 4), np.float32))
+    assert np.isnan(s[0, 0, 0]).all() and np.isnan(s[0, 0, 1]).all()
+    np.testing.assert_allclose(s[0, 0, 2], 0.25, rtol=1e-6)
+
+
+@pytest.mark.parametrize("H", [1, 5, 6])
+def test_distance_attention_equals_attention_with_the_bias_matrix(H, monkeypatch, three_threads):
+    # the compiled path (head ranges over the threads) and the other backends' (two rounds of
+    # heads, each round's bias built from the table in the scratch's second half)
+    B, T, S, D = 3, 9, 9, 8
+    q, kk, v = (rng.standard_normal((B, H, n, D)).astype(np.float32) for n in (T, S, S))
+    table = rng.standard_normal((H, T + S - 1)).astype(np.float32)
+    key_mask = np.zeros((B, S), np.float32)
+    key_mask[1, 6:] = ops.mask_value(np.float32)
+    idx = np.arange(S)[None, :] - np.arange(T)[:, None] + T - 1
+    bias = np.ascontiguousarray(table[:, idx][None] + key_mask[:, None, None, :])
+    want = np.empty((B, T, H, D), np.float32)
+    ops.attention(np, q, kk, v, bias, np.empty((B, H, T, S), np.float32), want)
+    distance = ops.DistanceBias(table, key_mask, idx)
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
+        scores = np.full(ops.distance_scores(B, H, T, S), np.nan, np.float32)
+        got = np.full((B, T, H, D), np.nan, np.float32)
+        stats = (np.empty((B, H, T, 1), np.float32), np.empty((B, H, T, 1), np.float32))
+        ops.distance_attention(np, q, kk, v, distance, scores, got, stats)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

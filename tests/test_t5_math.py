@@ -95,3 +95,15 @@ def test_incremental_steps_equal_the_full_forward(tmp_path, overrides):
         for t in range(20):
             step = np.array(state.step(dec[:, t]))
             np.testing.assert_allclose(step, full[:, t], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+def test_the_encoder_pass_holds_no_bias_matrix():
+    # the position bias is an (H, 2T - 1) table by distance (ops.distance_attention); only the
+    # scores scratch is (B, H, T, T)-sized (two rounds of heads on backends without the kernels)
+    from minfer.models.t5.buffers import EncoderScratch
+    cfg = T5Config.from_hf({**BASE, "num_heads": 5})
+    B, T = 3, 64
+    specs = EncoderScratch.specs(cfg, B, T, np.float32)
+    big = {name for name, (shape, _) in specs.items() if np.prod(shape) >= B * 5 * T * T}
+    assert big == {"scores"}
+    assert specs["distance"][0] == (5, 2 * T - 1) and specs["mask"][0] == (B, T)

@@ -14,19 +14,21 @@ from typing import Callable
 import numba
 import numpy as np
 
-from . import (bfloat16_products, bfloat16_tiles, float_products, quantised_products, step_ops,
-               tiles, widening)
+from . import (bfloat16_products, bfloat16_tiles, float_products, pass_softmax, quantised_products,
+               step_ops, tiles, widening)
 from .bfloat16_products import bmatmul_bf16, bmatmul_work_bytes
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
                              matmul_i4, matmul_i8, matmul_i8g)
 from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback)
+from .pass_softmax import softmax_distance_bias
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
 from .widening import widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i8
 
 # The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
-                                           step_ops, tiles, bfloat16_products, bfloat16_tiles))
+                                           step_ops, tiles, bfloat16_products, bfloat16_tiles,
+                                           pass_softmax))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:
@@ -104,6 +106,8 @@ def warm_up() -> None:
         for bias in biases:
             attend(q, cache[0], cache[0], 2, bias, ctx)
     gather_rows(cache, np.zeros(1, np.int64), 1)
+    softmax_distance_bias(np.zeros((1, 2, 2, 2), np.float32), np.zeros((2, 3), np.float32), 0,
+                          np.zeros((1, 2), np.float32))
 
 
 def set_threads(n: int) -> None:
@@ -116,4 +120,4 @@ def max_threads() -> int:
 
 __all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
-           "qmatmul_i8_fallback", "relu", "set_threads", "top_k", "warm_up"]
+           "qmatmul_i8_fallback", "relu", "set_threads", "softmax_distance_bias", "top_k", "warm_up"]

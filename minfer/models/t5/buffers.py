@@ -91,13 +91,19 @@ class PassScratch(BufferSet):
 
 @dataclass
 class EncoderScratch(PassScratch):
-    bias: Any = None     # (B, H, T, T) position bias + padding mask, shared by all layers
-    mask: Any = None     # (B, 1, 1, T) the padding mask, uploaded
+    """An encoder pass: its bias is given by distance (ops.DistanceBias), never as a (B, H, T,
+    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds."""
+    distance: Any = None  # (H, 2T - 1) position bias by distance (refilled per layer: UMT5)
+    index: Any = None     # (T, T) int64 distance columns j - i + T - 1 (backends without kernels)
+    mask: Any = None      # (B, T) the padding mask, additive, uploaded
 
     @classmethod
     def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+        H = cfg.num_heads
         return {**PassScratch.specs(cfg, B, T, T, dtype),
-                "bias": ((B, cfg.num_heads, T, T), dtype), "mask": ((B, 1, 1, T), dtype)}
+                "scores": ((ops.distance_scores(B, H, T, T),), dtype),
+                "distance": ((H, 2 * T - 1), dtype), "index": ((T, T), np.int64),
+                "mask": ((B, T), dtype)}
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,8 @@ class LongEncoderScratch(PassScratch):
 
 
 def encoder_scratch(cfg: T5Config) -> type[PassScratch]:
-    """The encoder pass's buffers: T5's (a (B, H, T, T) bias) or LongT5's (linear in T)."""
+    """The encoder pass's buffers: T5's (its bias by distance, (H, 2T - 1)) or LongT5's (linear
+    in T)."""
     return EncoderScratch if cfg.encoder_attention == "full" else LongEncoderScratch
 
 

@@ -92,6 +92,22 @@ def fill_position_bias(be: Any, out: Any, cfg: T5Config, rel_bias: np.ndarray,
         be.upload(out[h], head)
 
 
+@functools.lru_cache(maxsize=16)
+def _distance_columns(T: int, S: int) -> np.ndarray:
+    """(T, S) int64: column j - i + T - 1 of a distance table for query i and key j."""
+    out = np.arange(S)[None, :] - np.arange(T)[:, None] + (T - 1)
+    out.setflags(write=False)
+    return out
+
+
+def distance_bias(cfg: T5Config, rel_bias: np.ndarray, T: int, S: int) -> np.ndarray:
+    """(H, T + S - 1) float32 bidirectional position bias by distance: column c holds the bias
+    of key - query = c - (T - 1) (ops.DistanceBias). Its (H, T, S) matrix is never built."""
+    rel = np.arange(-(T - 1), S)
+    buckets = relative_bucket(rel, True, cfg.num_buckets, cfg.max_distance)
+    return np.ascontiguousarray(rel_bias[buckets].T, dtype=np.float32)
+
+
 def causal_bias_by_distance(cfg: T5Config, rel_bias: np.ndarray, max_len: int) -> np.ndarray:
     """(H, max_len) decoder bias indexed by reversed distance: column max_len-1-n holds distance n.
 
@@ -114,10 +130,10 @@ def refills_bias(cfg: T5Config, i: int) -> bool:
 
 
 def mask_bias(be: Any, attention_mask: np.ndarray, out: Any) -> Any:
-    """The (B, 1, 1, S) additive mask into `out`: 0 where attended, `mask_value` where padded."""
-    B, S = attention_mask.shape
+    """The additive mask (B, S) into `out` ((B, 1, 1, S) or (B, S)): 0 where attended,
+    `mask_value` where padded."""
     host = np.where(attention_mask.astype(bool), 0.0, ops.mask_value(out.dtype))
-    be.upload(out, host.reshape(B, 1, 1, S).astype(out.dtype))
+    be.upload(out, host.reshape(out.shape).astype(out.dtype))
     return out
 
 
@@ -159,9 +175,9 @@ def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, ws: A
 
 
 class PassAttention:
-    """Attention of a pass over its own positions (the encoder; the teacher-forced decoder, whose
-    cross-attention reads each layer's K/V of the encoder output): one additive bias for every
-    layer (position bias + masks)."""
+    """Attention of the teacher-forced decoder over its own positions, and its cross-attention,
+    which reads each layer's K/V of the encoder output: one additive bias for every layer
+    (position bias + masks)."""
 
     def __init__(self, xp: Any, bias: Any, cross: tuple[Any, Any, Any] | None = None):
         self.xp, self.bias, self.cross = xp, bias, cross   # cross: K, V (L, B, H, S, D), mask
@@ -176,6 +192,19 @@ class PassAttention:
         B, H, T, D = q.shape
         ops.attention(self.xp, q, k[i], v[i], mask, ws.scores_as(B, H, T, k.shape[3]),
                       ws.ctx.reshape(B, T, H, D), stats=ws.stats_as(B, H, T))
+
+
+class EncoderAttention:
+    """The encoder's self-attention over its own positions, the bias given by distance (T5's
+    position bias) and key (padding): ops.distance_attention."""
+
+    def __init__(self, xp: Any, bias: Any):
+        self.xp, self.bias = xp, bias
+
+    def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
+        B, H, T, D = q.shape
+        ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores,
+                               ws.ctx.reshape(B, T, H, D), stats=ws.stats_as(B, H, T))
 
 
 class StepAttention:
@@ -296,8 +325,9 @@ def embed_tokens(be: Any, params: dict, ids: np.ndarray, ws: PassScratch) -> Non
 def encoder_attention(be: Any, cfg: T5Config, params: dict,
                       attention_mask: np.ndarray) -> tuple[PassScratch, Callable[[int, dict], Any]]:
     """An encoder pass's scratch and each layer's self-attention (a function of the layer's
-    index and weights): T5's full attention over one (B, H, T, T) bias (position bias + padding
-    mask, built once and shared by all layers; UMT5: refilled per layer from its own table), or
+    index and weights): T5's full attention with its bias by distance (an (H, 2T - 1) table,
+    filled once and shared by all layers; UMT5: refilled per layer from its own table) and the
+    padding mask by key (ops.distance_attention: no (B, H, T, T) bias exists), or
     LongT5's local / transient-global attention (long_attention.py), linear in T."""
     B, T = attention_mask.shape
     if cfg.encoder_attention != "full":
@@ -309,16 +339,14 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
                              params.get("encoder.global_rel_bias"))
         return ws, lambda i, blk: long.layer(blk)
     ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
-    mask_bias(be, attention_mask, ws.mask)                                 # (B, 1, 1, T)
-    attn = PassAttention(be.xp, ws.bias)
+    mask_bias(be, attention_mask, ws.mask)                                 # (B, T)
+    be.upload(ws.index, _distance_columns(T, T))
+    attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask, ws.index))
 
-    def layer(i: int, blk: dict) -> PassAttention:
-        if refills_bias(cfg, i):   # (H, T, T) uploaded once, copied to every row, + the mask
-            fill_position_bias(be, ws.bias[0], cfg, bias_table(cfg, params, "encoder", i),
-                               bidirectional=True)
-            if B > 1:
-                ws.bias[1:] = ws.bias[0]
-            ws.bias += ws.mask
+    def layer(i: int, blk: dict) -> EncoderAttention:
+        if refills_bias(cfg, i):   # (H, 2T - 1): once, or per layer (UMT5)
+            be.upload(ws.distance, distance_bias(cfg, bias_table(cfg, params, "encoder", i), T,
+                                                 T).astype(ws.distance.dtype))
         return attn
     return ws, layer
 

@@ -1,0 +1,102 @@
+"""The softmax of a pass's attention scores with T5's position bias read from its distance table:
+one compiled pass per row instead of a (B, H, T, S) bias tensor and five NumPy passes.
+
+T5's position bias depends only on the key's distance from the query (and the head), so a pass
+of T queries over S keys needs one row of T + S - 1 values per head, `table[h, j - i + T - 1]`,
+not the (H, T, S) matrix built from it: the encoder then keeps no (B, H, T, T) bias buffer (64
+MiB a batch row for T5-XXL's 64 heads over 512 tokens) and reads the bias from L1 while the
+row is there. Each row (S float32s, in L1) takes three sweeps: scores + bias + key mask and
+their maximum, the exponentials and their sum, the division.
+
+The exponential is written out (`_exp_nonpositive`) so that LLVM vectorises the sweep: numba's
+exp is a scalar libm call (no SVML here), about ten times NumPy's vector loop per element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from .step_ops import NON_FINITE_SAFE
+
+# exp(x) for x <= 0 as 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series
+# to r^7 / 7! (relative error below 3e-8 there: under float32's rounding). x below EXP_FLOOR
+# (e^-87.3, float32's smallest normal number) gives 0, as it gives a padded key (NumPy would give
+# a subnormal down to e^-103.9: against the row maximum's 1 such a term is lost in the sum), so
+# that 2^n stays a normal number, which the exponent bits can hold.
+LOG2_E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693145751953125)      # ln 2 split so that n * LN2_HI is exact for |n| < 2^9
+LN2_LO = np.float32(1.4286068203094173e-06)
+EXP_FLOOR = np.float32(-87.33654)           # 2^-126 * e^(tiny): the smallest normal result
+_TAYLOR = tuple(np.float32(1.0 / f) for f in (5040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0))
+
+
+@intrinsic
+def _pow2(typingctx, n):
+    """2^n for an integral float32 n in [-126, 127]: n + 127 placed in the exponent bits (in IR,
+    so the sweep vectorises: numba's own integer arithmetic widens to int64)."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        biased = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
+    return types.float32(types.float32), codegen
+
+
+@njit(inline="always", **NON_FINITE_SAFE)
+def _exp_nonpositive(x):
+    """e^x for x <= 0 (a score minus its row's maximum), 0 below EXP_FLOOR; NaN stays NaN."""
+    small = x < EXP_FLOOR
+    y = EXP_FLOOR if small else x
+    n = np.floor(y * LOG2_E + np.float32(0.5))
+    r = (y - n * LN2_HI) - n * LN2_LO
+    p = _TAYLOR[0]
+    for c in _TAYLOR[1:]:
+        p = p * r + c
+    return np.float32(0.0) if small else p * _pow2(n)
+
+
+@njit(fastmath=True)
+def _largest(row, S):
+    """max(row[:S]) as a vector reduction: fastmath's no-NaN assumption is what lets LLVM
+    vectorise it. A NaN in the row may be skipped here, but not by the sum of exponentials,
+    whose NaN term makes the whole row NaN, as NumPy's softmax does."""
+    top = np.float32(-np.inf)
+    for j in range(S):
+        top = max(top, row[j])
+    return top
+
+
+@njit(inline="always", **NON_FINITE_SAFE)
+def _softmax_row(row, bias, mask, S):
+    """row[:S] = softmax(row + bias + mask) in place (bias, mask: the row's S values)."""
+    for j in range(S):
+        row[j] += bias[j] + mask[j]
+    top = _largest(row, S)
+    total = np.float32(0.0)
+    for j in range(S):
+        e = _exp_nonpositive(row[j] - top)
+        row[j] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for j in range(S):
+        row[j] *= inv
+
+
+@njit(cache=True, nogil=True, **NON_FINITE_SAFE)
+def softmax_distance_bias(scores, table, h0, key_mask):
+    """scores (B, h, T, S) float32, C-contiguous, the products q k^T of heads h0 .. h0 + h - 1,
+    become their softmax over S with the position bias table[h0 + g, j - i + T - 1] (table (H,
+    T + S - 1), or (1, T + S - 1) for a bias shared by every head: a causal mask alone, say)
+    and key_mask[b, j] (B, S) added first. Max-subtracted: a row of equal (even all-masked)
+    values gives uniform weights, never NaN; NaN or +inf scores give NaN rows, as NumPy's
+    softmax does."""
+    B, Hc, T, S = scores.shape
+    shared = table.shape[0] == 1
+    for b in range(B):
+        mask = key_mask[b]
+        for g in range(Hc):
+            tb = table[0 if shared else h0 + g]
+            for i in range(T):
+                _softmax_row(scores[b, g, i], tb[T - 1 - i:T - 1 - i + S], mask, S)
