@@ -56,13 +56,14 @@ def random_weights(N, K):
 
 
 @pytest.mark.parametrize("build", ["best", "fallback"])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 17, 70])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 17, 70, 256, 263])
 @pytest.mark.parametrize("N,K", [(1, 1), (33, 7), (5, 32), (37, 33), (64, 64), (70, 130),
                                  (9, 2100), (130, 768)])
 def test_products_equal_the_rounded_float64_product(build, M, N, K):
     """Every edge of the blocking: M and N not multiples of the 4 x 4 tiles (and M < 4: the
     first pass's 1 x M tiles), K not a multiple of the 32-column steps (the masked tail), K
-    past one KC pass (partial sums added into out), N past one block of weight rows."""
+    past one KC pass (partial sums added into out), N past one block of weight rows; from 256
+    rows the panels: N not a multiple of 16 or of a 64-row panel, an odd K (half a pair)."""
     x = rng.standard_normal((M, K)).astype(np.float32) * np.float32(3.0)
     w = random_weights(N, K)
     want, bound = reference(x, w)
@@ -143,9 +144,10 @@ def test_products_multiply_the_rounded_activations(build):
 
 
 @pytest.mark.parametrize("build", ["best", "fallback"])
-def test_nan_and_inf_propagate(build):
+@pytest.mark.parametrize("M", [6, 258])                        # the tiles, the panels
+def test_nan_and_inf_propagate(build, M):
     K = 70                                                    # the bad values in the tail too
-    x = rng.standard_normal((6, K)).astype(np.float32)
+    x = rng.standard_normal((M, K)).astype(np.float32)
     x[1, 3], x[2, 65], x[3, 10], x[3, 11] = np.nan, np.inf, np.inf, -np.inf
     w = random_weights(5, K)
     w[4, 40] = 0x7FC0                                          # a NaN weight
@@ -162,13 +164,14 @@ def test_nan_and_inf_propagate(build):
 
 
 @pytest.mark.parametrize("build", ["best", "fallback"])
-def test_strided_views_write_only_their_own_part(build):
+@pytest.mark.parametrize("M", [5, 261])                        # the tiles, the panels
+def test_strided_views_write_only_their_own_part(build, M):
     """x any layout (rounded into the scratch), out a column range of a larger array (rows
     strided, as a split product passes): nothing outside it is written."""
-    big_x = rng.standard_normal((9, 300)).astype(np.float32)
-    x = big_x[::2, 5:205]                                      # (5, 200), strided both ways
+    big_x = rng.standard_normal((2 * M - 1, 300)).astype(np.float32)
+    x = big_x[::2, 5:205]                                      # (M, 200), strided both ways
     w = random_weights(11, 200)
-    big_out = np.full((5, 40), -7.0, np.float32)
+    big_out = np.full((M, 40), -7.0, np.float32)
     run(BUILDS[build], x, w, out=big_out[:, 13:24])
     want, bound = reference(np.ascontiguousarray(x), w)
     assert np.all(np.abs(big_out[:, 13:24] - want) <= bound)
@@ -177,8 +180,9 @@ def test_strided_views_write_only_their_own_part(build):
 
 @pytest.mark.parametrize("build", ["best", "fallback"])
 def test_empty_inner_dimension_gives_zeros(build):
-    got = run(BUILDS[build], np.zeros((3, 0), np.float32), np.zeros((5, 0), np.uint16))
-    np.testing.assert_array_equal(got, 0)
+    for M in (3, 256):
+        got = run(BUILDS[build], np.zeros((M, 0), np.float32), np.zeros((5, 0), np.uint16))
+        np.testing.assert_array_equal(got, 0)
 
 
 def test_mismatched_arguments_are_refused():

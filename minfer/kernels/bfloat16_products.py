@@ -32,6 +32,11 @@ from numba.np.ufunc.parallel import _iget_num_threads
 from . import bfloat16_tiles, tiles
 
 _tile = bfloat16_tiles.make_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
+_panel = bfloat16_tiles.make_panel_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
+PANEL = bfloat16_tiles.PANEL
+PANEL_MIN_ROWS = 256                   # input rows from which the products take the panels
+                                       # (below, repacking the weights costs what it saves)
+NO_TABLE = np.zeros(0, np.uint16)      # bfloat16 weights: their bits as they are
 STEP = bfloat16_tiles.STEP             # columns per tile step: rows are padded to a multiple
 GROUP = bfloat16_tiles.GROUP           # rows interleaved step by step in the scratch
 ALIGN = 64                             # bytes: each rounded row starts on a cache line
@@ -197,6 +202,77 @@ def _bmatmul(xb, w, out, x_rows, K, best):
         _block(w, xb, out, n0, min(N, n0 + rows), M, K, best)
 
 
+# -- panels: many input rows ---------------------------------------------------------------------------
+@njit(inline="always")
+def _bits(v, table):
+    """A stored weight as bfloat16 bits: itself (bfloat16 weights, an empty table) or its fp8
+    code's entry in `table`."""
+    return table[v] if table.shape[0] else np.uint16(v)
+
+
+@njit(inline="always")
+def _pack_panel(w, table, n0, nb, K, width, words):
+    """Weight rows n0 .. n0 + nb - 1 (N, K) as bfloat16 bits into `words` (uint32, pairs x
+    width): word q * width + r holds columns 2q (low half) and 2q + 1 of row n0 + r, the pairs
+    past K / 2 (and the half past an odd K) zero, rows nb .. width - 1 zero."""
+    pairs = _padded(K) // 2
+    for r in range(nb):
+        row = w[n0 + r]
+        for q in range(K // 2):
+            lo = np.uint32(_bits(row[2 * q], table))
+            hi = np.uint32(_bits(row[2 * q + 1], table))
+            words[q * width + r] = lo | (hi << np.uint32(16))
+        q = K // 2
+        if K % 2:
+            words[q * width + r] = np.uint32(_bits(row[K - 1], table))
+            q += 1
+        for j in range(q, pairs):
+            words[j * width + r] = 0
+    for r in range(nb, width):
+        for j in range(pairs):
+            words[j * width + r] = 0
+
+
+@njit(inline="always")
+def _panel_row(P, C, scaled, best, pw, xb, m, n, scale, n0, nb, out):
+    if P == 4:
+        _panel(4, C, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+    elif P == 3:
+        _panel(3, C, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+    elif P == 2:
+        _panel(2, C, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+    else:
+        _panel(1, C, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+
+
+@njit(parallel=True, cache=True)
+def _panels(xb, w, table, scale, out, M, K, scaled, best):
+    """out (M, N) by panels of PANEL weight rows, one per parallel task: the panel repacked
+    (`_pack_panel`, into a 64-byte aligned buffer of the task's own: about K x 128 bytes), then
+    every 4 input rows of a group take it whole (4 x 4 accumulators: 16 vdpbf16ps per 4 loads of
+    weights and 4 broadcasts), the last M % 4 rows one at a time."""
+    numba.literally(scaled)
+    numba.literally(best)
+    N = w.shape[0]
+    n = _padded(K) // STEP
+    pairs = n * STEP // 2
+    for b in prange((N + PANEL - 1) // PANEL):
+        n0 = b * PANEL
+        nb = min(N, n0 + PANEL) - n0
+        P = (nb + 15) // 16
+        raw = np.empty(pairs * P * 16 * 4 + ALIGN, np.uint8)
+        skip = (ALIGN - tiles.address(raw) % ALIGN) % ALIGN
+        pw = raw[skip:skip + pairs * P * 16 * 4].view(np.uint32)
+        _pack_panel(w, table, n0, nb, K, P * 16, pw)
+        m = 0
+        while m + 4 <= M:
+            _panel_row(P, 4, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+            m += 4
+        while m < M:
+            _panel_row(P, 1, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+            m += 1
+
+
 @njit(inline="always")
 def _check(x, w, out, work):
     M, K = x.shape
@@ -209,20 +285,26 @@ def _check(x, w, out, work):
         raise ValueError("bmatmul_bf16: work is smaller than bmatmul_work_bytes(M, K)")
 
 
+@njit(inline="always")
+def _bf16_product(x, w, out, work, best):
+    _check(x, w, out, work)
+    M, K = x.shape
+    xb = _carve(work, M, K)
+    _round_rows(x, xb)
+    if M >= PANEL_MIN_ROWS:
+        _panels(xb, w, NO_TABLE, out[0], out, M, K, False, best)
+    else:
+        _bmatmul(xb, w, out, M, K, best)
+
+
 @njit(cache=True)
 def bmatmul_bf16(x, w, out, work):
     """out (M, N) float32 = bf16(x) (M, K) @ w (N, K).T on the bfloat16 tiles; x float32, w
     uint16 bfloat16 bits, work uint8 of at least bmatmul_work_bytes(M, K)."""
-    _check(x, w, out, work)
-    xb = _carve(work, x.shape[0], x.shape[1])
-    _round_rows(x, xb)
-    _bmatmul(xb, w, out, x.shape[0], x.shape[1], True)
+    _bf16_product(x, w, out, work, True)
 
 
 @njit(cache=True)
 def bmatmul_bf16_fallback(x, w, out, work):
     """bmatmul_bf16 on the tiles a CPU without AVX512_BF16 runs."""
-    _check(x, w, out, work)
-    xb = _carve(work, x.shape[0], x.shape[1])
-    _round_rows(x, xb)
-    _bmatmul(xb, w, out, x.shape[0], x.shape[1], False)
+    _bf16_product(x, w, out, work, False)

@@ -50,10 +50,13 @@ from .tiles import (
     I32,
     I64,
     _declare,
+    _elem,
     _fold,
+    _lane_masks,
     _load_vec,
     _loop,
     _rows,
+    _splat,
     _target_features,
     _tile_vector,
     _vec,
@@ -244,6 +247,90 @@ def make_tile(isas: dict[bool, str]):
                                    args[3:9])
             _store(context, builder, signature.args[10], args[10], args[6], args[4], values,
                    rows, cols, args[9])
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
+
+
+# -- panel tiles: weights repacked, activations broadcast (many input rows) ---------------------------
+# As the integer panel tiles (tiles.py): with many input rows the dot-product tiles' lane sums
+# (`_fold`, per output) are avoidable. A panel of PANEL weight rows is repacked per call
+# (bfloat16_products._pack_panel) into [K / 2][PANEL] 32-bit words, word (q, r) holding columns
+# 2q and 2q + 1 of weight row r, so one 64-byte vector holds a column pair of 16 weight rows; an
+# input row's pair, broadcast to the 16 lanes, makes lane j of an accumulator the whole output
+# of weight row 16 p + j. The epilogue is a multiply by the row's scale (fp8 weights) and a
+# masked store per 16 outputs.
+PANEL = 64                 # weight rows of a panel: 4 vectors of 16
+
+
+def _panel_codegen(P, C, scaled, isa, context, builder, a, args):
+    """out[m + c, i + 16 p + j] = (scale[i + 16 p + j] if scaled) x the sum over the n * 16 column
+    pairs q of pw's pair q of weight row 16 p + j times x's columns 2q, 2q + 1 of row m + c, for
+    c < C, p < P, 16 p + j < valid (the other lanes are not written). pw: the panel (1-D uint32,
+    word q * P * 16 + r); x: the rounded rows in bfloat16_products._carve's layout, rows m ..
+    m + C - 1 in one group."""
+    (pw, x, m, n, scale, i, valid, out) = args
+    words = builder.bitcast(context.make_array(a[0])(context, builder, pw).data, I32.as_pointer())
+    xp = [builder.bitcast(p, I16.as_pointer()) for p in _group_rows(context, builder, a[1], x, m, C)]
+    pairs = STEP // 2
+    width = P * LANES                   # words of one column pair across the panel
+
+    def body(b, s, accs):               # one step: STEP columns, STEP / 2 pairs
+        accs = list(accs)
+        for q in range(pairs):
+            at = b.mul(b.add(b.mul(s, ir.Constant(I64, pairs)), ir.Constant(I64, q)),
+                       ir.Constant(I64, width))
+            wv = [b.bitcast(_load_vec(b, words, b.add(at, ir.Constant(I64, p * LANES)),
+                                      _vec(I32, LANES)), _vec(I16, STEP)) for p in range(P)]
+            xoff = b.add(b.mul(s, ir.Constant(I64, GROUP * STEP)), ir.Constant(I64, 2 * q))
+            xv = []
+            for p_ in xp:
+                word = b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()), align=2)
+                xv.append(b.bitcast(_splat(b, word, LANES), _vec(I16, STEP)))
+            for c in range(C):
+                for p in range(P):
+                    accs[c * P + p] = _dot2(b, accs[c * P + p], wv[p], xv[c], isa)
+        return accs
+
+    zero = ir.Constant(_vec(F32, LANES), None)
+    accs = _loop(builder, n, [zero] * (C * P), body)
+    outp = _rows(context, builder, a[7], out, m, C)
+    fty = _vec(F32, LANES)
+    mstore, lane_mask = _lane_masks(builder, valid, LANES)
+    if scaled:
+        scp = _elem(context, builder, a[4], scale, i)
+        mload = _declare(builder, f"llvm.masked.load.v{LANES}f32.p0", fty, fty.as_pointer(), I32,
+                         _vec(ir.IntType(1), LANES), fty)
+    for p in range(P):
+        first = p * LANES
+        mask = lane_mask(first)
+        if scaled:
+            ws = builder.call(mload, [builder.bitcast(builder.gep(scp, [ir.Constant(I64, first)]),
+                                                      fty.as_pointer()),
+                                      ir.Constant(I32, 4), mask, ir.Constant(fty, None)])
+        for c in range(C):
+            value = accs[c * P + p]
+            if scaled:
+                value = builder.fmul(value, ws)
+            at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
+                                 fty.as_pointer())
+            builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def make_panel_tile(isas: dict[bool, str]):
+    """The panel tile: tile(P, C, scaled, best, pw, x, m, n, scale, i, valid, out) writes
+    out[m + c, i + 16 p + j] for c < C, p < P, 16 p + j < valid (see `_panel_codegen`; scale 1-D
+    float32 contiguous, read only when `scaled`; out's rows contiguous). P, C, scaled and best
+    are compile-time constants, best picking the instruction set `isas[best]`."""
+    @intrinsic
+    def tile(typingctx, P, C, scaled, best, pw, x, m, n, scale, i, valid, out):
+        panels, cols, sc, b = literals(P, C, scaled, best)
+        sig = types.none(P, C, scaled, best, pw, x, types.int64, types.int64, scale, types.int64,
+                         types.int64, out)
+
+        def codegen(context, builder, signature, args):
+            _panel_codegen(panels, cols, sc, isas[b], context, builder, signature.args[4:],
+                           args[4:])
             return context.get_dummy_value()
         return sig, codegen
     return tile
