@@ -15,7 +15,7 @@ from pathlib import Path as _Path
 from typing import Any as _Any
 
 from . import errors
-from .backend import QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
+from .backend import FP8_FORMATS as _FP8_FORMATS, QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
 from .devices import cuda_available as _cuda_available, make_backend as _make_backend
 from .encoding.cache import EncodeCache as _EncodeCache
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,
@@ -184,9 +184,9 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
                               "(e.g. dtype='int8') to re-quantise them")
         if mode == "int8" and dtype not in _QUANTISED_FORMATS:
             dtype = "int8"
-        elif mode == "bfloat16":
+        elif mode == "bfloat16" and dtype not in _FP8_FORMATS:   # (fp8 values are bfloat16s)
             if dtype in _QUANTISED_FORMATS:   # int8 x scale is no bfloat16: a second rounding
-                raise ConfigError(f"compute='bfloat16' multiplies bfloat16 weights, and "
+                raise ConfigError(f"compute='bfloat16' multiplies bfloat16 or fp8 weights, and "
                                   f"{ckpt.folder} stores {dtype}: use compute='int8', or "
                                   "dtype='bfloat16' to widen them")
             dtype = "bfloat16"

@@ -38,12 +38,15 @@ _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
 _COMPUTE = {"cpu": {"float32": "float32", "int8": "float32", "bfloat16": "float32"},
             "cuda": {"float16": "float16", "float32": "float32"}}
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
+FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bfloat16" multiplies
+                                               # their values (each a bfloat16) as they are
 # the CPU compute modes that multiply only some weight formats, and what to say otherwise
 _COMPUTE_FORMATS = {
     "int8": (QUANTISED_FORMATS, "compute='int8' multiplies int8 or int4 weights, not dtype "
                                 "{name!r}: use dtype='int8' or 'int4' (or leave dtype unset)"),
-    "bfloat16": (("bfloat16",), "compute='bfloat16' multiplies bfloat16 weights, not dtype "
-                                "{name!r}: use dtype='bfloat16' (or leave dtype unset)"),
+    "bfloat16": (("bfloat16", *FP8_FORMATS),
+                 "compute='bfloat16' multiplies bfloat16 or fp8 weights, not dtype {name!r}: use "
+                 "dtype='bfloat16' (or leave dtype unset)"),
 }
 _ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32",
             "bf16": "bfloat16"}

@@ -140,7 +140,7 @@ def test_which_compute_a_load_gets():
     assert m.backend.compute == "float32"
     assert minfer.load(T5_DIR).backend.compute == "float32"
     with pytest.raises(minfer.ConfigError, match=r"compute='bfloat16' multiplies bfloat16 "
-                                                 r"weights, not dtype 'int8'"):
+                                                 r"or fp8 weights, not dtype 'int8'"):
         minfer.load(T5_DIR, dtype="int8", compute="bfloat16")
 
 
@@ -156,7 +156,7 @@ def test_cli_compute_bfloat16_and_info_line():
     assert line.split(None, 1)[1].strip() == f"bfloat16 x bfloat16 products: {kernels.bfloat16_instructions()}"
     proc = run("info", "--model", str(T5_DIR), "--dtype", "float32", "--compute", "bfloat16")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert "compute='bfloat16' multiplies bfloat16 weights" in proc.stderr
+    assert "compute='bfloat16' multiplies bfloat16 or fp8 weights" in proc.stderr
 
 
 def test_under_a_memory_limit_streamed_layers_give_the_unlimited_ids(folder):

@@ -1,6 +1,6 @@
 """bfloat16 x bfloat16 products (compute="bfloat16"): out (M, N) float32 = bf16(x) (M, K) @
-w (N, K).T, for weights stored as bfloat16 (uint16 bits, the layout minfer already keeps them in:
-nothing is repacked). Each activation is rounded to bfloat16 (to nearest, ties to even, NaN kept
+w (N, K).T, for weights stored as bfloat16 (uint16 bits, the layout minfer already keeps them in)
+or as fp8 codes with a scale per row (every fp8 value is a bfloat16: see the fp8 section). Each activation is rounded to bfloat16 (to nearest, ties to even, NaN kept
 NaN, as torch rounds) once per product into the caller's scratch, then the products run on the
 bfloat16 dot-product tiles (`bfloat16_tiles`: vdpbf16ps on AVX512_BF16 CPUs, a widening
 fallback elsewhere), accumulating in float32.
@@ -17,7 +17,9 @@ which the hardware prefetcher follows; it also brings the block into L2), then e
 4 input rows take them 4 at a time (4 x 4 tiles, 16 vdpbf16ps per 8 loads, the 4 input rows in
 L1), KC columns per pass. On (2048, 768) x (3072, 768) that is 2.0x OpenBLAS's sgemm on the
 same shapes (400 against 196 GFLOP/s, 2 threads), 1.6-1.8x on (2048, 3072) x (768, 3072), and
-1.2-3x `matmul_bf16` (float32 compute, widening in registers) at 1-8 rows.
+1.2-3x `matmul_bf16` (float32 compute, widening in registers) at 1-8 rows. From PANEL_MIN_ROWS
+input rows (an encoder pass) the products take panels instead (`_panels`,
+`bfloat16_tiles.make_panel_tile`): no lane sums, whole outputs per accumulator lane.
 """
 
 from __future__ import annotations
@@ -29,13 +31,19 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _iget_num_threads
 
+from ..io.tensors import FP8_BFLOAT16
 from . import bfloat16_tiles, tiles
+from .float_products import matmul_e4m3, matmul_e5m2
 
 _tile = bfloat16_tiles.make_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 _panel = bfloat16_tiles.make_panel_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 PANEL = bfloat16_tiles.PANEL
 PANEL_MIN_ROWS = 256                   # input rows from which the products take the panels
                                        # (below, repacking the weights costs what it saves)
+# fp8 codes -> their exact bfloat16 bits (every E4M3 / E5M2 value is a bfloat16, subnormals
+# included): the panels of fp8 weights hold these, and the row scale multiplies the sums
+E4M3_BFLOAT16 = FP8_BFLOAT16["F8_E4M3"]
+E5M2_BFLOAT16 = FP8_BFLOAT16["F8_E5M2"]
 NO_TABLE = np.zeros(0, np.uint16)      # bfloat16 weights: their bits as they are
 STEP = bfloat16_tiles.STEP             # columns per tile step: rows are padded to a multiple
 GROUP = bfloat16_tiles.GROUP           # rows interleaved step by step in the scratch
@@ -308,3 +316,68 @@ def bmatmul_bf16(x, w, out, work):
 def bmatmul_bf16_fallback(x, w, out, work):
     """bmatmul_bf16 on the tiles a CPU without AVX512_BF16 runs."""
     _bf16_product(x, w, out, work, False)
+
+
+# -- fp8 weights (compute="bfloat16") ------------------------------------------------------------------
+# Every fp8 value is a bfloat16, so bfloat16 products multiply the file's own values exactly (no
+# second rounding of the weights; the activations are rounded as for bfloat16 weights) and the
+# row scale multiplies each sum. From PANEL_MIN_ROWS input rows the panels hold the codes' bfloat16
+# bits; below, the rounded rows (as float32) go to the fp8 float32 product, which widens the codes
+# in registers: the same products, summed in another order.
+def fp8_work_bytes(M: int, K: int) -> int:
+    """Scratch bytes of `bmatmul_e4m3` / `bmatmul_e5m2` for M input rows of K columns."""
+    return _fp8_work_bytes(M, K)
+
+
+@njit(inline="always")
+def _fp8_work_bytes(M, K):
+    return _work_bytes(M, K) if M >= PANEL_MIN_ROWS else M * K * 4 + ALIGN
+
+
+@njit(inline="always")
+def _rounded_floats(x, work):
+    """x (M, K) rounded to bfloat16, as float32 (the bits' low half zero), in `work`."""
+    M, K = x.shape
+    skip = (ALIGN - tiles.address(work) % ALIGN) % ALIGN
+    bits = work[skip:skip + M * K * 4].view(np.uint32).reshape((M, K))
+    for m in range(M):
+        for k in range(K):
+            bits[m, k] = np.uint32(_to_bf16(x[m, k])) << np.uint32(16)
+    return bits.view(np.float32)
+
+
+@njit(inline="always")
+def _fp8_product(x, w, scale, out, work, table, e4m3, best):
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K or out.shape[0] != M or out.shape[1] != N or scale.shape[0] != N:
+        raise ValueError("bmatmul_fp8: shapes do not match: x (M, K), w (N, K), scale (N,), out (M, N)")
+    if work.shape[0] < _fp8_work_bytes(M, K):
+        raise ValueError("bmatmul_fp8: work is smaller than fp8_work_bytes(M, K)")
+    if M >= PANEL_MIN_ROWS:
+        xb = _carve(work, M, K)
+        _round_rows(x, xb)
+        _panels(xb, w, table, scale, out, M, K, True, best)
+    elif e4m3:
+        matmul_e4m3(_rounded_floats(x, work), w, scale, out)
+    else:
+        matmul_e5m2(_rounded_floats(x, work), w, scale, out)
+
+
+@njit(cache=True)
+def bmatmul_e4m3(x, w, scale, out, work):
+    """out (M, N) float32 = bf16(x) (M, K) @ (w's E4M3 values x scale per row).T; w uint8 codes,
+    scale float32 (N,), work uint8 of at least fp8_work_bytes(M, K)."""
+    _fp8_product(x, w, scale, out, work, E4M3_BFLOAT16, True, True)
+
+
+@njit(cache=True)
+def bmatmul_e5m2(x, w, scale, out, work):
+    """bmatmul_e4m3 for E5M2 codes."""
+    _fp8_product(x, w, scale, out, work, E5M2_BFLOAT16, False, True)
+
+
+@njit(cache=True)
+def bmatmul_e4m3_fallback(x, w, scale, out, work):
+    """bmatmul_e4m3 on the tiles a CPU without AVX512_BF16 runs."""
+    _fp8_product(x, w, scale, out, work, E4M3_BFLOAT16, True, False)

@@ -16,7 +16,8 @@ import numpy as np
 
 from . import (bfloat16_products, bfloat16_tiles, float_products, pass_softmax, quantised_products,
                step_ops, tiles, widening)
-from .bfloat16_products import bmatmul_bf16, bmatmul_work_bytes
+from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
+                                fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
                              matmul_i4, matmul_i8, matmul_i8g)
 from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
@@ -38,6 +39,10 @@ def _int8_work(M: int, K: int, groups: int) -> int:
 
 def _bfloat16_work(M: int, K: int, groups: int) -> int:
     return bmatmul_work_bytes(M, K)
+
+
+def _fp8_bfloat16_work(M: int, K: int, groups: int) -> int:
+    return fp8_work_bytes(M, K)
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,14 @@ BY_FORMAT: dict[str, FormatKernels] = {
     "int8g32": FormatKernels(matmul_i8g, widen_i8),
     "int8g16": FormatKernels(matmul_i8g, widen_i8),
 }
-# fp8 codes and their row scales: float32 products only (compute="int8" / "bfloat16" refuse them:
-# backend.resolve_dtype)
+# fp8 codes and their row scales: float32 products, or compute="bfloat16"'s bfloat16 x bfloat16
+# (every fp8 value is a bfloat16: the file's values multiplied exactly); compute="int8" refuses
+# them (backend.resolve_dtype)
 BY_FORMAT.update({
-    "float8_e4m3": FormatKernels(matmul_e4m3, widen_e4m3),
-    "float8_e5m2": FormatKernels(matmul_e5m2, widen_e5m2),
+    "float8_e4m3": FormatKernels(matmul_e4m3, widen_e4m3,
+                                 {"bfloat16": (bmatmul_e4m3, _fp8_bfloat16_work)}),
+    "float8_e5m2": FormatKernels(matmul_e5m2, widen_e5m2,
+                                 {"bfloat16": (bmatmul_e5m2, _fp8_bfloat16_work)}),
 })
 
 
@@ -97,6 +105,8 @@ def warm_up() -> None:
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
     bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)
+    for fp8 in (bmatmul_e4m3, bmatmul_e5m2):
+        fp8(x64, np.zeros((2, 64), np.uint8), np.ones(2, np.float32), out64, work)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
     cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
     q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)
