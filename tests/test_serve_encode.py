@@ -125,16 +125,22 @@ def test_errors_are_one_line_json(server):
 
 def test_float16_states_beyond_its_range_are_a_400_naming_dtype(model, monkeypatch):
     """States past 65504 would go out as infinities (base64) or fail the JSON (floats)."""
+    import json
+
     from minfer.serve.encode import encode_request, run
+    from minfer.serve.encode_passes import EncodePasses
     from minfer.serve.errors import from_exception
     from minfer.serve.jobs import Job
     from minfer.serve.schema import field_of
     real = model.encode
     monkeypatch.setattr(model, "encode", lambda *a, **k: (lambda s, m: (s * 1e6, m))(*real(*a, **k)))
+    passes = EncodePasses(model)
     for dtype in ("float32", "bfloat16"):
-        got, _ = run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": dtype}, 8), 64)
-        assert np.abs(got[0][0]).max() > 65504
+        body, _ = run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": dtype}, 8), 64,
+                      passes, "m")
+        assert np.abs(np.array(json.loads(body)["data"][0]["states"])).max() > 65504
     with pytest.raises(minfer.InputError) as e:
-        run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": "float16"}, 8), 64)
+        run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": "float16"}, 8), 64,
+            passes, "m")
     error = from_exception(e.value, field_of(str(e.value), "input"))   # as the route maps it
     assert error.status == 400 and error.param == "dtype" and "65504" in error.message
