@@ -9,7 +9,7 @@ import pytest
 
 import minfer
 from minfer.errors import Cancelled, InputError
-from minfer.serve.encode_passes import EncodePasses, PassRule
+from minfer.serve.encode_passes import SHARE_MIN_POSITIONS, EncodePasses, PassRule
 from minfer.serve.jobs import Job
 
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)   # > 128 tokens
@@ -104,6 +104,27 @@ def test_a_pass_takes_at_most_max_rows_but_always_the_oldest_whole(model):
     # leader (2 rows); then the 4-row request alone (over 3 but the oldest); then 2 + 2 > 3:
     # one request a pass
     assert passes.passes == 4 and passes.requests == 4
+
+
+def test_a_request_of_few_positions_runs_its_own_pass(model):
+    """Below SHARE_MIN_POSITIONS (rows x T) the products of a shared pass could take another
+    path than the request's alone: it never waits in the queue."""
+    passes = EncodePasses(model)
+    rule, rows = rule_of(model, "sd3", 256, ["a"])
+    small_rule, small = rule_of(model, None, None, ["a short one", "and another"])
+    assert len(small) * small_rule.length < SHARE_MIN_POSITIONS
+    with model.lock:
+        out, threads = in_threads([lambda: passes.encode(Job(model), rule, rows)])
+        wait_until(lambda: passes.leading and not passes.waiting)
+        more, others = in_threads([lambda: passes.encode(Job(model), small_rule, small)] * 2)
+        time.sleep(0.2)
+        assert not passes.waiting
+    for t in threads + others:
+        t.join(60)
+    want = model.encode(small, return_mask=True, padding_states=False)[0]
+    for got in more:
+        assert [s.tobytes() for s, _ in got] == [w[:len(r)].tobytes() for w, r in zip(want, small)]
+    assert passes.passes == 3 and passes.requests == 3
 
 
 def test_a_cancelled_waiter_leaves_and_the_others_get_their_rows(model):

@@ -9,9 +9,14 @@ whole), runs them as one model.encode call, and hands each request its own rows.
 arrive meanwhile wait for the next pass, which the first of them to wake up leads.
 
 Only requests with the same rule share a pass, so every row is padded exactly as it would be
-alone: T is the same, only the batch grows. A row's states then do not depend on the other rows
-of its pass (the encoder treats the rows of a batch independently; the products' row blocks
-read the same weights in the same order), so an answer equals the one its request gets alone.
+alone: T is the same, only the batch grows. The encoder treats the rows of a batch
+independently, but its products (B x T rows of activations times a weight) take other paths for
+few rows, whose sums run in another order: minfer's kernels up to 64 rows (products.py), the int8
+products' 4-row tiles below 256 rows, BLAS's matrix-vector and small-matrix code. So only a
+request of at least SHARE_MIN_POSITIONS rows x T shares a pass (every preset's 256 or 512
+tokens, or no preset and long enough); above that a row's states do not depend on the other
+rows of its pass, and an answer is the bytes its request gets alone. A smaller request runs its
+own pass at once (short prompts without a preset are not batched: exact answers first).
 
 A request that is cancelled (client gone, deadline) while it waits leaves the queue; once its
 rows are in a pass the pass runs for the others and its rows are dropped. A leader whose own
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ROWS_PER_PASS = 64   # rows one shared pass takes at most (a request bigger than this runs alone)
+SHARE_MIN_POSITIONS = 256   # rows x T of a request that may share a pass: the products of every
+# pass it can be in then take the path they take for it alone (module docstring)
 POLL_SECONDS = 0.05  # how often a waiting request looks at its job's cancel / deadline
 
 
@@ -61,7 +68,7 @@ class _Waiting:
 
 class EncodePasses:
     """The /v1/encode queue of one model; `passes` and `requests` count the model.encode calls
-    it made and the requests they served (requests / passes: the mean sharing)."""
+    it completed and the requests they answered (requests / passes: the mean sharing)."""
 
     def __init__(self, model: Any, max_rows: int = ROWS_PER_PASS):
         self.model, self.max_rows = model, max_rows
@@ -75,6 +82,9 @@ class EncodePasses:
         """The request's rows encoded (as encode_rows returns them), in a pass shared with the
         requests waiting beside it; raises what `job.check()` raises once its job is cancelled
         or late, or the pass's error."""
+        if len(rows) * rule.length < SHARE_MIN_POSITIONS:   # its own pass, now
+            job.check()
+            return self._pass(rule, rows, 1)
         mine = _Waiting(rule, rows)
         with self.cv:
             self.waiting.append(mine)
