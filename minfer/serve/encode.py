@@ -14,9 +14,10 @@ cover its own tokens (mask all ones). "states" are nested lists (float), or base
 little-endian bytes in "dtype" (bfloat16: the top half of each float32, rounded to nearest
 even, as torch casts). Each request runs in a worker thread; its rows go to the encode queue
 (encode_passes.py), where concurrent requests with the same preset and length share encoder
-passes (model.encode). With `--encode-cache` each input's rendered answer (per dtype and format)
-is kept in the cache beside its states, so a repeated input is a lookup and a join: no encoder
-pass, no conversion, no base64.
+passes (model.encode). With `--encode-cache` each input's rendered answer (per dtype and format,
+written as the whole body of a request of it alone) is kept in the cache beside its states, so
+a repeated input is a lookup: no tokenizing, no encoder pass, no conversion, no base64; a
+one-input request sends the kept body as it is, several inputs' are joined.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int, passes: EncodePasse
             found[i] = rendered(encoded_row(states, mask, req), name, len(row))
             if cache is not None:
                 cache.put_answer(keys[i], found[i], len(found[i].body))
-    done = [r for r in found if r is not None]
+    done = [r for r in found if r is not None]   # (all, by now)
     tokens = sum(r.tokens for r in done)
     if len(done) == 1:
         return done[0].body, tokens
