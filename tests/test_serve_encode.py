@@ -100,12 +100,39 @@ def test_a_repeated_long_prompt_is_a_cache_hit(server, model):
     second = post(server, body)
     after = server.metrics()
     assert first.status_code == second.status_code == 200
-    assert second.json()["data"][0]["states"] == first.json()["data"][0]["states"]
+    assert second.content == first.content   # the whole answer, byte for byte
     assert second.json()["data"][0]["shape"] == [512, 32]
+    raw = base64.b64decode(second.json()["data"][0]["states"])
+    assert raw == model.encode(long_prompt, preset="flux")[0].astype("<f4").tobytes()
     assert after["minfer_encode_cache_hits_total"] == before["minfer_encode_cache_hits_total"] + 1
     assert after["minfer_encode_cache_misses_total"] == before["minfer_encode_cache_misses_total"]
     assert after["minfer_encode_cache_bytes"] >= 512 * 32 * 4
     assert after['minfer_requests_total{endpoint="encode",status="200"}'] >= 2
+
+
+@pytest.mark.parametrize("fmt", ["base64", "float"])
+def test_answers_from_the_cache_and_fresh_ones_mix_byte_for_byte(server, model, fmt):
+    """A request of a cached input and a new one: the cached one's answer is its own alone
+    request's, the new one's is computed; asked again, all from the cache, the same bytes."""
+    known, new = f"a known prompt in {fmt}", f"a new prompt in {fmt}"
+    body = {"preset": "sd3", "max_length": 16, "dtype": "bfloat16", "encoding_format": fmt}
+    alone = post(server, {**body, "input": known})
+    before = server.metrics()
+    mixed = post(server, {**body, "input": [known, new]})
+    middle = server.metrics()
+    again = post(server, {**body, "input": [known, new]})
+    after = server.metrics()
+    assert alone.status_code == mixed.status_code == again.status_code == 200
+    assert again.content == mixed.content
+    hits, misses = "minfer_encode_cache_hits_total", "minfer_encode_cache_misses_total"
+    assert middle[hits] - before[hits] == 1 and middle[misses] - before[misses] == 1
+    assert after[hits] - middle[hits] == 2 and after[misses] == middle[misses]
+    got = mixed.json()
+    assert [d["index"] for d in got["data"]] == [0, 1]
+    assert {**got["data"][0], "index": 0} == alone.json()["data"][0]
+    assert {**got["data"][1], "index": 0} == post(server, {**body, "input": new}).json()["data"][0]
+    tokens = sum(min(len(model.tokenizer.encode(t)), 16) for t in (known, new))
+    assert got["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def test_errors_are_one_line_json(server):
@@ -125,16 +152,22 @@ def test_errors_are_one_line_json(server):
 
 def test_float16_states_beyond_its_range_are_a_400_naming_dtype(model, monkeypatch):
     """States past 65504 would go out as infinities (base64) or fail the JSON (floats)."""
+    import json
+
     from minfer.serve.encode import encode_request, run
+    from minfer.serve.encode_passes import EncodePasses
     from minfer.serve.errors import from_exception
     from minfer.serve.jobs import Job
     from minfer.serve.schema import field_of
     real = model.encode
     monkeypatch.setattr(model, "encode", lambda *a, **k: (lambda s, m: (s * 1e6, m))(*real(*a, **k)))
+    passes = EncodePasses(model)
     for dtype in ("float32", "bfloat16"):
-        got, _ = run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": dtype}, 8), 64)
-        assert np.abs(got[0][0]).max() > 65504
+        body, _ = run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": dtype}, 8), 64,
+                      passes, "m")
+        assert np.abs(np.array(json.loads(body)["data"][0]["states"])).max() > 65504
     with pytest.raises(minfer.InputError) as e:
-        run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": "float16"}, 8), 64)
+        run(Job(model), encode_request({"input": PROMPTS[:1], "dtype": "float16"}, 8), 64,
+            passes, "m")
     error = from_exception(e.value, field_of(str(e.value), "input"))   # as the route maps it
     assert error.status == 400 and error.param == "dtype" and "65504" in error.message

@@ -1,6 +1,8 @@
 """An exact cache of encoder outputs: one row's states (T, C) float32 on the host under the key
 (model identity, the row's token ids, the mask the encoder saw), least recently used first out
-of a byte budget.
+of a byte budget. Beside the rows it keeps callers' renderings of them (`put_answer`: the
+server's encoded answer of an input, per dtype and format), under keys of their own, in the same
+budget and the same LRU order, so a repeated request is a lookup: no conversion, no copy.
 
 Exact match only: a hit hands back the very bytes the miss stored (a copy of them), so a cached
 call and an uncached one return the same result. The states live outside the arena (host
@@ -14,6 +16,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,8 +28,8 @@ _KEY_OVERHEAD = 256   # bytes counted per entry beside its states (key, table sl
 
 @dataclass
 class CacheStats:
-    """The counters /metrics reads: lookups that hit and missed, rows stored and evicted, bytes
-    held against the budget."""
+    """The counters /metrics reads: lookups that hit and missed, entries stored and evicted,
+    bytes held against the budget."""
     hits: int = 0
     misses: int = 0
     stored: int = 0
@@ -36,7 +39,7 @@ class CacheStats:
     budget: int = 0
 
 
-def row_key(model_id: str, ids: np.ndarray, mask: np.ndarray) -> bytes:
+def row_key(model_id: str, ids: np.ndarray | list[int], mask: np.ndarray) -> bytes:
     """The key of one encoder row: the model identity, its (T,) token ids and the (T,) mask the
     encoder attends with (ones when a pipeline runs it without a mask), as a 32-byte digest.
     BLAKE2b keeps a 512-token row's key small; a collision would need 2**128 rows."""
@@ -49,44 +52,64 @@ def row_key(model_id: str, ids: np.ndarray, mask: np.ndarray) -> bytes:
 
 
 class EncodeCache:
-    """Encoder rows by key, within `budget` bytes, least recently used evicted first."""
+    """Encoder rows (and callers' answers made from them) by key, within `budget` bytes, least
+    recently used evicted first."""
 
     def __init__(self, budget: int | str):
         self.budget = parse_bytes(budget, "encode_cache")
         if self.budget <= 0:
             raise ConfigError(f"encode_cache: the budget must be positive, got {budget!r}")
-        self._rows: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        # key -> (the states or the caller's answer, the bytes it counts against the budget)
+        self._rows: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._stats = CacheStats(budget=self.budget)
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The stored (T, C) states of that key (read-only: copy before writing), or None."""
+        return self._take(key, count_miss=True)
+
+    def get_answer(self, key: bytes) -> Any:
+        """What `put_answer` kept under that key, or None. A miss is not counted: the caller
+        then looks its row up (`get`, through the model), which counts it."""
+        return self._take(key, count_miss=False)
+
+    def _take(self, key: bytes, count_miss: bool) -> Any:
         with self._lock:
-            states = self._rows.get(key)
-            if states is None:
-                self._stats.misses += 1
+            entry = self._rows.get(key)
+            if entry is None:
+                self._stats.misses += int(count_miss)
                 return None
             self._rows.move_to_end(key)
             self._stats.hits += 1
-            return states
+            return entry[0]
 
     def put(self, key: bytes, states: np.ndarray) -> None:
         """Keep a copy of (T, C) float32 states under `key`, evicting the least recently used
-        rows until they fit; states bigger than the whole budget are not kept."""
-        size = states.nbytes + _KEY_OVERHEAD
-        if size > self.budget:
+        entries until they fit; states bigger than the whole budget are not kept."""
+        if states.nbytes + _KEY_OVERHEAD > self.budget:
             return
         kept = np.array(states, np.float32, copy=True)
         kept.flags.writeable = False
+        self._keep(key, kept, kept.nbytes)
+
+    def put_answer(self, key: bytes, answer: Any, nbytes: int) -> None:
+        """Keep a caller's answer (immutable: kept as given, no copy) of `nbytes` bytes under
+        `key`, as `put` keeps rows."""
+        self._keep(key, answer, nbytes)
+
+    def _keep(self, key: bytes, value: Any, nbytes: int) -> None:
+        size = nbytes + _KEY_OVERHEAD
+        if size > self.budget:
+            return
         with self._lock:
             old = self._rows.pop(key, None)
             if old is not None:
-                self._stats.bytes -= old.nbytes + _KEY_OVERHEAD
+                self._stats.bytes -= old[1]
             while self._rows and self._stats.bytes + size > self.budget:
                 _, gone = self._rows.popitem(last=False)
-                self._stats.bytes -= gone.nbytes + _KEY_OVERHEAD
+                self._stats.bytes -= gone[1]
                 self._stats.evicted += 1
-            self._rows[key] = kept
+            self._rows[key] = (value, size)
             self._stats.bytes += size
             self._stats.stored += 1
 

@@ -12,14 +12,18 @@ With a preset every input has the pipeline's T (its length, or max_length) and
 positions hold the input's tokens (model.encode's return_mask); without one, each input's states
 cover its own tokens (mask all ones). "states" are nested lists (float), or base64 of the
 little-endian bytes in "dtype" (bfloat16: the top half of each float32, rounded to nearest
-even, as torch casts). The run is model.encode in a worker thread, as /v1/embeddings runs
-model.embed (the model's lock takes one encoder pass at a time); with `--encode-cache` a
-repeated input is answered from the cache without an encoder pass.
+even, as torch casts). Each request runs in a worker thread; its rows go to the encode queue
+(encode_passes.py), where concurrent requests with the same preset and length share encoder
+passes (model.encode). With `--encode-cache` each input's rendered answer (per dtype and format,
+written as the whole body of a request of it alone) is kept in the cache beside its states, so
+a repeated input is a lookup: no tokenizing, no encoder pass, no conversion, no base64; a
+one-input request sends the kept body as it is, several inputs' are joined.
 """
 
 from __future__ import annotations
 
 import binascii
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +34,7 @@ from starlette.responses import Response
 from ..encoding.presets import PRESETS
 from ..errors import InputError
 from ..io.limits import short_repr
+from .encode_passes import EncodePasses, PassRule
 from .errors import APIError
 from .jobs import Job
 from .schema import _check_count, _integer, _strings
@@ -67,25 +72,80 @@ def encode_request(body: dict, max_inputs: int) -> EncodeRequest:
     return EncodeRequest(texts, preset, _integer(body, "max_length", 1), dtype, fmt == "base64")
 
 
-def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]:
-    """In a worker: [(states (T, C), mask (T,))] per input and the prompt tokens run. Each text
-    is tokenized once here (cleaned and cut as its preset says), so its length is checked
-    against the server's limit before anything is encoded and counted for the usage; the ids
-    go to model.encode with the preset, which pads them and applies its mask rule."""
+@dataclass(frozen=True)
+class Rendered:
+    """One input's answer, written as the whole body of a request of that input alone, so a
+    repeated one-input request sends `body` as it is; `body[start:end]` is the input's object
+    after its "index" (shape to closing brace), which a request of several inputs joins."""
+    body: bytes
+    start: int
+    end: int
+    tokens: int
+
+
+def run(job: Job, req: EncodeRequest, max_input_tokens: int, passes: EncodePasses,
+        name: str) -> tuple[bytes, int]:
+    """In a worker: the answer's JSON bytes and the prompt tokens run. With an encode cache an
+    input whose answer (in this dtype and format) is kept there is that answer, found by its
+    text: no tokenizing, no pass, no conversion. Each other text is tokenized (cleaned and cut as
+    its preset says), so its length is checked against the server's limit before anything is
+    encoded and counted for the usage; their rows go to the encode queue (encode_passes.py: a
+    pass shared with concurrent requests of the same rule), are rendered here, and kept."""
     job.check()
     model = job.model
     if not callable(getattr(model, "encoder_states", None)):
         raise InputError(f"{model.folder}: this model has no encoder")
-    tok = model.tokenizer
+    length = padded_length(req, max_input_tokens)
+    cache = getattr(model, "encode_cache", None)
+    keys: list[bytes] = []
+    found: list[Rendered | None] = [None] * len(req.texts)
+    if cache is not None:
+        rendering = (f"{model.cache_identity}|{id(model.tokenizer)}|/v1/encode|{name}|"
+                     f"{max_input_tokens}|{req.preset}|{length}|{req.dtype}|{req.base64}")
+        keys = [answer_key(rendering, text) for text in req.texts]
+        found = [cache.get_answer(key) for key in keys]
+    todo = [i for i, r in enumerate(found) if r is None]
+    if todo:
+        rows = token_rows(model, req, length, max_input_tokens, todo)
+        job.check()
+        rule = PassRule(req.preset, length if req.preset is not None else max(map(len, rows)))
+        got = passes.encode(job, rule, rows)
+        if req.dtype == "float16":   # (float32 and bfloat16 share float32's range)
+            top = max(float(np.abs(s).max(initial=0)) for s, _ in got)
+            if top > HALF_MAX:
+                raise InputError(f"dtype float16: the states reach {top:.6g}, beyond float16's "
+                                 f"largest value {HALF_MAX:g}; ask for float32 or bfloat16")
+        for i, row, (states, mask) in zip(todo, rows, got):
+            found[i] = rendered(encoded_row(states, mask, req), name, len(row))
+            if cache is not None:
+                cache.put_answer(keys[i], found[i], len(found[i].body))
+    done = [r for r in found if r is not None]   # (all, by now)
+    tokens = sum(r.tokens for r in done)
+    if len(done) == 1:
+        return done[0].body, tokens
+    return answer([memoryview(r.body)[r.start:r.end] for r in done], name, tokens), tokens
+
+
+def padded_length(req: EncodeRequest, max_input_tokens: int) -> int | None:
+    """The length every input is cut and padded to (the preset's, or max_length; None: each
+    row's own), within the server's limit."""
     rule = PRESETS[req.preset] if req.preset is not None else None
     length = req.max_length if req.max_length is not None or rule is None else rule.max_length
     if length is not None and length > max_input_tokens:
         raise InputError(f"max_length: {length} tokens, more than this server's limit of "
                          f"{max_input_tokens} (serve --max-input-tokens)")
+    return length
+
+
+def token_rows(model: Any, req: EncodeRequest, length: int | None, max_input_tokens: int,
+               which: list[int]) -> list[list[int]]:
+    """The token ids of the inputs `which`, cleaned and cut as the preset says, each within the
+    server's limit (else an InputError naming the input)."""
+    tok = model.tokenizer
+    clean = PRESETS[req.preset].clean if req.preset is not None else None
     rows = []
-    for i, text in enumerate(req.texts):
-        if rule is not None and rule.clean is not None:
-            text = rule.clean(text)
+    for i in which:
+        text = req.texts[i] if clean is None else clean(req.texts[i])
         try:
             row = tok.encode_cut(text, length)[0] if length is not None else tok.encode(text)
         except InputError as e:   # (a lone surrogate): named by its input
@@ -94,20 +154,18 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int) -> tuple[list, int]
             raise InputError(f"input[{i}]: {len(row)} tokens, more than this server's limit of "
                              f"{max_input_tokens} (serve --max-input-tokens)")
         rows.append(row)
-    job.check()
-    tokens = sum(map(len, rows))
-    if rule is not None:
-        states, mask = model.encode(rows, preset=req.preset, max_length=length, return_mask=True)
-        got = list(zip(states, mask))
-    else:
-        states, mask = model.encode(rows, return_mask=True, padding_states=False)
-        got = [(s[:len(r)], k[:len(r)]) for s, k, r in zip(states, mask, rows)]
-    if req.dtype == "float16":   # (float32 and bfloat16 share float32's range)
-        top = max(float(np.abs(s).max(initial=0)) for s, _ in got)
-        if top > HALF_MAX:
-            raise InputError(f"dtype float16: the states reach {top:.6g}, beyond float16's "
-                             f"largest value {HALF_MAX:g}; ask for float32 or bfloat16")
-    return got, tokens
+    return rows
+
+
+def answer_key(rendering: str, text: str) -> bytes:
+    """The encode cache's key of one input's answer: what decides it besides the text (the
+    model and its tokenizer, this server's name and limit, preset, length, dtype, format) and
+    the text, as a 32-byte digest. The tokenizer is the model's for the process's lifetime, so
+    the text decides the ids."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(rendering.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 HALF_MAX = float(np.finfo(np.float16).max)   # 65504: a larger state would be sent as infinity
@@ -125,20 +183,44 @@ def as_dtype(states: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return top, (top.astype(np.uint32) << 16).view(np.float32)
 
 
-def answer(rows: list, model: str, tokens: int, req: EncodeRequest) -> bytes:
-    """The answer's JSON bytes, written an input at a time; base64 states go in as bytes (no
-    JSON escaping of megabytes that need none: 512 x 4096 states are 11 MB of base64)."""
-    parts = [b'{"object":"list","data":[']
-    for i, (states, mask) in enumerate(rows):
-        raw, values = as_dtype(states, req.dtype)
-        head = {"object": "encoding", "index": i, "shape": list(states.shape),
-                "dtype": req.dtype, "attention_mask": mask.tolist()}
-        parts += [b"," if i else b"", _json(head)[:-1], b',"states":']
-        parts += [b'"', binascii.b2a_base64(raw, newline=False), b'"}'] if req.base64 \
-            else [_json(values.tolist()), b"}"]
-    tail = {"model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    parts.append(b"]," + _json(tail)[1:])
-    return b"".join(parts)
+def encoded_row(states: np.ndarray, mask: np.ndarray, req: EncodeRequest) -> bytes:
+    """One input's answer after its "index": shape, dtype, attention_mask and states, to the
+    closing brace. base64 states go in as bytes (no JSON escaping of megabytes that need none:
+    512 x 4096 states are 11 MB of base64)."""
+    raw, values = as_dtype(states, req.dtype)
+    head = _json({"shape": list(states.shape), "dtype": req.dtype,
+                  "attention_mask": mask.tolist()})[1:-1]
+    if req.base64:
+        return b"".join([head, b',"states":"', binascii.b2a_base64(raw, newline=False), b'"}'])
+    return b"".join([head, b',"states":', _json(values.tolist()), b"}"])
+
+
+LIST_HEAD = b'{"object":"list","data":['
+
+
+def _item_head(index: int) -> bytes:
+    return b'{"object":"encoding","index":%d,' % index
+
+
+def _closing(model: str, tokens: int) -> bytes:
+    return b"]," + _json({"model": model, "usage": {"prompt_tokens": tokens,
+                                                    "total_tokens": tokens}})[1:]
+
+
+def rendered(part: bytes, model: str, tokens: int) -> Rendered:
+    """An input's encoded_row as the answer to a request of it alone."""
+    head = LIST_HEAD + _item_head(0)
+    return Rendered(b"".join([head, part, _closing(model, tokens)]), len(head),
+                    len(head) + len(part), tokens)
+
+
+def answer(parts: list, model: str, tokens: int) -> bytes:
+    """The answer's JSON bytes from each input's encoded_row."""
+    out = [LIST_HEAD]
+    for i, part in enumerate(parts):
+        out += [b"," if i else b"", _item_head(i), part]
+    out.append(_closing(model, tokens))
+    return b"".join(out)
 
 
 def _json(value: Any) -> bytes:
@@ -150,8 +232,9 @@ def plan(service: Any, body: dict) -> tuple:
     """routes' one-job plan for POST /v1/encode: the job, its arguments, the answer."""
     req = encode_request(body, service.limits.max_inputs)
 
-    def respond(got: tuple[list, int]) -> Response:
-        rows, tokens = got
+    def respond(got: tuple[bytes, int]) -> Response:
+        body, tokens = got
         service.metrics.tokens(tokens, 0)
-        return Response(answer(rows, service.name, tokens, req), media_type="application/json")
-    return run, (req, service.limits.max_input_tokens), respond
+        return Response(body, media_type="application/json")
+    return (run, (req, service.limits.max_input_tokens, service.encode_passes, service.name),
+            respond)

@@ -20,7 +20,12 @@
     minfer_decode_steps_total          counter: decode steps the continuous batcher took
     minfer_decode_step_requests_total  counter: requests stepped, summed over those steps
                                        (divided by the steps: the mean batch)
-    minfer_encode_cache_hits_total     counter: encoder rows answered from the encode cache
+    minfer_encode_passes_total         counter: encoder passes (model.encode calls) /v1/encode
+                                       ran, each shared by the concurrent requests it served
+    minfer_encode_pass_requests_total  counter: /v1/encode requests summed over those passes
+                                       (divided by the passes: the mean sharing)
+    minfer_encode_cache_hits_total     counter: encoder rows (or /v1/encode's rendered answers
+                                       of them) answered from the encode cache
     minfer_encode_cache_misses_total   counter: encoder rows looked up and not found there
     minfer_encode_cache_evictions_total  counter: rows dropped to stay within its budget
     minfer_encode_cache_bytes          gauge: bytes it holds (of minfer_encode_cache_budget_bytes)
@@ -61,6 +66,20 @@ class _BatcherCounts:
                                   value=self.batcher.stepped)
 
 
+class _EncodePassCounts:
+    """/v1/encode's queue counters (encode_passes.py), read when scraped."""
+
+    def __init__(self, passes: Any):
+        self.passes = passes
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily("minfer_encode_passes", "Encoder passes /v1/encode ran "
+                                  "(shared by concurrent requests)", value=self.passes.passes)
+        yield CounterMetricFamily("minfer_encode_pass_requests", "/v1/encode requests summed "
+                                  "over the encoder passes (/ passes: the mean sharing)",
+                                  value=self.passes.requests)
+
+
 class _EncodeCacheCounts:
     """The encode cache's counters and sizes, read when scraped."""
 
@@ -85,10 +104,13 @@ class _EncodeCacheCounts:
 
 class Metrics:
     def __init__(self, arena: Any, batcher: Any, running: Callable[[], int],
-                 waiting: Callable[[], int], encode_cache: Any = None):
+                 waiting: Callable[[], int], encode_cache: Any = None,
+                 encode_passes: Any = None):
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_BatcherCounts(batcher))
+        if encode_passes is not None:
+            r.register(_EncodePassCounts(encode_passes))
         if encode_cache is not None:
             r.register(_EncodeCacheCounts(encode_cache))
         Gauge("minfer_requests_running", "Requests being decoded or embedded now",

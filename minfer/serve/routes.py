@@ -60,6 +60,7 @@ from ..io.limits import is_integer
 from . import batches as batch_routes, encode, jobs, responses
 from .batch_runner import Batches
 from .batch_store import MAX_FILE_BYTES, Store
+from .encode_passes import EncodePasses
 from .errors import APIError, error_response, from_exception, shutting_down
 from .limits import Limits, clean_api_key
 from .middleware import OUTCOME, CheckHost, Count, RequireKey, host_names
@@ -78,14 +79,17 @@ class _ClientGone(Exception):
 
 
 class Service:
-    """What the routes share: the model, its name, the limits, the workers, the metrics, the
-    jobs in flight, the hosts allowed (None: any) and whether the server is draining."""
+    """What the routes share: the model, its name, the limits, the workers, /v1/encode's queue,
+    the metrics, the jobs in flight, the hosts allowed (None: any) and whether the server is
+    draining."""
 
     def __init__(self, model: Any, name: str, limits: Limits):
         self.model, self.name, self.limits = model, name, limits
         self.workers = Workers(model, limits.max_running, limits.max_waiting)
+        self.encode_passes = EncodePasses(model)   # /v1/encode's shared encoder passes
         self.metrics = Metrics(model.backend.arena, batcher_of(model), self.workers.running,
-                               self.workers.waiting, getattr(model, "encode_cache", None))
+                               self.workers.waiting, getattr(model, "encode_cache", None),
+                               self.encode_passes)
         self.created = int(time.time())
         self.ready = threading.Event()
         self.allowed_hosts: frozenset[str] | None = None
