@@ -177,12 +177,13 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
             dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
         mode = None if compute is None else _option_name(compute)
         grouped = _FORMATS[dtype].group if dtype in _FORMATS else 0
-        if grouped and mode in ("int8", "bfloat16"):   # either would round the blocks again
+        if grouped and mode == "bfloat16":   # q x scale + offset is no bfloat16: a rounding
             raise ConfigError(f"compute={compute!r}: {single} holds GGUF blocks, which load "
                               f"exactly as {dtype} (int8 per group of {grouped} with offsets) "
-                              "and multiply in float32: leave compute unset, or set dtype "
-                              "(e.g. dtype='int8') to re-quantise them")
-        if mode == "int8" and dtype not in _QUANTISED_FORMATS:
+                              "and multiply in float32 or, with compute='int8', as int8: leave "
+                              "compute unset or 'int8', or set dtype (e.g. dtype='bfloat16') to "
+                              "round them")
+        if mode == "int8" and dtype not in _QUANTISED_FORMATS and not grouped:
             dtype = "int8"
         elif mode == "bfloat16" and dtype not in _FP8_FORMATS:   # (fp8 values are bfloat16s)
             if dtype in _QUANTISED_FORMATS:   # int8 x scale is no bfloat16: a second rounding

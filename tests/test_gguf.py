@@ -18,6 +18,7 @@ from conftest import ROOT, rel_err
 from factories import t5_tensors
 
 import minfer
+from minfer import products
 from minfer.errors import CheckpointError, ConfigError
 from minfer.io.formats import FORMATS
 from minfer.io.gguf import GGUFFile, gguf_name
@@ -214,6 +215,54 @@ def test_the_grouped_product_kernel_equals_float64(tmp_path):
             assert rel_err(out, x @ w.T) < 1e-5, (group, M)
 
 
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("M, K", [(1, 128), (9, 96), (256, 128), (263, 192), (260, 96)])
+def test_the_int8_compute_kernel_multiplies_the_blocks_by_quantised_rows(group, M, K):
+    # compute="int8" on GGUF's blocks: the blocks' own values (no second rounding) times the
+    # inputs quantised per row; from 256 rows with K a multiple of 64 the panels, else the
+    # quantised rows as float32 through matmul_i8g; both builds (VNNI and its fallback)
+    from minfer.kernels.quantised_products import (grouped_work_bytes, qmatmul_i8g,
+                                                   qmatmul_i8g_fallback)
+    rng = np.random.default_rng(M + K + group)
+    fmt = FORMATS[f"int8g{group}"]
+    stored = fmt.encode("w", rng.standard_normal((70, K)).astype(np.float32))
+    q, params = stored["w"], stored["w_scale"]
+    params[..., 1] = rng.standard_normal(params.shape[:2]) / 10      # offsets too
+    w = fmt.decode(q, params, (70, K)).astype(np.float64)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[M // 2, 5] = np.nan                                            # a NaN row stays NaN
+    x[-1] = 0 if M > 1 else x[-1]                                    # a zero row stays 0
+    want = products.quantise_rows(np, x).astype(np.float64) @ w.T
+    for kernel in (qmatmul_i8g, qmatmul_i8g_fallback):
+        out = np.full((M, 70), -7.0, np.float32)
+        kernel(x, q, params, out, np.empty(grouped_work_bytes(M, K, K // group), np.uint8))
+        assert np.isnan(out[M // 2]).all()
+        ok = ~np.isnan(want[:, 0])
+        assert not ok.any() or rel_err(out[ok], want[ok]) < 1e-5, (kernel, M, K)
+
+
+@pytest.mark.parametrize("dtype", ["int8g32", "int8g16"])   # (int8g16 holds Q8_0 too)
+def test_int8_compute_on_a_trained_t5s_blocks_gives_its_answers(tmp_path, dtype):
+    # the trained tiny T5 (weights/tiny-t5-dates) as a whole-T5 GGUF: compute="int8" (the
+    # blocks as they are, the inputs quantised per row; the encoder's 128-column products of
+    # 200 prompts on the panels, the decoding steps' on the float32 path) answers as float32
+    # compute on the same file on its held-out prompts
+    from safetensors.numpy import load_file
+    dates = ROOT / "weights" / "tiny-t5-dates"
+    config = json.loads((dates / "config.json").read_text())
+    tensors = {k: v.astype(np.float32) for k, v in load_file(str(dates / "model.safetensors")).items()
+               if not k.endswith("embed_tokens.weight")}
+    write_gguf(tmp_path / "dates.gguf", config, tensors, MIXES["Q8_0"], arch="t5")
+    prompts = [json.loads(line)["prompt"] for line in
+               (dates / "heldout.jsonl").read_text().splitlines()[:200]]
+    load = dict(tokenizer=dates, parts="all", dtype=dtype)
+    want = minfer.load(tmp_path / "dates.gguf", compute="float32", **load).generate(prompts)
+    m = minfer.load(tmp_path / "dates.gguf", compute="int8", **load)
+    assert (m.backend.compute, m.backend.weight_format) == ("int8", dtype)
+    got = m.generate(prompts)
+    assert np.mean([g == w for g, w in zip(got, want)]) >= 0.97
+
+
 # -- whole models ----------------------------------------------------------------------------------
 MIXES = {   # the files users hold: one type throughout, or llama.cpp's mixes
     **{b: (lambda n, b=b: b) for b in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q5_K")},
@@ -260,8 +309,8 @@ def test_a_whole_t5_generates_as_its_values(tmp_path, kind):
 
 def test_the_weight_format_can_be_chosen(tmp_path):
     """dtype= overrides: int8g16 holds Q8_0's blocks exactly too (pairs repeated); float32 is
-    exact; int8 re-quantises per channel (info says so); compute int8 / bfloat16 would round
-    the blocks again and are refused unless a dtype is given."""
+    exact; int8 re-quantises per channel (info says so); compute bfloat16 would round the
+    blocks again and is refused unless a dtype is given; compute int8 keeps them."""
     config = {**SIZES, **KINDS["umt5"]}
     held = write_gguf(tmp_path / "q8.gguf", config, t5_tensors(config), MIXES["Q8_0"])
     want = minfer.load(oracle(tmp_path, "f", config, held), compute="float32").encode(IDS, MASK)
@@ -272,10 +321,11 @@ def test_the_weight_format_can_be_chosen(tmp_path):
     m = minfer.load(tmp_path / "q8.gguf", dtype="int8")
     assert "Q8_0 -> int8 (rounded from its float32 values)" in m.config.source_note
     assert 1e-3 < rel_err(m.encode(IDS, MASK), want) < 0.5   # (random weights: ~10%)
-    for compute in ("int8", "bfloat16"):
-        one_line_error(tmp_path / "q8.gguf", f"compute='{compute}': .*q8.gguf holds GGUF blocks, "
-                       "which load exactly as int8g32", ConfigError, compute=compute)
+    one_line_error(tmp_path / "q8.gguf", "compute='bfloat16': .*q8.gguf holds GGUF blocks, "
+                   "which load exactly as int8g32", ConfigError, compute="bfloat16")
     assert minfer.load(tmp_path / "q8.gguf", dtype="int8", compute="int8").backend.compute == "int8"
+    m = minfer.load(tmp_path / "q8.gguf", compute="int8")     # the blocks as they are, int8 inputs
+    assert (m.backend.weight_format, m.backend.compute) == ("int8g32", "int8")
 
 
 def test_the_grouped_format_quantises_a_float_checkpoint(tmp_path):

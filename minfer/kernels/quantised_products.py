@@ -12,6 +12,7 @@ from numba.extending import intrinsic, overload
 from numba.np.ufunc.parallel import _iget_num_threads
 
 from . import tiles
+from .float_products import matmul_i8g
 from .widening import I8
 
 
@@ -55,6 +56,7 @@ QUANTISE_PARALLEL = 1 << 16             # elements of input above which rows qua
 MIN_BLOCK, MAX_BLOCK = 32, 128          # weight rows per parallel task (`_block_rows`)
 _panel = tiles.make_panel_tile({True: tiles.ISA, False: tiles.FALLBACK})
 _panel4 = tiles.make_panel4_tile({True: tiles.ISA, False: tiles.FALLBACK})
+_panel_g = tiles.make_panel_grouped_tile({True: tiles.ISA, False: tiles.FALLBACK})
 PANEL = tiles.PANEL
 PANEL_MIN_ROWS = 256                    # input rows from which the products take the panels
                                         # (below, repacking the weights costs what it saves)
@@ -93,7 +95,8 @@ def _place(M, K, m):
 @njit(inline="always")
 def _quantise_row(xr, xq, base, ss, tb, sums, G):
     """Row xr quantised into its place in xq (`_place`): round(xr * 127 / absmax) (int8), sums[g]
-    the sum of columns g * G .. g * G + G - 1 of it (G a multiple of STEP, or K); returns the
+    the sum of columns g * G .. g * G + G - 1 of it (G a multiple of STEP, or K, or a divisor
+    of STEP where K is a multiple of STEP); returns the
     row's scale absmax / 127 (NaN when the row holds inf or NaN: its outputs are NaN, which
     generation names; 0 for a zero row, its quantised values and sums 0)."""
     K = xr.shape[0]
@@ -112,12 +115,13 @@ def _quantise_row(xr, xq, base, ss, tb, sums, G):
     for s in range(K // STEP):
         part = xq[base + s * ss:base + s * ss + STEP]
         src = xr[s * STEP:s * STEP + STEP]
-        t = np.int32(0)
-        for k in range(STEP):
-            q = np.int8(np.rint(src[k] * inv))
-            part[k] = q
-            t += np.int32(q)
-        sums[s * STEP // G] += t
+        for k0 in range(0, STEP, min(G, STEP)):       # (GGUF's groups: 16 or 32 columns)
+            t = np.int32(0)
+            for k in range(k0, k0 + min(G, STEP)):
+                q = np.int8(np.rint(src[k] * inv))
+                part[k] = q
+                t += np.int32(q)
+            sums[(s * STEP + k0) // G] += t
     tail = xq[tb:tb + K - main]
     t = np.int32(0)
     for k in range(K - main):
@@ -382,6 +386,123 @@ def _qmatmul(x, w, scale, out, work, kind, best):
             _cached_pass(kind, best, w, scale, n0, n1, xq, M, K, m, cols, sums, n, tail, per,
                          sx, out, off)
             m += cols
+
+
+# -- GGUF's blocks (int8g32 / int8g16): int8 q with a scale and an offset per group ----------------------
+# compute="int8" multiplies the blocks' own q (no second rounding of the weights) by the quantised
+# input rows: each group's int32 sum times its scale, plus its offset times the group's sum of the
+# input row (value = q * scale + offset). From PANEL_MIN_ROWS rows (K a multiple of STEP) the
+# panels, as int8's, with the group scales and offsets packed beside them
+# (`tiles.make_panel_grouped_tile`); fewer rows multiply the quantised rows, as float32, by the
+# widened blocks (`matmul_i8g`): the same products, summed in float32.
+@njit(inline="always")
+def _pack_grouped(w, params, n0, nb, width, flip, words, ps):
+    """`_pack` for the grouped format, and the rows' (scale, offset) per group g into ps at
+    (2 g) * width + r and (2 g + 1) * width + r (zero past nb)."""
+    _pack(w, n0, nb, width, flip, words)
+    groups = params.shape[1]
+    for r in range(width):
+        for g in range(groups):
+            ps[2 * g * width + r] = params[n0 + r, g, 0] if r < nb else 0
+            ps[(2 * g + 1) * width + r] = params[n0 + r, g, 1] if r < nb else 0
+
+
+@njit(inline="always")
+def _grouped_row(P, C, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off):
+    base, rs, ss, _, _ = _place(M, K, m)
+    if P == 4:
+        _panel_g(4, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+    elif P == 3:
+        _panel_g(3, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+    elif P == 2:
+        _panel_g(2, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+    else:
+        _panel_g(1, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+
+
+@njit(inline="always")
+def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off):
+    """`_panels` for the grouped format: Q quads (4 Q columns) a group."""
+    N = w.shape[0]
+    groups = params.shape[1]
+    flip = np.uint32(0x80808080) if off else np.uint32(0)
+    for b in prange((N + PANEL - 1) // PANEL):
+        n0 = b * PANEL
+        nb = min(N, n0 + PANEL) - n0
+        P = (nb + 15) // 16
+        raw = np.empty(K * P * 16 + 64, np.uint8)
+        skip = (64 - tiles.address(raw) % 64) % 64
+        pw = raw[skip:skip + K * P * 16]
+        ps = np.empty(2 * groups * P * 16, np.float32)
+        _pack_grouped(w, params, n0, nb, P * 16, flip, pw.view(np.uint32), ps)
+        m = 0
+        while m + 4 <= M:
+            _grouped_row(P, 4, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off)
+            m += 4
+        while m < M:
+            _grouped_row(P, 1, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off)
+            m += 1
+
+
+@njit(inline="always")
+def _quantised_floats(x, work):
+    """x (M, K) with each row rounded to int8 steps of its own (`_quantise_row`'s rounding), as
+    float32 in `work` (a row holding inf or NaN: NaN; a zero row: zeros)."""
+    M, K = x.shape
+    skip = (64 - tiles.address(work) % 64) % 64
+    xf = work[skip:skip + M * K * 4].view(np.float32).reshape((M, K))
+    for m in range(M):
+        top = np.int32(0)
+        for k in range(K):
+            top = max(top, _abs_bits(x[m, k]))
+        if top >= np.int32(0x7F800000):
+            xf[m, :] = np.nan
+            continue
+        if top == 0:
+            xf[m, :] = 0
+            continue
+        amax = _bits_f32(top)
+        inv, step = np.float32(127.0) / amax, amax / np.float32(127.0)
+        for k in range(K):
+            xf[m, k] = np.float32(np.rint(x[m, k] * inv)) * step
+    return xf
+
+
+def grouped_work_bytes(M: int, K: int, groups: int) -> int:
+    """Scratch bytes of `qmatmul_i8g` for M input rows of K columns in `groups` groups."""
+    from . import quantised_bytes   # (the panels' quantised rows, or the rows as float32)
+    return max(quantised_bytes(M, K, groups), M * K * 4 + 64)
+
+
+@njit(parallel=True, cache=True)
+def _qmatmul_grouped(x, w, params, out, work, best):
+    numba.literally(best)
+    M, K = x.shape
+    groups = params.shape[1]
+    G = K // groups if groups else 0
+    if M >= PANEL_MIN_ROWS and K % STEP == 0 and (G == 32 or G == 16):
+        off = OFFSET_BEST if best else OFFSET_FALLBACK
+        xq, sums, sx = _quantise(x, work, groups)
+        if G == 32:
+            _grouped_panels(w, params, out, xq, sums, sx, M, K, 8, best, off)
+        else:
+            _grouped_panels(w, params, out, xq, sums, sx, M, K, 4, best, off)
+        return
+    matmul_i8g(_quantised_floats(x, work), w, params, out)
+
+
+@njit(cache=True)
+def qmatmul_i8g(x, w, params, out, work):
+    """out = quantised(x) @ (w * scale + offset per group).T: GGUF's blocks (int8 q (N, K),
+    params (N, groups, 2) float32 scale and offset) times the input rows quantised per row;
+    work: grouped_work_bytes(M, K, groups) bytes."""
+    _qmatmul_grouped(x, w, params, out, work, True)
+
+
+@njit(cache=True)
+def qmatmul_i8g_fallback(x, w, params, out, work):
+    """qmatmul_i8g on the tiles a CPU without VNNI runs."""
+    _qmatmul_grouped(x, w, params, out, work, False)
 
 
 @njit(cache=True)

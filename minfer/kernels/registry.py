@@ -20,8 +20,8 @@ from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmu
                                 fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
                              matmul_i4, matmul_i8, matmul_i8g)
-from .quantised_products import (qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
-                                 qmatmul_i8_fallback)
+from .quantised_products import (grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
+                                 qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
 from .pass_softmax import softmax_distance_bias
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
 from .widening import widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i8
@@ -64,10 +64,11 @@ BY_FORMAT: dict[str, FormatKernels] = {
                               {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
     "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}),
     "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}),
-    # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); no
-    # rounding product (compute="int8" / "bfloat16" refuse these formats: backend.py)
-    "int8g32": FormatKernels(matmul_i8g, widen_i8),
-    "int8g16": FormatKernels(matmul_i8g, widen_i8),
+    # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); with
+    # compute="int8" the blocks' q times the quantised inputs, per group (compute="bfloat16"
+    # refuses these formats: q x scale + offset is no bfloat16)
+    "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
+    "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
 }
 # fp8 codes and their row scales: float32 products, or compute="bfloat16"'s bfloat16 x bfloat16
 # (every fp8 value is a bfloat16: the file's values multiplied exactly); compute="int8" refuses
@@ -104,6 +105,7 @@ def warm_up() -> None:
     matmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64)
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
+    qmatmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64, work)
     bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)
     for fp8 in (bmatmul_e4m3, bmatmul_e5m2):
         fp8(x64, np.zeros((2, 64), np.uint8), np.ones(2, np.float32), out64, work)
@@ -130,4 +132,5 @@ def max_threads() -> int:
 
 __all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
-           "qmatmul_i8_fallback", "relu", "set_threads", "softmax_distance_bias", "top_k", "warm_up"]
+           "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "relu", "set_threads",
+           "softmax_distance_bias", "top_k", "warm_up"]

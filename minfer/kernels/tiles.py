@@ -674,3 +674,96 @@ def make_panel4_tile(isas: dict[bool, str]):
             return context.get_dummy_value()
         return sig, codegen
     return tile
+
+
+def _panel_grouped_codegen(P, C, Q, isa, context, builder, a, args):
+    """The grouped int8 panel tile (GGUF's blocks, io/formats.py's int8g32 / int8g16): out[m + c,
+    i + 16 p + j] (16 p + j < valid) = sx[m + c] * the sum over groups g of Q quads (4 Q columns)
+    of ps[(2 g) * P * 16 + 16 p + j] * (the int32 sum of the group's (w + off) x - off *
+    sums[m + c, g]) + ps[(2 g + 1) * P * 16 + 16 p + j] * sums[m + c, g]: each group's scale
+    and offset (value = q * scale + offset), packed beside the panel's weights (`_pack`'s layout,
+    each weight + off(isa)). A group lies within one STEP of the input rows (4 Q divides STEP)."""
+    (pw, xq, base, rs, ss, groups, sums, m, sx, ps, i, valid, out, off) = args
+    W = _WIDTH[isa]
+    lanes = W // 4
+    nvec = 64 // W
+    wdata = builder.bitcast(context.make_array(a[0])(context, builder, pw).data, I8.as_pointer())
+    sdata = builder.bitcast(context.make_array(a[9])(context, builder, ps).data, F32.as_pointer())
+    xp = _grouped_rows(context, builder, a[1], xq, base, rs, C)
+    tp = _rows(context, builder, a[6], sums, m, C)
+    row_bytes = P * 16 * QUAD
+    fty = _vec(F32, lanes)
+    fma = _declare(builder, f"llvm.fma.v{lanes}f32", fty, fty, fty, fty)
+    per_step = STEP // (QUAD * Q)      # groups in one STEP of the input rows
+
+    def group(b, g, faccs):
+        s = b.udiv(g, ir.Constant(I64, per_step))
+        first = b.add(b.mul(s, ss), b.mul(b.urem(g, ir.Constant(I64, per_step)),
+                                          ir.Constant(I64, Q * QUAD)))
+        izero = ir.Constant(_vec(I32, lanes), None)
+        iaccs = [izero] * (C * P * nvec)
+        for q in range(Q):
+            at = b.mul(b.add(b.mul(g, ir.Constant(I64, Q)), ir.Constant(I64, q)),
+                       ir.Constant(I64, row_bytes))
+            wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)), _vec(I8, W))
+                   for h in range(nvec)] for p in range(P)]
+            xoff = b.add(first, ir.Constant(I64, q * QUAD))
+            xv = [b.bitcast(_splat(b, b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()),
+                                             align=1), lanes), _vec(I8, W)) for p_ in xp]
+            for c in range(C):
+                for p in range(P):
+                    for h in range(nvec):
+                        k = (c * P + p) * nvec + h
+                        iaccs[k] = _dot4(b, iaccs[k], wv[p][h], xv[c], isa,
+                                         u_signed=isa not in _VNNI)
+        out = list(faccs)
+        for c in range(C):
+            total = _load_at(b, tp[c], g)
+            fix = _splat(b, b.mul(total, b.trunc(off, I32)), lanes)
+            tsum = _splat(b, b.sitofp(total, F32), lanes)
+            for p in range(P):
+                for h in range(nvec):
+                    k = (c * P + p) * nvec + h
+                    lane0 = ir.Constant(I64, p * 16 + h * lanes)
+                    at = b.add(b.mul(g, ir.Constant(I64, 2 * P * 16)), lane0)
+                    scl = b.load(b.bitcast(b.gep(sdata, [at]), fty.as_pointer()), align=4)
+                    at = b.add(at, ir.Constant(I64, P * 16))
+                    ofs = b.load(b.bitcast(b.gep(sdata, [at]), fty.as_pointer()), align=4)
+                    value = b.call(fma, [b.sitofp(b.sub(iaccs[k], fix), fty), scl, faccs[k]])
+                    out[k] = b.call(fma, [tsum, ofs, value])
+        return out
+
+    fzero = ir.Constant(fty, None)
+    faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
+    sxp = _elem(context, builder, a[8], sx, m)
+    outp = _rows(context, builder, a[12], out, m, C)
+    mstore, lane_mask = _lane_masks(builder, valid, lanes)
+    for p in range(P):
+        for h in range(nvec):
+            first = p * 16 + h * lanes
+            mask = lane_mask(first)
+            for c in range(C):
+                rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
+                value = builder.fmul(faccs[(c * P + p) * nvec + h], _splat(builder, rscale, lanes))
+                at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
+                                     fty.as_pointer())
+                builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def make_panel_grouped_tile(isas: dict[bool, str]):
+    """The grouped int8 panel tile: tile(P, C, Q, best, pw, xq, base, rs, ss, groups, sums, m,
+    sx, ps, i, valid, out, off) (see `_panel_grouped_codegen`); P, C, Q (quads per group) and
+    best compile-time constants."""
+    @intrinsic
+    def tile(typingctx, P, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, i, valid,
+             out, off):
+        panels, cols, quads, b = literals(P, C, Q, best)
+        sig = types.none(P, C, Q, best, pw, xq, *[types.int64] * 4, sums, types.int64, sx, ps,
+                         types.int64, types.int64, out, types.int64)
+
+        def codegen(context, builder, signature, args):
+            _panel_grouped_codegen(panels, cols, quads, isas[b], context, builder,
+                                   signature.args[4:], args[4:])
+            return context.get_dummy_value()
+        return sig, codegen
+    return tile
