@@ -222,8 +222,9 @@ MIXES = {   # the files users hold: one type throughout, or llama.cpp's mixes
     "F16": lambda n: "F16", "BF16": lambda n: "BF16", "F32": lambda n: "F32",
     "Q8_0+F16": lambda n: "F16" if n == "shared.weight" else "Q8_0",
 }
-FORMAT_OF = {"Q4_K_M": "int8g16", "Q3_K_S": "int8g16", "F16": "float16", "BF16": "bfloat16",
-             "F32": "float32"}   # ("Q8_0+F16": the blocks int8g32, the F16 embedding float16)
+FORMAT_OF = {"Q4_K_M": "int8g16", "Q3_K_S": "int4g16", "Q4_0": "int4g32", "Q4_1": "int4g32",
+             "F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+# ("Q8_0+F16": the blocks int8g32, the F16 embedding float16; 4-bit codes only: int4g)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -331,3 +331,51 @@ def matmul_i8g(x, w, params, out):
             for j in range(nr, 4):       # past the last weight row: zeros, results dropped
                 rf[j, :] = 0.0
             _dot_widened(x, rf, ob, i, nr)
+
+
+# -- grouped int4 weights (GGUF's 4-bit blocks), computed in float32 -----------------------------------
+# A row of a grouped int4 matrix (io/formats.py: "int4g32", "int4g16") is K / 2 bytes in int4's
+# layout (blocks of 64 columns, byte i holding column i low and 32 + i high; a last block of 32
+# columns pairs column i with 16 + i), the codes unsigned (0..15), and per group of G columns a
+# float32 scale s and offset o (params (N, K / G, 2)): the weight is q * s + o. Every 16 bytes
+# hold two runs of 16 columns, each inside one group (G is a multiple of 16, K of 32: the
+# products.wrap condition), so a run widens with one (s, o). Four weight rows at a time are
+# widened into float rows in L1 (q * s exact, so each value rounds once, as GGUF's own float32
+# dequantisation: the same floats as matmul_i8g's), then dotted with every input row in 4x4 tiles.
+@njit(inline="always")
+def _widen_i4g_row(row, prow, dst):
+    K = dst.shape[0]
+    G = K // prow.shape[0]
+    full = K // 64 * 2                   # 16-byte runs inside whole 64-column blocks
+    for j in range(K // 32):
+        if j < full:                     # run j: the low or high half of block j // 2's bytes
+            lo = 32 * j - 16 * (j & 1)
+            hi = lo + 32
+        else:                            # the last block of 32 columns
+            lo = 32 * j
+            hi = lo + 16
+        gl, gh = lo // G, hi // G
+        sl, ol, sh, oh = prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1]
+        src, dl, dh = row[16 * j:16 * j + 16], dst[lo:lo + 16], dst[hi:hi + 16]
+        for i in range(16):
+            b = src[i]
+            dl[i] = _nib_lo(b) * sl + ol
+            dh[i] = _nib_hi(b) * sh + oh
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i4g(x, w, params, out):
+    K = x.shape[1]
+    N = w.shape[0]
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        ob = out[:, n0:n1]
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                _widen_i4g_row(w[n0 + i + j], params[n0 + i + j], rf[j])
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            _dot_widened(x, rf, ob, i, nr)
