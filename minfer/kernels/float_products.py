@@ -337,30 +337,47 @@ def matmul_i8g(x, w, params, out):
 # A row of a grouped int4 matrix (io/formats.py: "int4g32", "int4g16") is K / 2 bytes in int4's
 # layout (blocks of 64 columns, byte i holding column i low and 32 + i high; a last block of 32
 # columns pairs column i with 16 + i), the codes unsigned (0..15), and per group of G columns a
-# float32 scale s and offset o (params (N, K / G, 2)): the weight is q * s + o. Every 16 bytes
-# hold two runs of 16 columns, each inside one group (G is a multiple of 16, K of 32: the
-# products.wrap condition), so a run widens with one (s, o). Four weight rows at a time are
+# float32 scale s and offset o (params (N, K / G, 2)): the weight is q * s + o. K is a multiple
+# of 32 (the products.wrap condition), so G is 16 or a multiple of 32: each block's 32 bytes
+# widen in one loop of constant length that LLVM vectorises, with one (s, o) for its low
+# nibbles and one for its high ones, or for G = 16 a select between two (two loops of 16 per
+# half were 2-3x slower on one core, so were per-column indices). Four weight rows at a time are
 # widened into float rows in L1 (q * s exact, so each value rounds once, as GGUF's own float32
 # dequantisation: the same floats as matmul_i8g's), then dotted with every input row in 4x4 tiles.
+@njit(inline="always")
+def _widen_i4g_run(src, dl, dh, sl, ol, sh, oh, n):
+    """n bytes -> their low nibbles' values into dl, their high nibbles' into dh."""
+    for i in range(n):
+        b = src[i]
+        dl[i] = _nib_lo(b) * sl + ol
+        dh[i] = _nib_hi(b) * sh + oh
+
+
 @njit(inline="always")
 def _widen_i4g_row(row, prow, dst):
     K = dst.shape[0]
     G = K // prow.shape[0]
-    full = K // 64 * 2                   # 16-byte runs inside whole 64-column blocks
-    for j in range(K // 32):
-        if j < full:                     # run j: the low or high half of block j // 2's bytes
-            lo = 32 * j - 16 * (j & 1)
-            hi = lo + 32
-        else:                            # the last block of 32 columns
-            lo = 32 * j
-            hi = lo + 16
-        gl, gh = lo // G, hi // G
-        sl, ol, sh, oh = prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1]
-        src, dl, dh = row[16 * j:16 * j + 16], dst[lo:lo + 16], dst[hi:hi + 16]
-        for i in range(16):
+    for blk in range(K // 64):           # low nibbles: columns c.., high: c + 32..
+        c = blk * 64
+        if G % 32 == 0:                  # (constant trip counts: each loop vectorised whole)
+            gl, gh = c // G, (c + 32) // G
+            _widen_i4g_run(row[c // 2:c // 2 + 32], dst[c:c + 32], dst[c + 32:c + 64],
+                           prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1], 32)
+            continue
+        g = c // 16                      # G = 16: bytes 0..15 and 16..31 differ in group
+        s0, o0, s1, o1 = prow[g, 0], prow[g, 1], prow[g + 1, 0], prow[g + 1, 1]
+        s2, o2, s3, o3 = prow[g + 2, 0], prow[g + 2, 1], prow[g + 3, 0], prow[g + 3, 1]
+        src, dl, dh = row[c // 2:c // 2 + 32], dst[c:c + 32], dst[c + 32:c + 64]
+        for i in range(32):
             b = src[i]
-            dl[i] = _nib_lo(b) * sl + ol
-            dh[i] = _nib_hi(b) * sh + oh
+            first = i < 16
+            dl[i] = _nib_lo(b) * (s0 if first else s1) + (o0 if first else o1)
+            dh[i] = _nib_hi(b) * (s2 if first else s3) + (o2 if first else o3)
+    if K % 64:                           # a last block of 32 columns: i and 16 + i
+        c = K - 32
+        gl, gh = c // G, (c + 16) // G
+        _widen_i4g_run(row[c // 2:c // 2 + 16], dst[c:c + 16], dst[c + 16:c + 32],
+                       prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1], 16)
 
 
 @njit(parallel=True, fastmath=True, cache=True)
