@@ -215,3 +215,19 @@ def test_4bit_layers_stream_under_a_memory_limit(tmp_path):
     assert m.backend.weight_format == "int4g32"
     assert dict(m.weight_plan.summary())["streamed layers"].startswith("4 units through 2 slots")
     np.testing.assert_array_equal(m.encode(LONG, mask), want)
+
+
+@pytest.mark.parametrize("kind", ["v1_0", "umt5"])
+def test_a_whole_4bit_t5_generates_as_its_values(tmp_path, kind):
+    """Architecture t5 with a decoder: one-row decoding steps through matmul_i4g, the (tied, in
+    v1.0) head and the embedding's row lookups in int4g32."""
+    config = {**SIZES, **KINDS[kind]}
+    held = write_gguf(tmp_path / "t5.gguf", config, t5_tensors(config, "all"), MIXES["Q4_0"],
+                      arch="t5")
+    want = minfer.load(oracle(tmp_path, "f", config, held), compute="float32")
+    m = minfer.load(tmp_path / "t5.gguf", parts="all")
+    assert m.backend.weight_format == "int4g32"
+    ids = IDS.tolist()
+    assert m.generate(ids, max_new_tokens=8) == want.generate(ids, max_new_tokens=8)
+    dec = np.array([[0, 3, 4, 9], [0, 5, 6, 7]])
+    assert rel_err(m.forward(IDS, dec, MASK), want.forward(IDS, dec, MASK)) <= 1e-4
