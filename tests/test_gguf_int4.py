@@ -183,17 +183,36 @@ def test_info_says_what_each_tensor_became(tmp_path):
     assert "cpu / int4g16" in result.output
 
 
-def test_a_mix_with_wider_codes_asked_as_int4(tmp_path):
-    """Q4_K_M (Q6_K in v and wo) loads as int8g16 by default; dtype="int4g32" keeps the Q4_K
-    slots in int4 and gives the slots with Q6_K sources (q|k|v, wo) float32: still exact."""
+def test_a_mix_keeps_each_slot_in_the_format_that_holds_it(tmp_path):
+    """llama.cpp's Q4_K_M (Q6_K in v and wo): int4g32 for the slots of Q4_K sources, int8g16
+    for those with a Q6_K source (q|k|v fused, wo), exact; fewer bytes than int8g16
+    throughout. dtype="int8g16" still holds every slot in int8."""
     config = {**SIZES, **KINDS["umt5"]}
     mix = lambda n: "Q6_K" if n.endswith(("v.weight", "wo.weight")) else "Q4_K"   # noqa: E731
     held = write_gguf(tmp_path / "m.gguf", config, t5_tensors(config), mix)
     want = minfer.load(oracle(tmp_path, "f", config, held), compute="float32").encode(LONG)
-    assert minfer.load(tmp_path / "m.gguf").backend.weight_format == "int8g16"
-    m = minfer.load(tmp_path / "m.gguf", dtype="int4g32")
+    m = minfer.load(tmp_path / "m.gguf")
+    assert m.backend.weight_format == "int4g32"
     # o, wi_0, wi_1 in 2 layers and the embedding; q, k, v and wo in 2 layers
-    assert "int4g32 7 matrices" in m.weight_formats and "float32 8 matrices" in m.weight_formats
+    assert "int4g32 7 matrices; int8g16 8 matrices" in m.weight_formats
+    assert rel_err(m.encode(LONG), want) <= 1e-4
+    eight = minfer.load(tmp_path / "m.gguf", dtype="int8g16")
+    assert "int8g16 15 matrices" in eight.weight_formats
+    assert rel_err(eight.encode(LONG), want) <= 1e-4
+    assert linear_bytes(m) < 0.85 * linear_bytes(eight)
+
+
+def test_a_slot_of_blocks_and_floats_is_float(tmp_path):
+    """A slot fusing a block-typed matrix with a float one (layer 0's q in F16 beside Q4_0 k
+    and v) has no grouped form: float32, exact."""
+    config = {**SIZES, **KINDS["v1_1"]}
+    q0 = "encoder.block.0.layer.0.SelfAttention.q.weight"
+    mix = lambda n: "F16" if n == q0 else "Q4_0"   # noqa: E731
+    held = write_gguf(tmp_path / "m.gguf", config, t5_tensors(config), mix)
+    want = minfer.load(oracle(tmp_path, "f", config, held), compute="float32").encode(LONG)
+    m = minfer.load(tmp_path / "m.gguf")
+    assert m.backend.weight_format == "int4g32"
+    assert "float32 3 matrices" in m.weight_formats and "int4g32 12 matrices" in m.weight_formats
     assert rel_err(m.encode(LONG), want) <= 1e-4
 
 

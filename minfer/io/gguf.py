@@ -327,6 +327,7 @@ class GGUFFile(SingleFileChecks):
                                       f"and '{quoted(t.name)}' are the same tensor ({name})")
             self._tensors[name] = t
         self._presented: Any = None      # the grouped format the blocks are read in
+        self._read_as: dict[str, Any] = {}   # tensor -> the grouped format read_blocks gave it
         self.present_as(self.exact_format())
 
     # -- what the file holds ----------------------------------------------------------------------
@@ -400,14 +401,27 @@ class GGUFFile(SingleFileChecks):
                 if (len(t.shape) == 2 if matrices is None else n in matrices)}
 
     def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
-        """The most compact weight format that holds the matrices exactly: on the CPU, when any is
-        of a block type, the grouped int4 of the finest group the blocks use when every block
-        type's q fit 4 bits, else the grouped int8 (a float matrix beside them keeps a float
-        format of its own: `keeps`, params.loader.slot_formats); else `widened_format`.
-        (A file that mixes 4-bit types with wider ones, llama.cpp's Q4_K_M, is int8 throughout:
-        a slot fuses matrices of both kinds, q|k|v with v in Q6_K, and one slot has one format.)"""
+        """The weight format of a file's matrices: on the CPU, when any is of a block type, the
+        grouped int4 of the finest group its 4-bit types use (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), or
+        with none the grouped int8 of the finest group; a slot with a source that format does
+        not hold (a Q6_K v fused with Q4_K q and k in llama.cpp's Q4_K_M, an F16 embedding)
+        keeps an exact format of its own (`keeps`, `slot_format`: params.loader.slot_formats);
+        else `widened_format`."""
         blocks = {BLOCK_TYPES[k] for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
         if blocks and device_kind == "cpu":
+            four = [t.group for t in blocks if t.nibbles]
+            if four:
+                return GROUPED_INT4[min(four)].name
+            return GROUPED_INT8[min(t.group for t in blocks)].name
+        return self.widened_format(device_kind, matrices)
+
+    def slot_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact format that holds every one of `matrices` (a slot's sources)
+        exactly: on the CPU, when all are of block types, the grouped int4 (every type's q fit 4
+        bits) or int8 of their finest group; else `widened_format`."""
+        kinds = self._matrix_kinds(matrices)
+        if kinds and device_kind == "cpu" and kinds <= set(BLOCK_TYPES):
+            blocks = [BLOCK_TYPES[k] for k in kinds]
             grouped = GROUPED_INT4 if all(t.nibbles for t in blocks) else GROUPED_INT8
             return grouped[min(t.group for t in blocks)].name
         return self.widened_format(device_kind, matrices)
@@ -443,7 +457,7 @@ class GGUFFile(SingleFileChecks):
         for n, t in self._tensors.items():
             if not (len(t.shape) == 2 if self._matrices is None else n in self._matrices):
                 continue
-            held = self._held(t)
+            held = self._read_as.get(n) or self._held(t)
             if held is not None:
                 into = f"{held.name} (exact: q x scale + offset per group of {held.group})"
             elif t.kind in BLOCK_TYPES and self._presented is not None:   # its slot: float32
@@ -515,6 +529,20 @@ class GGUFFile(SingleFileChecks):
             check_weight_values(out, what, rows[0] if rows else 0)
         return out
 
+    def read_blocks(self, name: str, fmt: WeightFormat, rows: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """A block-typed tensor (or rows) in the grouped format `fmt` that holds it (`keeps`):
+        q (int8, or two 4-bit codes a byte for a grouped int4) and its (scale, offset) pairs in
+        fmt's groups (remembered for storage_note: what the tensor became)."""
+        from .checkpoint import check_weight_values
+        t, raw = self._raw(name, rows)
+        q, params = decode_rows(t.kind, raw, t.row_values, fmt.group)
+        if self.check_values:
+            check_weight_values(params, f"{self.path}: tensor '{quoted(t.name)}' (its block "
+                                "scales)", rows[0] if rows else 0)
+        self._read_as[name] = fmt
+        return (pack_nibbles(q) if fmt.packed else q), params
+
     def read_stored(self, name: str, rows: tuple[int, int] | None = None
                     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The tensor (or rows) as `info(name).dtype` says: a float type as stored (BF16 as its
@@ -525,14 +553,11 @@ class GGUFFile(SingleFileChecks):
         t = self._tensors.get(name)
         if t is not None and t.kind in BLOCK_TYPES and self._held(t) is None:
             return self.read(name, np.float32, rows), None
+        if t is not None and t.kind in BLOCK_TYPES:
+            return self.read_blocks(name, self._presented, rows)
         t, raw = self._raw(name, rows)
         what = f"{self.path}: tensor '{quoted(t.name)}'"
         check = self.check_values
-        if t.kind in BLOCK_TYPES:
-            q, params = decode_rows(t.kind, raw, t.row_values, self._presented.group)
-            if check:
-                check_weight_values(params, what + " (its block scales)", rows[0] if rows else 0)
-            return (pack_nibbles(q) if self._presented.packed else q), params
         values = raw.view(FLOAT_TYPES[t.kind]).reshape(self._shaped(t, rows))
         if check:
             check_weight_values(bf16_to_float32(values) if t.kind == "BF16" else values, what,
