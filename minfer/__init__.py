@@ -73,11 +73,12 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         for a whole seq2seq model; city96's T5-XXL / UMT5-XXL encoder files): read with the
         `gguf` package (the [gguf] extra), config from its metadata and shapes, tensors F32,
         F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (io/gguf.py).
-        With dtype unset its blocks load exactly, as "int4g32" / "int4g16" (4 bits a weight and
-        a float32 scale and offset per group of 32 / 16) when every block type's codes fit 4
-        bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), else as "int8g32" (one byte a weight, the same per
-        group of 32) or "int8g16" where Q2_K, Q3_K or Q6_K blocks are present (a float matrix
-        beside them keeps its own float format); on CUDA a GGUF
+        With dtype unset its blocks load exactly: as "int4g32" / "int4g16" (4 bits a weight and
+        a float32 scale and offset per group of 32 / 16) where the file has types whose codes
+        fit 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), a slot with a wider source (Q5_*, Q6_K,
+        Q8_0: llama.cpp's Q4_K_M) as "int8g32" / "int8g16" (one byte a weight, the same per
+        group), and a file without 4-bit types all so (a float matrix beside the blocks keeps
+        its own float format); on CUDA a GGUF
         file loads as float32. Its own T5 vocabulary (tokenizer.ggml.*) is its tokenizer unless tokenizer=
         names a folder.
     config: a single file's config.json (its path, or a folder holding one) instead of the

@@ -29,7 +29,8 @@ reference does. The blocks decode into q (int8) and (scale, offset) pairs, with 
 Q3_K's q taken unsigned (0..15, 0..7) and their shift in the offset (-8d, -4 x scale: exact, as
 both terms are whole multiples of the scale): the grouped int8 weight formats (io/formats.py
 "int8g32", "int8g16") hold every type as it is, the grouped int4 ones ("int4g32", "int4g16":
-half the bytes) the types whose q fit 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K; `present_as`).
+half the bytes) the types whose q fit 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K; `present_as`, and
+`read_blocks` in a slot's own format: a file may use both, int8 for the slots with a wider type).
 
 The tokenizer: the file's sentencepiece vocabulary (tokenizer.ggml.*: pieces, scores, types,
 the normalizer's precompiled charsmap) becomes a tokenizer.json for the `tokenizers` library
