@@ -1,6 +1,6 @@
 """A T5-v1.1-XXL-shaped text encoder from one file, under a memory limit (issue 28's target).
 
-    python benchmarks/bench_xxl_encoder.py [--format fp8|fp8-scaled|q8_0] [--limit 2GiB]
+    python benchmarks/bench_xxl_encoder.py [--format fp8|fp8-scaled|q8_0|q4_0] [--limit 2GiB]
                                            [--tokens 512] [--layers 24] [--keep]
 
 Writes a random T5-v1.1-XXL-shaped encoder (d_model 4096, 64 heads of 64, gated-GELU d_ff 10240,
@@ -8,7 +8,7 @@ Writes a random T5-v1.1-XXL-shaped encoder (d_model 4096, 64 heads of 64, gated-
 t5xxl_fp8_e4m3fn.safetensors (every matrix and the embedding F8_E4M3, norms F32), `fp8-scaled`
 like t5xxl_fp8_e4m3fn_scaled.safetensors (plus a float32 `scale_weight` per matrix and the
 `scaled_fp8` mark; the embedding F16), `q8_0` like city96's t5-v1_1-xxl-encoder-Q8_0.gguf (the `gguf` package
-must be installed). The file goes to /tmp/minfer-xxl/ and is reused (about 4.8 GB for fp8).
+must be installed), `q4_0` the same in Q4_0 blocks (loaded as int4g32: half a byte a weight). The file goes to /tmp/minfer-xxl/ and is reused (about 4.8 GB for fp8).
 
 Then, each in a fresh process: `encode` of 1 x `--tokens` token ids the way Flux's pipeline calls
 its T5 (padding to the length, no attention mask) under `memory_limit=--limit`, and the same
@@ -34,6 +34,7 @@ MARK = "@@ "
 XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, num_heads=64, d_ff=10240, num_layers=24,
            buckets=32)
 FOLDER = Path("/tmp/minfer-xxl")
+GGUF_KINDS = {"q8_0": "Q8_0", "q4_0": "Q4_0"}     # --format -> the GGUF block type written
 
 
 def tensors(layers: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -105,9 +106,10 @@ def write_safetensors(path: Path, layers: int, scaled: bool) -> None:
     tmp.rename(path)
 
 
-def write_gguf(path: Path, layers: int) -> None:
-    """llama.cpp's t5encoder layout, matrices Q8_0 (gguf's own quantiser), the rest F32."""
+def write_gguf(path: Path, layers: int, kind: str = "Q8_0") -> None:
+    """llama.cpp's t5encoder layout, matrices in `kind` (gguf's own quantiser), the rest F32."""
     import gguf
+    qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(0)
     names = {"shared.weight": "token_embd.weight",
              "encoder.final_layer_norm.weight": "enc.output_norm.weight"}
@@ -135,8 +137,7 @@ def write_gguf(path: Path, layers: int) -> None:
             target = f"enc.blk.{i}.{per_block[rest]}.weight"
         if matrix:
             values = fp8_weights(rng, shape)
-            w.add_tensor(target, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(target, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(target, small_floats(rng, name, shape))
     w.write_header_to_file()
@@ -153,12 +154,12 @@ def fp8_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 
 def model_file(fmt: str, layers: int) -> Path:
     FOLDER.mkdir(exist_ok=True)
-    suffix = ".gguf" if fmt == "q8_0" else ".safetensors"
+    suffix = ".gguf" if fmt in GGUF_KINDS else ".safetensors"
     path = FOLDER / f"t5xxl-{layers}-{fmt}{suffix}"
     if not path.is_file():
         t0 = time.perf_counter()
-        if fmt == "q8_0":
-            write_gguf(path, layers)
+        if fmt in GGUF_KINDS:
+            write_gguf(path, layers, GGUF_KINDS[fmt])
         else:
             write_safetensors(path, layers, scaled=fmt == "fp8-scaled")
         print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
@@ -198,7 +199,7 @@ def run(args: list[str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", choices=["fp8", "fp8-scaled", "q8_0"], default="fp8")
+    p.add_argument("--format", choices=["fp8", "fp8-scaled", *GGUF_KINDS], default="fp8")
     p.add_argument("--limit", default="2GiB")
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--layers", type=int, default=XXL["num_layers"])

@@ -73,9 +73,12 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         for a whole seq2seq model; city96's T5-XXL / UMT5-XXL encoder files): read with the
         `gguf` package (the [gguf] extra), config from its metadata and shapes, tensors F32,
         F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K (io/gguf.py).
-        With dtype unset its blocks load exactly, one byte a weight, as "int8g32" (int8 with a
-        float32 scale and offset per group of 32) or "int8g16" where Q2_K, Q3_K or Q6_K blocks
-        are present (a float matrix beside them keeps its own float format); on CUDA a GGUF
+        With dtype unset its blocks load exactly: as "int4g32" / "int4g16" (4 bits a weight and
+        a float32 scale and offset per group of 32 / 16) where the file has types whose codes
+        fit 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), a slot with a wider source (Q5_*, Q6_K,
+        Q8_0: llama.cpp's Q4_K_M) as "int8g32" / "int8g16" (one byte a weight, the same per
+        group), and a file without 4-bit types all so (a float matrix beside the blocks keeps
+        its own float format); on CUDA a GGUF
         file loads as float32. Its own T5 vocabulary (tokenizer.ggml.*) is its tokenizer unless tokenizer=
         names a folder.
     config: a single file's config.json (its path, or a folder holding one) instead of the
@@ -90,7 +93,8 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
         channels: io/formats.py's INT4_GROUP), "int8g32" / "int8g16" (CPU: int8 with a
         float32 scale and offset per group of 32 / 16 input channels, computed in float32:
-        what a GGUF file's blocks load as) or "auto" (the checkpoint's own: int8, int4,
+        what a GGUF file's blocks load as), "int4g32" / "int4g16" (the same with unsigned 4-bit
+        codes: a GGUF file's 4-bit blocks) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.
@@ -176,13 +180,15 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         else:
             dtype = _stored_format(ckpt) if dtype == "auto" else ckpt.quantised_format()
         mode = None if compute is None else _option_name(compute)
-        grouped = _FORMATS[dtype].group if dtype in _FORMATS else 0
-        if grouped and mode == "bfloat16":   # q x scale + offset is no bfloat16: a rounding
+        grouped = _FORMATS[dtype] if dtype in _FORMATS and _FORMATS[dtype].group else None
+        # GGUF's blocks: compute="bfloat16" would round them again (q x scale + offset is no
+        # bfloat16); compute="int8" multiplies the int8 blocks as they are (the 4-bit ones have
+        # no int8 product: they multiply in float32)
+        if grouped and (mode == "bfloat16" or (mode == "int8" and grouped.packed)):
             raise ConfigError(f"compute={compute!r}: {single} holds GGUF blocks, which load "
-                              f"exactly as {dtype} (int8 per group of {grouped} with offsets) "
-                              "and multiply in float32 or, with compute='int8', as int8: leave "
-                              "compute unset or 'int8', or set dtype (e.g. dtype='bfloat16') to "
-                              "round them")
+                              f"exactly as {dtype} ({grouped.quantisation}) and multiply in "
+                              "float32 (the int8 ones also with compute='int8'): leave compute "
+                              "unset, or set dtype (e.g. dtype='int8') to re-quantise them")
         if mode == "int8" and dtype not in _QUANTISED_FORMATS and not grouped:
             dtype = "int8"
         elif mode == "bfloat16" and dtype not in _FP8_FORMATS:   # (fp8 values are bfloat16s)

@@ -27,9 +27,10 @@ from .params.transfers import Transfers
 
 # dtype option -> how the linear layers are stored, per device kind
 # (float8_e4m3 / float8_e5m2: a file's fp8 codes kept, CPU only; on CUDA an fp8 file widens to
-# float16, which holds every fp8 value; int8g32 / int8g16: GGUF blocks held exactly, CPU only)
+# float16, which holds every fp8 value; int8g32 / int8g16, int4g32 / int4g16: GGUF blocks held
+# exactly, CPU only)
 _FORMATS = {"cpu": ("float32", "float16", "bfloat16", "int8", "int4", "float8_e4m3", "float8_e5m2",
-                    "int8g32", "int8g16"),
+                    "int8g32", "int8g16", "int4g32", "int4g16"),
             "cuda": ("float16", "float32", "int8")}
 _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
 # compute option -> the dtype activations are in. On the CPU "int8" and "bfloat16" keep float32

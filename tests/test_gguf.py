@@ -271,8 +271,10 @@ MIXES = {   # the files users hold: one type throughout, or llama.cpp's mixes
     "F16": lambda n: "F16", "BF16": lambda n: "BF16", "F32": lambda n: "F32",
     "Q8_0+F16": lambda n: "F16" if n == "shared.weight" else "Q8_0",
 }
-FORMAT_OF = {"Q4_K_M": "int8g16", "Q3_K_S": "int8g16", "F16": "float16", "BF16": "bfloat16",
-             "F32": "float32"}   # ("Q8_0+F16": the blocks int8g32, the F16 embedding float16)
+FORMAT_OF = {"Q4_K_M": "int4g32", "Q3_K_S": "int4g16", "Q4_0": "int4g32", "Q4_1": "int4g32",
+             "F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+# ("Q8_0+F16": the blocks int8g32, the F16 embedding float16; Q4_K_M: int4g32, the slots with a
+# Q6_K source int8g16)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -300,7 +302,7 @@ def test_a_whole_t5_generates_as_its_values(tmp_path, kind):
     assert minfer.load(tmp_path / "t5.gguf").parts == ("encoder",)
     want = minfer.load(oracle(tmp_path, "f", config, held), compute="float32")
     m = minfer.load(tmp_path / "t5.gguf", parts="all")
-    assert m.backend.weight_format == "int8g16"
+    assert m.backend.weight_format == "int4g32"
     ids = IDS.tolist()
     assert m.generate(ids, max_new_tokens=8) == want.generate(ids, max_new_tokens=8)
     dec = np.array([[0, 3, 4, 9], [0, 5, 6, 7]])
@@ -380,10 +382,13 @@ def test_info_says_what_each_tensor_became(tmp_path):
     result = CliRunner().invoke(cli, ["info", "-m", str(tmp_path / "m.gguf")])
     assert result.exit_code == 0, result.output
     assert "single file m.gguf, config inferred from its GGUF metadata and tensors" in result.output
-    # q, k, o, wi_0, wi_1 (2 layers) and the embedding; v and wo
-    assert "Q4_K -> int8g16 (exact: q x scale + offset per group of 16): 11 matrices" in result.output
+    # o, wi_0, wi_1 (2 layers) and the embedding in int4; q and k fused with a Q6_K v (2
+    # layers) in int8, as are v and wo
+    assert "Q4_K -> int4g32 (exact: q x scale + offset per group of 32): 7 matrices" in result.output
+    assert "Q4_K -> int8g16 (exact: q x scale + offset per group of 16): 4 matrices" in result.output
     assert "Q6_K -> int8g16 (exact: q x scale + offset per group of 16): 4 matrices" in result.output
-    assert "cpu / int8g16" in result.output
+    assert "cpu / int4g32" in result.output
+    assert "int4g32 7 matrices; int8g16 8 matrices" in result.output
 
 
 # -- files that are not what they claim --------------------------------------------------------------
@@ -488,12 +493,12 @@ def test_config_replaces_the_metadata(tmp_path):
 
 
 def test_layers_stream_under_a_memory_limit(tmp_path):
-    """A limit below the four layers: they stream through two slots (their grouped int8 bytes
-    and pairs, as packed), and the states are the unlimited run's."""
+    """A limit below the four layers: they stream through two slots (their grouped int4 / int8
+    bytes and pairs, as packed), and the states are the unlimited run's."""
     config = {**SIZES, **KINDS["umt5"], "num_layers": 4}
     write_gguf(tmp_path / "e.gguf", config, t5_tensors(config), MIXES["Q4_K_M"])
     want = minfer.load(tmp_path / "e.gguf").encode(LONG, np.ones(LONG.shape, bool))
-    m = minfer.load(tmp_path / "e.gguf", memory_limit="9600KiB", workspace="6MiB")
+    m = minfer.load(tmp_path / "e.gguf", memory_limit="8500KiB", workspace="6MiB")
     assert dict(m.weight_plan.summary())["streamed layers"].startswith("4 units through 2 slots")
     np.testing.assert_array_equal(m.encode(LONG, np.ones(LONG.shape, bool)), want)
 

@@ -14,8 +14,10 @@ float32 scale per output channel, as BMInf and CTranslate2 quantise) and "int4" 
 float32 scale per group of `int4_group(in)` input channels, two values a byte: see `quantise_int4`
 for the layout) and "int8g32" / "int8g16" (grouped int8: one float32 scale *and offset* per group
 of 32 / 16 input channels, value = q * scale + offset: GGUF's block quantisations, which all have
-that form, held exactly; see `quantise_grouped_int8`). A quantised matrix `w` is stored as `w`
-plus its scales `w` + SCALE_SUFFIX, in packed layers and in files.
+that form, held exactly; see `quantise_grouped_int8`) and "int4g32" / "int4g16" (the same with
+unsigned 4-bit codes two a byte, in int4's layout: GGUF's blocks whose codes fit 4 bits; see
+`quantise_grouped_int4`). A quantised matrix `w` is stored as `w` plus its scales `w` +
+SCALE_SUFFIX, in packed layers and in files.
 
 "float8_e4m3" and "float8_e5m2" keep an fp8 file's own codes (one byte a weight) with a float32
 scale per output channel (ComfyUI's scaled fp8: its scale, one per tensor or per row; a plain fp8
@@ -87,13 +89,22 @@ def quantise_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = (np.take_along_axis(groups, at, axis=2)[..., 0] / -8.0).astype(np.float32)
     scale[scale == 0] = 1.0
     q = np.clip(np.rint(groups / scale[..., None]), -8, 7).astype(np.int16).reshape(N, K) + 8
-    packed = np.empty((N, K // 2), np.uint8)
+    return pack_nibbles(q), scale
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Codes (R, K) in 0..15 -> (R, K / 2) uint8 in the int4 layouts' order (`quantise_int4`):
+    blocks of 64 columns, byte i of a block holding column i low and 32 + i high; a last
+    partial block of r columns pairs column i with i + r / 2."""
+    R, K = q.shape
+    q = q.astype(np.uint8, copy=False)
+    packed = np.empty((R, K // 2), np.uint8)
     full = K // 64 * 64
-    blocks = q[:, :full].reshape(N, -1, 2, 32)
-    packed[:, :full // 2] = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, -1)
+    blocks = q[:, :full].reshape(R, -1, 2, 32)
+    packed[:, :full // 2] = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(R, -1)
     half = (K - full) // 2
     packed[:, full // 2:] = q[:, full:full + half] | (q[:, full + half:] << 4)
-    return packed, scale
+    return packed
 
 
 def quantise_grouped_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,9 +123,27 @@ def quantise_grouped_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.nda
     return q, params
 
 
-def _widen_int4(src: Any, dst: Any) -> None:
-    """Packed int4 rows (R, K / 2) -> their values q (R, K) as floats, unscaled (any array
-    namespace; see `quantise_int4` for the layout)."""
+def quantise_grouped_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(out, in) float -> packed codes (out, in / 2) uint8 and float32 (out, in / G, 2): per
+    group of G input channels offset o = its least value and scale d = (greatest - least) / 15,
+    q = round((w - o) / d) in 0..15 (so the least value is exact). The format holds GGUF's 4-bit
+    blocks as they are (io/gguf.py); this is what `dtype="int4g32"` asks of float weights. A
+    constant group gets scale 1."""
+    w = np.asarray(w, dtype=np.float32)
+    N, K = w.shape
+    groups = w.reshape(N, K // group, group)
+    low = groups.min(axis=2)
+    scale = (groups.max(axis=2) - low) / np.float32(15.0)
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint((groups - low[..., None]) / scale[..., None]), 0, 15).reshape(N, K)
+    params = np.empty((N, K // group, 2), np.float32)
+    params[..., 0], params[..., 1] = scale, low
+    return pack_nibbles(q.astype(np.uint8)), params
+
+
+def _widen_nibbles(src: Any, dst: Any) -> None:
+    """Packed rows (R, K / 2) -> their codes 0..15 (R, K) as floats (any array namespace; the
+    layout is `pack_nibbles`'): the grouped int4 formats' q, which their offsets shift."""
     R, K = dst.shape
     full = K // 64 * 64
     if full:
@@ -127,6 +156,12 @@ def _widen_int4(src: Any, dst: Any) -> None:
         tail = src[:, full // 2:]
         dst[:, full:full + half] = tail & 15
         dst[:, full + half:] = tail >> 4
+
+
+def _widen_int4(src: Any, dst: Any) -> None:
+    """Packed int4 rows (R, K / 2) -> their values q (R, K) as floats, unscaled (the nibbles
+    hold q + 8)."""
+    _widen_nibbles(src, dst)
     dst -= 8
 
 
@@ -201,9 +236,9 @@ class WeightFormat:
     scaled: bool = False                       # int8 / int4: scales beside the matrix
     grouped: bool = False                      # int4, grouped int8: scales per group of inputs
     packed: bool = False                       # int4: two values a byte, (out, in / 2)
-    group: int = 0                             # grouped int8: input channels per group (else
+    group: int = 0                             # grouped int8 / int4: inputs per group (else
                                                # per row, or int4_group(in))
-    offsets: bool = False                      # grouped int8: a (scale, offset) pair per group
+    offsets: bool = False                      # grouped: a (scale, offset) pair per group
     widen: Callable[[Any, Any], None] = widen_cast   # the NumPy widening of its rows
     quantisation: str = ""                     # how a file written in it says so (metadata)
     from_file: bool = False                    # fp8: holds only a file's own codes (no encode)
@@ -228,7 +263,7 @@ class WeightFormat:
         return (shape[0], shape[1] // int4_group(shape[1])) if self.grouped else (shape[0],)
 
     def group_of(self, K: int) -> int:
-        """A grouped int8 matrix's input channels per group for inner size K: the format's
+        """A grouped matrix's input channels per group for inner size K: the format's
         group, or K (one group a row) when K is no multiple of it (a GGUF matrix always is)."""
         return self.group if K % self.group == 0 else K
 
@@ -249,7 +284,8 @@ class WeightFormat:
             raise ConfigError(f"weight format {self.name!r} keeps a file's {self.file_code} codes "
                               f"as they are; '{name}' is not stored {self.file_code}")
         if self.scaled:
-            q, scale = (quantise_grouped_int8(w, self.group_of(w.shape[1])) if self.group
+            grouped = quantise_grouped_int4 if self.packed else quantise_grouped_int8
+            q, scale = (grouped(w, self.group_of(w.shape[1])) if self.group
                         else quantise_int4(w) if self.grouped else quantise_int8(w))
             return {name: q, name + SCALE_SUFFIX: scale}
         if self.name == "bfloat16":
@@ -288,6 +324,15 @@ FORMATS: dict[str, WeightFormat] = {
                             offsets=True, quantisation="int8 per group of 32, with offsets"),
     "int8g16": WeightFormat("int8g16", np.int8, "I8G16", scaled=True, grouped=True, group=16,
                             offsets=True, quantisation="int8 per group of 16, with offsets"),
+    # GGUF's blocks whose codes fit 4 bits unsigned: Q4_0 (offset -8d), Q4_1, Q4_K in groups of
+    # 32, Q2_K and Q3_K (offset -4 x its scale) in groups of 16; two codes a byte as int4's
+    # layout, the codes unsigned (0..15), a float32 scale and offset per group
+    "int4g32": WeightFormat("int4g32", np.uint8, "I4G32", scaled=True, grouped=True,
+                            packed=True, group=32, offsets=True, widen=_widen_nibbles,
+                            quantisation="int4 per group of 32, with offsets"),
+    "int4g16": WeightFormat("int4g16", np.uint8, "I4G16", scaled=True, grouped=True,
+                            packed=True, group=16, offsets=True, widen=_widen_nibbles,
+                            quantisation="int4 per group of 16, with offsets"),
 }
 # fp8 as the file stores it, with a float32 scale per output channel
 FP8_FORMATS = {
@@ -298,7 +343,9 @@ FP8_FORMATS = {
 }
 FORMATS.update(FP8_FORMATS)
 FP8_FORMAT_BY_FILE_CODE = {f.file_code: f for f in FP8_FORMATS.values()}
-GROUPED_INT8 = {f.group: f for f in FORMATS.values() if f.group}   # group size -> its format
+# group size -> its format: int8 (any GGUF block) and int4 (blocks whose codes fit 4 bits)
+GROUPED_INT8 = {f.group: f for f in FORMATS.values() if f.group and not f.packed}
+GROUPED_INT4 = {f.group: f for f in FORMATS.values() if f.group and f.packed}
 # by the matrix's file dtype (what `minfer convert` writes: neither fp8 nor the grouped formats)
 QUANTISED_BY_FILE_CODE = {f.file_code: f for f in FORMATS.values()
                           if f.scaled and not f.from_file and not f.group}

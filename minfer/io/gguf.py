@@ -25,8 +25,12 @@ plus a float32 offset (Q8_0: d * q; Q4_0: d * (q - 8); Q4_1: d * q + m; Q5_0: d 
 Q5_1: d * q + m; Q2_K, Q4_K, Q5_K: (d * sc) * q - dmin * m with 6- or 4-bit sc, m per sub-block;
 Q3_K: (d * (sc - 32)) * q; Q6_K: (d * sc) * (q - 32)). d * sc (a float16 times a small integer)
 is exact in float32 and so is its product with q, so q * scale + offset rounds once, as the
-reference does. The blocks decode into q (int8) and (scale, offset) pairs: the grouped int8
-weight formats (io/formats.py "int8g32", "int8g16") hold them as they are (`present_as`).
+reference does. The blocks decode into q (int8) and (scale, offset) pairs, with Q4_0's and
+Q3_K's q taken unsigned (0..15, 0..7) and their shift in the offset (-8d, -4 x scale: exact, as
+both terms are whole multiples of the scale): the grouped int8 weight formats (io/formats.py
+"int8g32", "int8g16") hold every type as it is, the grouped int4 ones ("int4g32", "int4g16":
+half the bytes) the types whose q fit 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K; `present_as`, and
+`read_blocks` in a slot's own format: a file may use both, int8 for the slots with a wider type).
 
 The tokenizer: the file's sentencepiece vocabulary (tokenizer.ggml.*: pieces, scores, types,
 the normalizer's precompiled charsmap) becomes a tokenizer.json for the `tokenizers` library
@@ -45,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from .formats import FORMATS, GROUPED_INT8
+from .formats import FORMATS, GROUPED_INT4, GROUPED_INT8, WeightFormat, pack_nibbles
 from .gguf_blocks import BLOCK_TYPES, FLOAT_TYPES, SUPPORTED, decode_rows
 from .limits import MAX_TENSORS, is_integer, is_regular_file, quoted, shown
 from .single_file import SingleFileChecks
@@ -265,6 +269,14 @@ def _field_value(field: Any, vocabulary: bool = False) -> Any:
     return part.tolist()[0]
 
 
+def _holds(fmt: WeightFormat, kind: str) -> bool:
+    """Whether the grouped format `fmt` holds GGUF type `kind`'s blocks as they are: a block type
+    whose group fmt's divides, whose q fit 4 bits unsigned if fmt is a grouped int4."""
+    t = BLOCK_TYPES.get(kind)
+    return (bool(fmt.group) and t is not None and t.group % fmt.group == 0
+            and (t.nibbles or not fmt.packed))
+
+
 # =====================================================================================================
 # The checkpoint
 # =====================================================================================================
@@ -315,7 +327,8 @@ class GGUFFile(SingleFileChecks):
                 raise CheckpointError(f"{self.path}: tensors '{quoted(self._tensors[name].name)}' "
                                       f"and '{quoted(t.name)}' are the same tensor ({name})")
             self._tensors[name] = t
-        self._presented: Any = None      # the grouped int8 format the blocks are read in
+        self._presented: Any = None      # the grouped format the blocks are read in
+        self._read_as: dict[str, Any] = {}   # tensor -> the grouped format read_blocks gave it
         self.present_as(self.exact_format())
 
     # -- what the file holds ----------------------------------------------------------------------
@@ -342,16 +355,16 @@ class GGUFFile(SingleFileChecks):
 
     def info(self, name: str) -> TensorInfo:
         """The tensor's shape and what it reads as: its float type, or for a block type the
-        grouped int8 format it is presented in (`present_as`), else F32 (its float32 values)."""
+        grouped format it is presented in (`present_as`), else F32 (its float32 values)."""
         t = self._tensors[name]
         held = self._held(t)
         code = t.kind if t.kind in FLOAT_TYPES else held.file_code if held else "F32"
         return TensorInfo(name, code, t.shape, self.path, t.start, t.start + t.nbytes)
 
     def _held(self, t: _Tensor) -> Any:
-        """The grouped int8 format a block-typed tensor is presented in (None: its values)."""
-        fmt, kind = self._presented, BLOCK_TYPES.get(t.kind)
-        return fmt if fmt is not None and kind is not None and not kind.group % fmt.group else None
+        """The grouped format a block-typed tensor is presented in (None: its values)."""
+        fmt = self._presented
+        return fmt if fmt is not None and _holds(fmt, t.kind) else None
 
     def metadata_config(self) -> dict[str, Any]:
         """The Hugging Face config fields the metadata states (checked: positive integers, a
@@ -389,13 +402,29 @@ class GGUFFile(SingleFileChecks):
                 if (len(t.shape) == 2 if matrices is None else n in matrices)}
 
     def exact_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
-        """The most compact weight format that holds the matrices exactly: on the CPU, when any is
-        of a block type, the grouped int8 of the finest group the blocks use (a float matrix
-        beside them keeps a float format of its own: `keeps`, params.loader.slot_formats); else
-        `widened_format`."""
-        blocks = {k for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
+        """The weight format of a file's matrices: on the CPU, when any is of a block type, the
+        grouped int4 of the finest group its 4-bit types use (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K), or
+        with none the grouped int8 of the finest group; a slot with a source that format does
+        not hold (a Q6_K v fused with Q4_K q and k in llama.cpp's Q4_K_M, an F16 embedding)
+        keeps an exact format of its own (`keeps`, `slot_format`: params.loader.slot_formats);
+        else `widened_format`."""
+        blocks = {BLOCK_TYPES[k] for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
         if blocks and device_kind == "cpu":
-            return GROUPED_INT8[min(BLOCK_TYPES[k].group for k in blocks)].name
+            four = [t.group for t in blocks if t.nibbles]
+            if four:
+                return GROUPED_INT4[min(four)].name
+            return GROUPED_INT8[min(t.group for t in blocks)].name
+        return self.widened_format(device_kind, matrices)
+
+    def slot_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
+        """The most compact format that holds every one of `matrices` (a slot's sources)
+        exactly: on the CPU, when all are of block types, the grouped int4 (every type's q fit 4
+        bits) or int8 of their finest group; else `widened_format`."""
+        kinds = self._matrix_kinds(matrices)
+        if kinds and device_kind == "cpu" and kinds <= set(BLOCK_TYPES):
+            blocks = [BLOCK_TYPES[k] for k in kinds]
+            grouped = GROUPED_INT4 if all(t.nibbles for t in blocks) else GROUPED_INT8
+            return grouped[min(t.group for t in blocks)].name
         return self.widened_format(device_kind, matrices)
 
     def widened_format(self, device_kind: str = "cpu", matrices: Any = None) -> str:
@@ -409,19 +438,18 @@ class GGUFFile(SingleFileChecks):
 
     def keeps(self, name: str, fmt: Any) -> bool:
         """Whether tensor `name` is stored in a form the weight format `fmt` holds as it is: a
-        block type whose groups the grouped int8 `fmt` divides."""
+        block type whose groups the grouped `fmt` divides (and whose q fit 4 bits for int4)."""
         t = self._tensors.get(name)
-        return (bool(getattr(fmt, "group", 0)) and t is not None and t.kind in BLOCK_TYPES
-                and BLOCK_TYPES[t.kind].group % fmt.group == 0)
+        return isinstance(fmt, WeightFormat) and t is not None and _holds(fmt, t.kind)
 
     def present_as(self, weight_format: str, matrices: Any = None) -> None:
-        """Present the block types in `weight_format` when it is a grouped int8 whose group
-        divides theirs (read_stored then gives q and the (scale, offset) pairs), else as their
-        float32 values (from which another format encodes); remembered for storage_note."""
+        """Present each block-typed tensor the grouped `weight_format` holds (`keeps`) in it
+        (read_stored then gives q and the (scale, offset) pairs), every other one as its float32
+        values (from which its slot's format encodes: params.loader.slot_formats gives a slot
+        whose sources the format does not all keep an exact float format of its own);
+        remembered for storage_note."""
         fmt = FORMATS.get(weight_format)
-        groups = {BLOCK_TYPES[k].group for k in self._matrix_kinds(matrices) if k in BLOCK_TYPES}
-        fits = fmt is not None and fmt.group and all(g % fmt.group == 0 for g in groups)
-        self._presented = fmt if fits else None
+        self._presented = fmt if fmt is not None and fmt.group else None
         self._weight_format, self._matrices = weight_format, matrices
 
     def storage_note(self) -> str:
@@ -430,9 +458,11 @@ class GGUFFile(SingleFileChecks):
         for n, t in self._tensors.items():
             if not (len(t.shape) == 2 if self._matrices is None else n in self._matrices):
                 continue
-            if t.kind in BLOCK_TYPES and self._presented is not None:
-                into = (f"{self._presented.name} (exact: q x scale + offset per group of "
-                        f"{self._presented.group})")
+            held = self._read_as.get(n) or self._held(t)
+            if held is not None:
+                into = f"{held.name} (exact: q x scale + offset per group of {held.group})"
+            elif t.kind in BLOCK_TYPES and self._presented is not None:   # its slot: float32
+                into = "float32 (exact)"
             elif t.kind in BLOCK_TYPES:
                 into = ("float32 (exact)" if self._weight_format == "float32" else
                         f"{self._weight_format} (rounded from its float32 values)")
@@ -500,23 +530,35 @@ class GGUFFile(SingleFileChecks):
             check_weight_values(out, what, rows[0] if rows else 0)
         return out
 
+    def read_blocks(self, name: str, fmt: WeightFormat, rows: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """A block-typed tensor (or rows) in the grouped format `fmt` that holds it (`keeps`):
+        q (int8, or two 4-bit codes a byte for a grouped int4) and its (scale, offset) pairs in
+        fmt's groups (remembered for storage_note: what the tensor became)."""
+        from .checkpoint import check_weight_values
+        t, raw = self._raw(name, rows)
+        q, params = decode_rows(t.kind, raw, t.row_values, fmt.group)
+        if self.check_values:
+            check_weight_values(params, f"{self.path}: tensor '{quoted(t.name)}' (its block "
+                                "scales)", rows[0] if rows else 0)
+        self._read_as[name] = fmt
+        return (pack_nibbles(q) if fmt.packed else q), params
+
     def read_stored(self, name: str, rows: tuple[int, int] | None = None
                     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The tensor (or rows) as `info(name).dtype` says: a float type as stored (BF16 as its
-        uint16 bits), a block type as q (int8) and its (scale, offset) pairs in the presented
-        format's groups, or (presented as F32) its float32 values."""
+        uint16 bits), a block type as q (int8, or two 4-bit codes a byte for a grouped int4) and
+        its (scale, offset) pairs in the presented format's groups, or (presented as F32) its
+        float32 values."""
         from .checkpoint import check_weight_values
         t = self._tensors.get(name)
         if t is not None and t.kind in BLOCK_TYPES and self._held(t) is None:
             return self.read(name, np.float32, rows), None
+        if t is not None and t.kind in BLOCK_TYPES:
+            return self.read_blocks(name, self._presented, rows)
         t, raw = self._raw(name, rows)
         what = f"{self.path}: tensor '{quoted(t.name)}'"
         check = self.check_values
-        if t.kind in BLOCK_TYPES:
-            q, params = decode_rows(t.kind, raw, t.row_values, self._presented.group)
-            if check:
-                check_weight_values(params, what + " (its block scales)", rows[0] if rows else 0)
-            return q, params
         values = raw.view(FLOAT_TYPES[t.kind]).reshape(self._shaped(t, rows))
         if check:
             check_weight_values(bf16_to_float32(values) if t.kind == "BF16" else values, what,

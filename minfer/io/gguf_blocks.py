@@ -53,9 +53,9 @@ def _q8_0(b):     # d (f16), 32 x int8
     return b[:, 2:34].view(np.int8), d, _no_offset(d)
 
 
-def _q4_0(b):     # d, 16 bytes: value i in the low nibble of byte i, value 16 + i in its high one
-    d = _half(b, 0)
-    return _flat(_nibbles(b[:, 2:18])).astype(np.int8) - 8, d, _no_offset(d)
+def _q4_0(b):     # d, 16 bytes: value i in the low nibble of byte i, value 16 + i in its high one:
+    d = _half(b, 0)   # d * (q - 8), kept as q * d - 8d (exact: both are whole multiples of d)
+    return _flat(_nibbles(b[:, 2:18])).astype(np.int8), d, -8 * d
 
 
 def _q4_1(b):     # d, m, 16 bytes of nibbles as Q4_0's: d * q + m
@@ -99,10 +99,11 @@ def _q3_k(b):     # 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales, d
     high = _flat(_bits(packed[:, 8:12], 2))               # scale j: bits 2(j // 4) of byte 8 + j % 4
     sc = (low | (high << 4)).astype(np.int8) - 32
     scale = _half(b, 108) * sc.astype(np.float32)
-    # bit k of high-bit byte i belongs to value 32k + i; a clear bit takes 4 off
+    # bit k of high-bit byte i belongs to value 32k + i; a clear bit takes 4 off: q - 4 with
+    # q = crumb + 4 x bit in 0..7, kept as q * scale - 4 x scale (exact, as Q4_0's)
     hbit = _flat(_bits(b[:, 0:32], 1).reshape(n, 8, 32))
-    q = _crumbs(b[:, 32:96]).astype(np.int8) - 4 + (hbit.astype(np.int8) << 2)
-    return q, scale, _no_offset(scale)
+    q = _crumbs(b[:, 32:96]).astype(np.int8) + (hbit.astype(np.int8) << 2)
+    return q, scale, -4 * scale
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,19 +149,21 @@ def _q6_k(b):     # 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales,
 @dataclass(frozen=True)
 class BlockType:
     """A GGUF block quantisation: values per block, bytes per block, values per (scale, offset)
-    group, and its decoder: blocks (n, nbytes) uint8 -> q (n, values) int8, scale and offset
-    (n, values / group) float32."""
+    group, its decoder: blocks (n, nbytes) uint8 -> q (n, values) int8, scale and offset
+    (n, values / group) float32, and `nibbles`: whether every q it decodes is in 0..15 (the
+    grouped int4 formats hold it; the grouped int8 ones hold every type)."""
     values: int
     nbytes: int
     group: int
     decode: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    nibbles: bool = False
 
 
 BLOCK_TYPES = {
-    "Q8_0": BlockType(32, 34, 32, _q8_0), "Q4_0": BlockType(32, 18, 32, _q4_0),
-    "Q4_1": BlockType(32, 20, 32, _q4_1), "Q5_0": BlockType(32, 22, 32, _q5_0),
-    "Q5_1": BlockType(32, 24, 32, _q5_1), "Q2_K": BlockType(QK_K, 84, 16, _q2_k),
-    "Q3_K": BlockType(QK_K, 110, 16, _q3_k), "Q4_K": BlockType(QK_K, 144, 32, _q4_k),
+    "Q8_0": BlockType(32, 34, 32, _q8_0), "Q4_0": BlockType(32, 18, 32, _q4_0, True),
+    "Q4_1": BlockType(32, 20, 32, _q4_1, True), "Q5_0": BlockType(32, 22, 32, _q5_0),
+    "Q5_1": BlockType(32, 24, 32, _q5_1), "Q2_K": BlockType(QK_K, 84, 16, _q2_k, True),
+    "Q3_K": BlockType(QK_K, 110, 16, _q3_k, True), "Q4_K": BlockType(QK_K, 144, 32, _q4_k, True),
     "Q5_K": BlockType(QK_K, 176, 32, _q5_k), "Q6_K": BlockType(QK_K, 210, 16, _q6_k),
 }
 FLOAT_TYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}

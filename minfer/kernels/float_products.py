@@ -331,3 +331,68 @@ def matmul_i8g(x, w, params, out):
             for j in range(nr, 4):       # past the last weight row: zeros, results dropped
                 rf[j, :] = 0.0
             _dot_widened(x, rf, ob, i, nr)
+
+
+# -- grouped int4 weights (GGUF's 4-bit blocks), computed in float32 -----------------------------------
+# A row of a grouped int4 matrix (io/formats.py: "int4g32", "int4g16") is K / 2 bytes in int4's
+# layout (blocks of 64 columns, byte i holding column i low and 32 + i high; a last block of 32
+# columns pairs column i with 16 + i), the codes unsigned (0..15), and per group of G columns a
+# float32 scale s and offset o (params (N, K / G, 2)): the weight is q * s + o. K is a multiple
+# of 32 (the products.wrap condition), so G is 16 or a multiple of 32: each block's 32 bytes
+# widen in one loop of constant length that LLVM vectorises, with one (s, o) for its low
+# nibbles and one for its high ones, or for G = 16 a select between two (two loops of 16 per
+# half were 2-3x slower on one core, so were per-column indices). Four weight rows at a time are
+# widened into float rows in L1 (q * s exact, so each value rounds once, as GGUF's own float32
+# dequantisation: the same floats as matmul_i8g's), then dotted with every input row in 4x4 tiles.
+@njit(inline="always")
+def _widen_i4g_run(src, dl, dh, sl, ol, sh, oh, n):
+    """n bytes -> their low nibbles' values into dl, their high nibbles' into dh."""
+    for i in range(n):
+        b = src[i]
+        dl[i] = _nib_lo(b) * sl + ol
+        dh[i] = _nib_hi(b) * sh + oh
+
+
+@njit(inline="always")
+def _widen_i4g_row(row, prow, dst):
+    K = dst.shape[0]
+    G = K // prow.shape[0]
+    for blk in range(K // 64):           # low nibbles: columns c.., high: c + 32..
+        c = blk * 64
+        if G % 32 == 0:                  # (constant trip counts: each loop vectorised whole)
+            gl, gh = c // G, (c + 32) // G
+            _widen_i4g_run(row[c // 2:c // 2 + 32], dst[c:c + 32], dst[c + 32:c + 64],
+                           prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1], 32)
+            continue
+        g = c // 16                      # G = 16: bytes 0..15 and 16..31 differ in group
+        s0, o0, s1, o1 = prow[g, 0], prow[g, 1], prow[g + 1, 0], prow[g + 1, 1]
+        s2, o2, s3, o3 = prow[g + 2, 0], prow[g + 2, 1], prow[g + 3, 0], prow[g + 3, 1]
+        src, dl, dh = row[c // 2:c // 2 + 32], dst[c:c + 32], dst[c + 32:c + 64]
+        for i in range(32):
+            b = src[i]
+            first = i < 16
+            dl[i] = _nib_lo(b) * (s0 if first else s1) + (o0 if first else o1)
+            dh[i] = _nib_hi(b) * (s2 if first else s3) + (o2 if first else o3)
+    if K % 64:                           # a last block of 32 columns: i and 16 + i
+        c = K - 32
+        gl, gh = c // G, (c + 16) // G
+        _widen_i4g_run(row[c // 2:c // 2 + 16], dst[c:c + 16], dst[c + 16:c + 32],
+                       prow[gl, 0], prow[gl, 1], prow[gh, 0], prow[gh, 1], 16)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i4g(x, w, params, out):
+    K = x.shape[1]
+    N = w.shape[0]
+    for b in prange((N + BLOCK - 1) // BLOCK):
+        n0 = b * BLOCK
+        n1 = min(N, n0 + BLOCK)
+        ob = out[:, n0:n1]
+        rf = np.zeros((4, K), np.float32)
+        for i in range(0, n1 - n0, 4):
+            nr = min(4, n1 - n0 - i)
+            for j in range(nr):
+                _widen_i4g_row(w[n0 + i + j], params[n0 + i + j], rf[j])
+            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
+                rf[j, :] = 0.0
+            _dot_widened(x, rf, ob, i, nr)

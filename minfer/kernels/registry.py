@@ -19,12 +19,13 @@ from . import (bfloat16_products, bfloat16_tiles, float_products, pass_softmax, 
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
-                             matmul_i4, matmul_i8, matmul_i8g)
+                             matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
+from .pass_softmax import softmax_distance_bias
 from .quantised_products import (grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
-from .pass_softmax import softmax_distance_bias
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
-from .widening import widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i8
+from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
+                       widen_i8)
 
 # The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
@@ -69,6 +70,10 @@ BY_FORMAT: dict[str, FormatKernels] = {
     # refuses these formats: q x scale + offset is no bfloat16)
     "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
     "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
+    # GGUF's 4-bit blocks: the unsigned codes widened, then scaled and offset as the above
+    # (float32 products only)
+    "int4g32": FormatKernels(matmul_i4g, widen_i4g),
+    "int4g16": FormatKernels(matmul_i4g, widen_i4g),
 }
 # fp8 codes and their row scales: float32 products, or compute="bfloat16"'s bfloat16 x bfloat16
 # (every fp8 value is a bfloat16: the file's values multiplied exactly); compute="int8" refuses
@@ -103,6 +108,8 @@ def warm_up() -> None:
     widen_i4(nibbles, np.empty((2, 64), np.float32))
     work = np.empty(4096, np.uint8)
     matmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64)
+    matmul_i4g(x64, nibbles, np.zeros((2, 2, 2), np.float32), out64)
+    widen_i4g(nibbles, np.empty((2, 64), np.float32))
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
     qmatmul_i4(x64, nibbles, scales, out64, work)
     qmatmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64, work)

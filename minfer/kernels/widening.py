@@ -146,9 +146,9 @@ def widen_e5m2(src, dst):
 
 
 @njit(nogil=True, cache=True)
-def widen_i4(src, dst):
-    """Rows of an int4 matrix -> their values q (float, unscaled): the block-widened products
-    apply the group scales after, as they apply int8's row scales."""
+def _widen_nibble_rows(src, dst, bias):
+    """Rows of two-codes-a-byte bytes (io/formats.py's int4 layout) -> their codes minus `bias`,
+    as floats (unscaled)."""
     R, K = dst.shape
     for r in range(R):
         srow, drow = src[r], dst[r]
@@ -156,12 +156,26 @@ def widen_i4(src, dst):
             s, d = srow[blk * 32:blk * 32 + 32], drow[blk * 64:blk * 64 + 64]
             for i in range(32):
                 b = np.int32(s[i])
-                d[i] = np.float32((b & 15) - 8)
-                d[32 + i] = np.float32((b >> 4) - 8)
+                d[i] = np.float32((b & 15) - bias)
+                d[32 + i] = np.float32((b >> 4) - bias)
         tail = K % 64                    # a last partial block pairs column c with c + tail / 2
         if tail:
             half, c0 = tail // 2, K - tail
             for i in range(half):
                 b = np.int32(srow[c0 // 2 + i])
-                drow[c0 + i] = np.float32((b & 15) - 8)
-                drow[c0 + half + i] = np.float32((b >> 4) - 8)
+                drow[c0 + i] = np.float32((b & 15) - bias)
+                drow[c0 + half + i] = np.float32((b >> 4) - bias)
+
+
+@njit(nogil=True, cache=True)
+def widen_i4(src, dst):
+    """Rows of an int4 matrix -> their values q (float, unscaled; the nibbles hold q + 8): the
+    block-widened products apply the group scales after, as they apply int8's row scales."""
+    _widen_nibble_rows(src, dst, 8)
+
+
+@njit(nogil=True, cache=True)
+def widen_i4g(src, dst):
+    """Rows of a grouped int4 matrix -> their codes 0..15 (float): the block-widened products
+    then apply each group's scale and offset (formats.apply_scale)."""
+    _widen_nibble_rows(src, dst, 0)

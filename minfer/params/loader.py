@@ -89,12 +89,14 @@ def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
                  device_kind: str = "cpu") -> SlotFormats:
     """The slots that cannot take `fmt` and the format each takes instead. Only a format that
     holds a file's own bytes has such slots — fp8 codes (`fmt.from_file`), or a GGUF file's
-    blocks as grouped int8 (`fmt.group`): a slot whose sources are not all stored in that form
-    (`ckpt.keeps`: a BF16 embedding beside fp8 layers, as in ComfyUI's scaled files; an F16
-    embedding beside Q8_0 blocks) keeps the most compact format that holds its sources exactly
-    (`widened_format`). A checkpoint with no fp8 matrix of the asked code is a one-line error:
-    nothing would be kept; grouped int8 over a checkpoint without blocks quantises every slot
-    (what `dtype="int8g32"` asks of a float checkpoint)."""
+    blocks as grouped int8 / int4 (`fmt.group`): a slot whose sources are not all stored in
+    that form (`ckpt.keeps`: a BF16 embedding beside fp8 layers, as in ComfyUI's scaled files;
+    an F16 embedding beside Q8_0 blocks; a Q6_K matrix fused with Q4_K ones under int4) keeps
+    the most compact format that holds its sources exactly (`widened_format`; a GGUF file's
+    `slot_format`: blocks of several types in the grouped format holding them all). A
+    checkpoint with no fp8 matrix of the asked code is a one-line error: nothing would be kept;
+    a grouped format over a checkpoint without blocks quantises every slot (what
+    `dtype="int8g32"` asks of a float checkpoint)."""
     if not (fmt.from_file or fmt.group):
         return {}
     linear = _linear_entries(table)
@@ -107,7 +109,8 @@ def slot_formats(table: WeightTable, ckpt: Checkpoint, fmt: WeightFormat,
         raise ConfigError(f"dtype {fmt.name!r} keeps a file's {fmt.file_code} weights as they are, "
                           f"and {ckpt.folder} holds no {fmt.file_code} matrix: leave dtype unset "
                           "or name a float or quantised format")
-    return {e.sources: FORMATS[ckpt.widened_format(device_kind, {names[s] for s in e.sources})]
+    exact = ckpt.slot_format if fmt.group else ckpt.widened_format   # (grouped: GGUF files)
+    return {e.sources: FORMATS[exact(device_kind, {names[s] for s in e.sources})]
             for e in linear if e.sources not in own}
 
 
@@ -222,10 +225,14 @@ class _Reader:
         in that format (fp8: its codes and row scales), else encoded from float32."""
         code = fmt.file_code
         if fmt.from_file:   # (slot_formats gave every other slot a format of its own)
-            parts = [self.ckpt.read_fp8(self.stand_in.get(s, s), r)
-                     for s, r in self._source_rows(entry, rows)]
-            return {name: np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0],
-                    name + SCALE_SUFFIX: np.concatenate([s for _, s in parts])}
+            return _fused(name, [self.ckpt.read_fp8(self.stand_in.get(s, s), r)
+                                 for s, r in self._source_rows(entry, rows)])
+        if fmt.group and not entry.transpose and all(
+                self.ckpt.keeps(self.stand_in.get(s, s), fmt) for s in entry.sources):
+            # a GGUF file's blocks in the slot's own grouped format (several per file: a fused
+            # slot with a Q6_K source is int8 beside int4 slots)
+            return _fused(name, [self.ckpt.read_blocks(self.stand_in.get(s, s), fmt, r)
+                                 for s, r in self._source_rows(entry, rows)])
         if not entry.transpose and all(self.ckpt.info(self.stand_in.get(s, s)).dtype == code
                                        for s in entry.sources):
             parts = [self.ckpt.read_stored(self.stand_in.get(s, s), r)
@@ -243,6 +250,12 @@ class _Reader:
         if entry.append:
             a = np.concatenate([a, *(self(s, dtype) for s in entry.append)], axis=0)
         return a
+
+
+def _fused(name: str, parts: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Each source's stored matrix and scales -> the slot's arrays (fused along out)."""
+    return {name: np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0],
+            name + SCALE_SUFFIX: np.concatenate([s for _, s in parts])}
 
 
 def _place_linear(runtime: WeightRuntime, read: _Reader, name: str, entry: Linear,
