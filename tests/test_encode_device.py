@@ -105,3 +105,21 @@ def test_return_tensors_errors_are_one_line(cpu):
     with pytest.raises(InputError, match="is not 'np', 'pt' or 'cupy'") as e:
         cpu.encode(TEXTS, return_tensors="tf")
     assert "\n" not in str(e.value)
+
+
+def test_a_cpu_pass_writes_the_states_into_the_callers_array_not_the_arena(folder, cpu):
+    # on the CPU the result is host memory already: the arena holds the pass's scratch only,
+    # never a (B, T, C) copy of the states (8 MiB of a 512-token T5-XXL pass under a limit)
+    from minfer.arena import bytes_needed
+    from minfer.models.t5.buffers import encoder_scratch
+    cfg, arena = cpu.config, cpu.backend.arena
+    ids = np.arange(2, 26).reshape(3, 8)
+    B, T = ids.shape
+    arena.reset_peak()
+    base = arena.used
+    states = cpu.encode(ids, np.ones_like(ids))
+    scratch = encoder_scratch(cfg).nbytes(cfg, B, T, np.float32)
+    output = bytes_needed({"out": ((B, T, cfg.d_model), np.float32)})
+    assert arena.stats().peak - base <= scratch           # the planned scratch, and no output
+    assert cpu.plan(B, T)["encoder_scratch"] == scratch + output   # (the plan still counts it)
+    assert states.shape == (B, T, cfg.d_model) and np.isfinite(states).all()

@@ -221,16 +221,20 @@ class T5Model(Model):
         shape = (B, T, self.config.d_model)
         xp = be.xp if on_device else np       # where `out` lives
         out = be.owned_empty(shape, np.float32) if on_device else np.empty(shape, np.float32)
+        # host float32 activations (the CPU): the pass writes `out` itself, not an arena copy
+        # of it (8 MiB of a 512-token T5-XXL pass's arena pages left untouched)
+        direct = be.xp is np and np.dtype(be.dtype) == np.float32
         with self.lock, quiet():
             # rows in passes that fit the arena's free bytes (a batch of 8 x 512 tokens of a
             # 64-head encoder needs 1.7 GB of scratch; under a memory limit it runs 4 + 4)
             step = self._rows_per_pass(B, T)
             for a in range(0, B, step):
                 with be.arena.scope():
-                    part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
-                                          "encoder output")
+                    part = out[a:a + step] if direct else be.arena.alloc(
+                        (min(step, B - a), T, self.config.d_model), be.dtype, "encoder output")
                     t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
-                    out[a:a + step] = part if on_device else be.to_host(part)
+                    if not direct:
+                        out[a:a + step] = part if on_device else be.to_host(part)
                     if not all_finite(xp, out[a:a + step]):   # (on the device: one scalar read)
                         raise non_finite(self, "encoder states", self._where_encoder_fails(
                             ids[a:a + step], mask[a:a + step], part))
