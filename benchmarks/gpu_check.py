@@ -211,9 +211,12 @@ def parity(work: Path, quick: bool) -> dict:
             beam = m.generate(src, attention_mask=mask, max_new_tokens=20, num_beams=4)
             same_greedy = sum(g == trim_hf_ids(h) for g, h in zip(greedy, hf_greedy))
             same_beam = sum(g == trim_hf_ids(h) for g, h in zip(beam, hf_beam))
+            handed = m.encode(src, attention_mask=mask, return_tensors="pt")   # DLPack, same device
+            handed_equal = torch.equal(handed.cpu(), torch.from_numpy(m.encode(src, attention_mask=mask)))
             out[f"{name}/{dtype}"] = {"logits_rel_err": err, "tolerance": tol,
                                       "greedy_rows_equal": f"{same_greedy}/3",
                                       "beam_rows_equal": f"{same_beam}/3",
+                                      "encode_pt": f"{handed.device}, equal: {handed_equal}",
                                       "pool_peak": m.backend.arena.pool_peak}
             log(name, dtype, out[f"{name}/{dtype}"])
             del m

@@ -78,6 +78,11 @@ class Backend:
     def to_host(self, array: Any) -> np.ndarray:
         return np.asarray(array)
 
+    def owned_empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """An uninitialised array in this backend's memory that the caller owns: never a view of
+        the arena (whose bytes the next call reuses). Host memory here."""
+        return np.empty(shape, dtype)
+
     def upload(self, dst: Any, host: np.ndarray) -> None:
         """Copy a host array into an existing device buffer (an arena view)."""
         dst[...] = host

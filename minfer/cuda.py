@@ -307,6 +307,12 @@ class CudaBackend(Backend):
         with self.on_device():
             return cupy.asnumpy(array)
 
+    def owned_empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A device array the caller owns, from CuPy's default pool: also inside a compute
+        scope, whose allocations go to the scope's recycled pool and must not outlive it."""
+        with self.on_device(), cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+            return cupy.empty(shape, dtype)
+
     def upload(self, dst: Any, host: np.ndarray) -> None:
         with self.on_device():
             if dst.flags.c_contiguous:

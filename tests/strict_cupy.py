@@ -9,7 +9,8 @@ slow or wrong only on hardware, and as strict where CuPy raises:
   refuses it too, gh-2079), element-wise math with NumPy arrays, and Python scalars (`float()`,
   `int()`, `bool()`, `.item()`, `.tolist()`): on a GPU each is a host sync, and minfer's device
   code syncs only where it says so (`asnumpy`, `.get()`), which are counted in `STATE.syncs`, as
-  are boolean-mask indexing and `nonzero` (CuPy counts the mask on the host);
+  are boolean-mask indexing and `nonzero` (CuPy counts the mask on the host); the bytes copied
+  each way are counted in `STATE.to_host` and `STATE.to_device`;
 - every allocation goes through the thread's allocator (`cuda.using_allocator`), else through a
   memory pool whose cached blocks are invisible to `runtime.memGetInfo` (as CuPy's are), so
   cuda.py's arena routing is what places the temporaries, and `STATE.outside` counts device
@@ -74,6 +75,8 @@ class _State:
         self.missing_libraries, self.driver_error = missing_libraries, driver_error
         self.local = threading.local()
         self.syncs = 0                 # documented host syncs (asnumpy, get) and mask indexing
+        self.to_host = 0               # bytes copied device -> host (get, asnumpy)
+        self.to_device = 0             # bytes copied host -> device (set, asarray of host data)
         self.launches = 0              # kernels and cuBLAS calls
         self.outside = 0               # device allocations through the default pool ...
         self.counting_outside = False  # ... counted once a test starts watching
@@ -500,6 +503,7 @@ class ndarray:
     def get(self, stream: Any = None) -> np.ndarray:
         _launch([self])
         STATE.syncs += 1
+        STATE.to_host += self.nbytes
         return np.array(self._a)
 
     def set(self, arr: np.ndarray, stream: Stream | None = None) -> None:
@@ -512,6 +516,7 @@ class ndarray:
         if not self.flags.c_contiguous:
             raise RuntimeError("Cannot set to non-contiguous array")
         self._check_device()
+        STATE.to_device += arr.nbytes
         if stream is None or stream is get_current_stream():
             _check_ready(self)
             if not STATE.dry:
@@ -828,6 +833,7 @@ def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
     host = np.asarray(a, dtype=dtype)
     out = ndarray(host.shape, host.dtype)
+    STATE.to_device += host.nbytes
     _launch([], [out])
     if not STATE.dry:
         out._a[...] = host

@@ -173,3 +173,23 @@ def test_cuda_t5_base_sized_under_a_limit_equals_the_unlimited_run(tmp_path_fact
     assert limited.generate(ids, max_new_tokens=16, num_beams=2) == want
     arena = limited.backend.arena
     assert arena.stats().peak <= limit and arena.pool_peak <= arena.capacity
+
+
+@gpu
+def test_cuda_encode_hands_torch_a_tensor_on_the_models_device(folder):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from minfer.integrations.diffusers import pipeline_inputs
+    cpu, dev = minfer.load(folder), minfer.load(folder, device="cuda:0", dtype="float32")
+    states = dev.encode(IDS, return_tensors="pt")
+    assert states.device == torch.device("cuda", 0) and states.dtype == torch.float32
+    want = cpu.encode(IDS)
+    assert np.abs(states.cpu().numpy() - want).max() / np.abs(want).max() < 1e-4
+    kept = states.clone()
+    dev.encode([[7, 8, 9, 10, 11, 1]], return_tensors="pt")   # the arena reused: ours unchanged
+    assert torch.equal(states, kept)
+    raw = dev.encode(IDS, return_tensors="cupy")
+    assert torch.equal(torch.from_dlpack(raw), states)
+    kwargs = pipeline_inputs(dev, IDS, "chroma", max_sequence_length=8, dtype=torch.float16)
+    assert {t.device for t in kwargs.values()} == {torch.device("cuda", 0)}

@@ -116,3 +116,43 @@ print(open(sys.argv[2]).read().count("<heap nr="))
         assert run.returncode == 0, run.stderr
         heaps[limit] = int(run.stdout.split()[-1])
     assert heaps["64MiB"] <= devices.MALLOC_ARENAS < heaps["none"]
+
+
+def test_a_memory_limit_maps_large_host_blocks_on_their_own(tmp_path):
+    """Under a memory limit a freed host block of MMAP_THRESHOLD bytes or more goes back to the
+    system: glibc's dynamic threshold otherwise rises to the size of a freed mapped block, and
+    the next temporaries below it come from the heap and stay there (RSS outside the limit).
+    A 4 MiB block freed, then a 3 MiB one: in the heap without a limit, a mapping of its own
+    under one (read from /proc/self/maps, in a fresh process each way)."""
+    import os
+    import subprocess
+    import sys
+    from minfer import devices
+    if sys.platform != "linux":
+        pytest.skip("glibc's malloc: Linux only")
+    assert devices.MMAP_THRESHOLD <= 3 << 20
+    folder = write_t5(tmp_path / "m")
+    code = f"""
+import sys
+import numpy as np
+import minfer
+limit = sys.argv[1]
+minfer.load({str(folder)!r}, memory_limit=None if limit == "none" else limit)
+big = np.ones(4 << 20, np.uint8)
+del big                                  # (a mapped block freed: glibc's threshold rises)
+block = np.ones(3 << 20, np.uint8)
+at = block.__array_interface__["data"][0]
+for line in open("/proc/self/maps"):
+    span, *rest = line.split()
+    lo, hi = (int(x, 16) for x in span.split("-"))
+    if lo <= at < hi:
+        print("heap" if rest[-1] == "[heap]" else "mapped")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    where = {}
+    for limit in ("none", "64MiB"):
+        run = subprocess.run([sys.executable, "-c", code, limit], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert run.returncode == 0, run.stderr
+        where[limit] = run.stdout.split()[-1]
+    assert where == {"none": "heap", "64MiB": "mapped"}

@@ -55,28 +55,30 @@ class _HostBackend:
 
 
 def test_position_bias_is_filled_into_its_buffer_a_head_at_a_time():
-    """The (H, T, S) bias goes into the arena buffer without a host copy of its size: what
-    NumPy allocates while filling stays below one head's share (a 16-head, 256 x 256 fill
-    allocated the whole 4 MiB (T, S, H) gather on the host before)."""
+    """The (H, T, S) bias goes into the arena buffer without a host copy of its size, nor a (T,
+    S) bucket matrix: what NumPy allocates is a row per head (T + S - 1 values) and the rows'
+    buckets, plus one head (T, S) at a time when a mask is added (a 16-head, 256 x 256 fill
+    allocated the whole 4 MiB (T, S, H) gather first, then a 512 KiB int64 bucket matrix and
+    its 2 MiB of temporaries). Against the (T, S) definition, T = S and not."""
     import tracemalloc
     cfg = T5Config.from_hf({**BASE, "num_heads": 16})
     rng = np.random.default_rng(0)
     rel_bias = rng.standard_normal((cfg.num_buckets, 16)).astype(np.float32)
-    T = 256
-    causal = np.triu(np.full((T, T), float(np.finfo(np.float16).min) * 2, np.float32), 1)
-    for bidirectional, extra, dtype in ((True, None, np.float32), (False, causal, np.float16)):
-        out = np.empty((16, T, T), dtype)
-        t5.fill_position_bias(_HostBackend(), out, cfg, rel_bias, bidirectional, extra)  # warm
-        tracemalloc.start()
-        t5.fill_position_bias(_HostBackend(), out, cfg, rel_bias, bidirectional, extra)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert peak < 3 * T * T * 4, peak          # a head (T, S) float32 and its index, not 16
-        want = position_bias(cfg, rel_bias, T, T, bidirectional)
-        if extra is not None:   # + the causal mask, clipped into float16's range
-            info = np.finfo(np.float16)
-            want = np.clip(want + extra, info.min, info.max)
-        np.testing.assert_array_equal(out, want.astype(dtype))
+    for T, S in ((256, 256), (100, 300), (300, 7)):
+        causal = np.triu(np.full((T, S), float(np.finfo(np.float16).min) * 2, np.float32), 1)
+        for bidirectional, extra, dtype in ((True, None, np.float32), (False, causal, np.float16)):
+            out = np.empty((16, T, S), dtype)
+            tracemalloc.start()
+            t5.fill_position_bias(_HostBackend(), out, cfg, rel_bias, bidirectional, extra)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            rows = (T + S - 1) * (16 * 4 + 12 * 8)   # the heads' rows + the buckets' int64 work
+            assert peak < rows + (0 if extra is None else T * S * 4) + 4096, (T, S, peak)
+            want = position_bias(cfg, rel_bias, T, S, bidirectional)
+            if extra is not None:   # + the causal mask, clipped into float16's range
+                info = np.finfo(np.float16)
+                want = np.clip(want + extra, info.min, info.max)
+            np.testing.assert_array_equal(out, want.astype(dtype))
 
 
 @pytest.mark.parametrize("overrides", [{}, {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},

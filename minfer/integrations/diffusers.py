@@ -24,16 +24,16 @@ copies together, as the pipelines' repeat(1, n, 1).view(B * n, T, C) lays them o
   ltx     prompt_embeds, prompt_attention_mask (bool; LTXPipeline tiles its mask over the
           batch, repeat(n, 1), unlike its states: here both keep each prompt's copies together)
 torch is needed (diffusers is not imported); `dtype` / `device` are where the pipeline runs:
-its transformer's dtype, its execution device. `num_images_per_prompt=n` repeats the states here,
-so call the pipeline with num_images_per_prompt=1 (given prompt_embeds, it does not repeat them
-again) and n x B of everything else it takes per image.
+its transformer's dtype, its execution device (default: the model's own device, so a model on
+a CUDA device hands its states over on that device, never through the host).
+`num_images_per_prompt=n` repeats the states here, so call the pipeline with
+num_images_per_prompt=1 (given prompt_embeds, it does not repeat them again) and n x B of
+everything else it takes per image.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 from ..encoding.presets import preset_named
 from ..encoding.tensors import check_tensors_option
@@ -45,12 +45,13 @@ _MASKS = {"chroma": "float", "ltx": "bool"}
 
 def pipeline_inputs(model: Any, prompt: Any, pipeline: str, *, max_sequence_length: int | None
                     = None, num_images_per_prompt: int = 1, dtype: Any = None,
-                    device: Any = "cpu", clip_prompt_embeds: Any = None) -> dict[str, Any]:
+                    device: Any = None, clip_prompt_embeds: Any = None) -> dict[str, Any]:
     """The keyword arguments a diffusers pipeline takes instead of running its T5 encoder:
     {"prompt_embeds": ...} and, for chroma and ltx, "prompt_attention_mask"; see the module's
     table. prompt: a string or a list of strings. max_sequence_length: the pipeline's argument
     of that name (default its own). dtype: a torch dtype (default float32: the states before
-    the pipeline's cast)."""
+    the pipeline's cast). device: a torch device (default the model's: "cpu", or its CUDA
+    device)."""
     check_tensors_option("pt", "pipeline_inputs()")
     import torch
     rule = preset_named(pipeline, "pipeline_inputs()")
@@ -58,11 +59,14 @@ def pipeline_inputs(model: Any, prompt: Any, pipeline: str, *, max_sequence_leng
         raise InputError("pipeline_inputs(): num_images_per_prompt must be a positive integer, "
                          f"got {num_images_per_prompt!r:.40}")
     dtype = torch.float32 if dtype is None else dtype
+    # torch tensors on the model's device (DLPack: no copy), repeated there
     states, mask = model.encode(prompt, preset=rule.name, max_length=max_sequence_length,
-                                return_mask=True)
+                                return_mask=True, return_tensors="pt")
+    device = states.device if device is None else device
     n = num_images_per_prompt
-    states, mask = np.repeat(states, n, axis=0), np.repeat(mask, n, axis=0)   # (B * n, T, C)
-    embeds = torch.from_dlpack(states).to(device=device, dtype=dtype)
+    if n > 1:   # (B * n, T, C): each prompt's n copies together
+        states, mask = states.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+    embeds = states.to(device=device, dtype=dtype)
     if rule.name == "sd3":
         embeds = _with_clip(torch, embeds, clip_prompt_embeds)
     elif clip_prompt_embeds is not None:
@@ -70,7 +74,7 @@ def pipeline_inputs(model: Any, prompt: Any, pipeline: str, *, max_sequence_leng
     out = {"prompt_embeds": embeds}
     kind = _MASKS.get(rule.name)
     if kind is not None:
-        handed_on = torch.from_dlpack(mask).to(device=device)
+        handed_on = mask.to(device=device)
         out["prompt_attention_mask"] = handed_on.bool() if kind == "bool" else handed_on.to(dtype)
     return out
 

@@ -68,27 +68,24 @@ def relative_bucket(relative_position: np.ndarray, bidirectional: bool, num_buck
     return bucket + np.where(n < max_exact, n, large)
 
 
-@functools.lru_cache(maxsize=64)
-def _bucket_matrix(q_len: int, k_len: int, bidirectional: bool, num_buckets: int,
-                   max_distance: int) -> np.ndarray:
-    rel = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]  # (T, S): key - query
-    out = relative_bucket(rel, bidirectional, num_buckets, max_distance)
-    out.setflags(write=False)
-    return out
-
-
 def fill_position_bias(be: Any, out: Any, cfg: T5Config, rel_bias: np.ndarray,
                        bidirectional: bool, extra: np.ndarray | None = None) -> None:
     """out (H, T, S), an arena buffer, = rel_bias[bucket(key - query)] (+ extra (T, S)), one
-    head at a time: the whole (H, T, S) on the host would be a temporary outside the arena as
-    large as the buffer (64 MiB for 64 heads over 512 tokens), one head is (T, S)."""
+    head at a time. The bias depends on key - query alone (-(T-1) .. S-1): one row of T + S - 1
+    values per head, in which query t's keys are a window, so a head is a strided view of its
+    row. Neither a (T, S) bucket matrix nor the int64 temporaries that build one (10 MiB over
+    512 tokens) is made, nor a whole (H, T, S) on the host (64 MiB for 64 heads)."""
     H, T, S = out.shape
-    buckets = _bucket_matrix(T, S, bidirectional, cfg.num_buckets, cfg.max_distance)
+    buckets = relative_bucket(np.arange(-(T - 1), S), bidirectional, cfg.num_buckets,
+                              cfg.max_distance)                           # (T + S - 1,)
+    rows = np.ascontiguousarray(rel_bias[buckets].T, dtype=np.float32)    # (H, T + S - 1)
     info = np.finfo(out.dtype) if extra is not None else None
     for h in range(H):
-        head = np.asarray(rel_bias[:, h][buckets], dtype=np.float32)   # (T, S)
+        # window i holds distances i - (T-1) .. i - (T-1) + S-1: query t's is window T-1-t
+        head = np.lib.stride_tricks.sliding_window_view(rows[h], S)[::-1]   # (T, S) view
         if extra is not None:   # + the causal mask, clipped to the buffer's range
-            np.clip(np.add(head, extra, out=head), info.min, info.max, out=head)
+            head = np.add(head, extra)
+            np.clip(head, info.min, info.max, out=head)
         be.upload(out[h], head)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ...embedding import given, text_list
 from ...encoding.cache import row_key
 from ...encoding.presets import preset_named
-from ...encoding.tensors import as_tensors, check_tensors_option
+from ...encoding.tensors import as_tensors, check_tensors_option, stays_on_device
 from ...errors import ArenaExhausted, InputError, NonFiniteError
 from ...numerics import all_finite, first_bad_layer, first_non_finite, non_finite, quiet
 from ...generation.protocol import DecodeState
@@ -122,7 +122,8 @@ class T5Model(Model):
         return_mask: return (states, mask (B, T) int64): the mask the preset's pipeline hands its
             transformer (chroma, ltx), else which positions hold the input's tokens.
         return_tensors: "np" (default) or "pt": torch tensors sharing the arrays' memory (DLPack,
-            no copy; needs torch).
+            no copy; needs torch). On a CUDA model "pt" tensors (and "cupy": CuPy arrays) are on
+            the model's device, states and mask: the states never go through the host.
         padding_states: False when only each row's own tokens' states are wanted (the mask
             used, right padding): the padded positions' states are zeros, and cached rows are
             keyed by their own tokens, whatever the padding of the call they came in (embed,
@@ -140,17 +141,22 @@ class T5Model(Model):
             max_length = rule.max_length if max_length is None else max_length
             if rule.clean is not None and _is_text(inputs):
                 inputs = [rule.clean(t) for t in text_list(inputs, "encode()")]
-        check_tensors_option(return_tensors)
+        on_gpu = self.backend.device != "cpu"
+        check_tensors_option(return_tensors, on_gpu=on_gpu)
+        on_device = stays_on_device(return_tensors, on_gpu)
         ids, mask = self._encoder_batch(inputs, attention_mask, padding, max_length, truncation)
         own = use_attention_mask and (not padding_states or bool(rule and rule.zero_tail))
-        states = self.encoder_states(ids, mask if use_attention_mask else np.ones_like(mask), own)
+        states = self.encoder_states(ids, mask if use_attention_mask else np.ones_like(mask), own,
+                                     on_device)
         if rule is not None and rule.zero_tail:   # (B, T, C): the padding's states -> 0
-            states[mask == 0] = 0.0
+            _zero_padding(self.backend, states, mask)
         if not return_mask:
             return as_tensors(states, return_tensors)
         handed_on = rule.pipeline_mask(mask) if rule is not None else None
-        return (as_tensors(states, return_tensors),
-                as_tensors(mask if handed_on is None else handed_on, return_tensors))
+        handed_on = mask if handed_on is None else handed_on
+        if on_device:   # (B, T): beside the states, where a pipeline reads both
+            handed_on = self.backend.asarray(handed_on)
+        return as_tensors(states, return_tensors), as_tensors(handed_on, return_tensors)
 
     @property
     def cache_identity(self) -> str:
@@ -160,20 +166,22 @@ class T5Model(Model):
         return (f"{type(self).__name__}|{self.folder}|{be.device}|{np.dtype(be.dtype).name}|"
                 f"{be.weight_format}|{be.compute}")
 
-    def encoder_states(self, ids: np.ndarray, mask: np.ndarray,
-                       own_tokens: bool = False) -> np.ndarray:
+    def encoder_states(self, ids: np.ndarray, mask: np.ndarray, own_tokens: bool = False,
+                       on_device: bool = False) -> Any:
         """(B, T) ids and the (B, T) mask the encoder attends with -> states (B, T, C) float32,
         each row from the encode cache when it holds it (the rest computed together, then
         kept). `own_tokens` (a right-padding mask): only each row's own tokens' states are
         wanted; the padding's are zeros and a row is keyed by its own tokens (as generation
-        keys it), whatever the padding of the call."""
+        keys it), whatever the padding of the call. `on_device`: the states in a device array
+        the caller owns (Backend.owned_empty); without a cache they never reach the host, with
+        one the cache's host rows are assembled and uploaded once."""
         lengths = mask.sum(axis=1)
         own = own_tokens and is_right_padding(mask)
         cache = self.encode_cache
         if cache is None:
-            states = self._run_encoder(ids, mask)
+            states = self._run_encoder(ids, mask, on_device)
             if own:
-                states[mask == 0] = 0.0
+                _zero_padding(self.backend, states, mask)
             return states
         if own:
             keys = [row_key(self.cache_identity, row[:n], np.ones(n, np.int64))
@@ -199,24 +207,35 @@ class T5Model(Model):
             for b, key in enumerate(keys):
                 if key in where:
                     out[b, :len(where[key])] = where[key]
+        if on_device:
+            states = self.backend.owned_empty(out.shape, np.float32)
+            self.backend.upload(states, out)
+            return states
         return out
 
-    def _run_encoder(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The encoder pass: (B, T) ids and mask -> states (B, T, C) float32 on the host."""
+    def _run_encoder(self, ids: np.ndarray, mask: np.ndarray, on_device: bool = False) -> Any:
+        """The encoder pass: (B, T) ids and mask -> states (B, T, C) float32 on the host, or
+        (`on_device`) in a device array the caller owns, copied there from the arena."""
         be = self.backend
         B, T = ids.shape
-        out = np.empty((B, T, self.config.d_model), np.float32)
+        shape = (B, T, self.config.d_model)
+        xp = be.xp if on_device else np       # where `out` lives
+        out = be.owned_empty(shape, np.float32) if on_device else np.empty(shape, np.float32)
+        # host float32 activations (the CPU): the pass writes `out` itself, not an arena copy
+        # of it (8 MiB of a 512-token T5-XXL pass's arena pages left untouched)
+        direct = be.xp is np and np.dtype(be.dtype) == np.float32
         with self.lock, quiet():
             # rows in passes that fit the arena's free bytes (a batch of 8 x 512 tokens of a
             # 64-head encoder needs 1.7 GB of scratch; under a memory limit it runs 4 + 4)
             step = self._rows_per_pass(B, T)
             for a in range(0, B, step):
                 with be.arena.scope():
-                    part = be.arena.alloc((min(step, B - a), T, self.config.d_model), be.dtype,
-                                          "encoder output")
+                    part = out[a:a + step] if direct else be.arena.alloc(
+                        (min(step, B - a), T, self.config.d_model), be.dtype, "encoder output")
                     t5.encode(be, self.config, self.params, ids[a:a + step], mask[a:a + step], part)
-                    out[a:a + step] = be.to_host(part)
-                    if not all_finite(np, out[a:a + step]):   # (the host copy: no device sync)
+                    if not direct:
+                        out[a:a + step] = part if on_device else be.to_host(part)
+                    if not all_finite(xp, out[a:a + step]):   # (on the device: one scalar read)
                         raise non_finite(self, "encoder states", self._where_encoder_fails(
                             ids[a:a + step], mask[a:a + step], part))
         return out
@@ -446,3 +465,12 @@ def _is_text(inputs: Any) -> bool:
     """A string, or a list / tuple whose first item is one (text_list names any other item)."""
     return isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and len(inputs) > 0
                                        and isinstance(inputs[0], str))
+
+
+def _zero_padding(be: Any, states: Any, mask: np.ndarray) -> None:
+    """states (B, T, C) -> 0.0 where the (B, T) mask is 0, in place: host states by their
+    positions, device states through the uploaded mask (no host copy of the states)."""
+    if isinstance(states, np.ndarray):
+        states[mask == 0] = 0.0
+    else:
+        be.xp.copyto(states, np.float32(0), where=be.asarray(mask[..., None] == 0))
