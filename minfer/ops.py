@@ -253,11 +253,19 @@ class DistanceBias:
     """A pass's additive attention bias given by distance, not as a (B, H, T, S) tensor: T5's
     position bias depends only on key - query and the head, and padding only on the key.
     table (H, T + S - 1): the bias of distance j - i at column j - i + T - 1; key_mask (B, S):
-    0 for a real key, `mask_value` for padding; index (T, S) int64: j - i + T - 1, for backends
-    without the fused kernel, which build a head chunk's bias from the table with it."""
+    0 for a real key, `mask_value` for padding."""
     table: Any
     key_mask: Any
-    index: Any
+
+
+def toeplitz_view(xp: Any, table: Any, T: int) -> Any:
+    """The (h, T, S) bias matrix of a distance table (h, T + S - 1), as a view (no copy): row i
+    is table[:, T - 1 - i:][:, :S], a window sliding back one column a row."""
+    h, width = table.shape
+    S = width - T + 1
+    step = table.strides[1]
+    windows = xp.lib.stride_tricks.as_strided(table, (h, T, S), (table.strides[0], step, step))
+    return windows[:, ::-1]
 
 
 def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scores: Any,
@@ -290,7 +298,7 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
         n = B * (h1 - h0) * T * S
         s = flat[:n].reshape(B, h1 - h0, T, S)
         chunk = flat[n:2 * n].reshape(B, h1 - h0, T, S)
-        xp.take(bias.table[h0:h1], bias.index, axis=1, out=chunk[0])   # (h, T, S)
+        chunk[0] = toeplitz_view(xp, bias.table[h0:h1], T)              # (h, T, S)
         if B > 1:
             chunk[1:] = chunk[0]
         chunk += mask

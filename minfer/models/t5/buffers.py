@@ -94,7 +94,6 @@ class EncoderScratch(PassScratch):
     """An encoder pass: its bias is given by distance (ops.DistanceBias), never as a (B, H, T,
     T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds."""
     distance: Any = None  # (H, 2T - 1) position bias by distance (refilled per layer: UMT5)
-    index: Any = None     # (T, T) int64 distance columns j - i + T - 1 (backends without kernels)
     mask: Any = None      # (B, T) the padding mask, additive, uploaded
 
     @classmethod
@@ -102,8 +101,7 @@ class EncoderScratch(PassScratch):
         H = cfg.num_heads
         return {**PassScratch.specs(cfg, B, T, T, dtype),
                 "scores": ((ops.distance_scores(B, H, T, T),), dtype),
-                "distance": ((H, 2 * T - 1), dtype), "index": ((T, T), np.int64),
-                "mask": ((B, T), dtype)}
+                "distance": ((H, 2 * T - 1), dtype), "mask": ((B, T), dtype)}
 
 
 @dataclass(frozen=True)

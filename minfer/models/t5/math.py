@@ -89,14 +89,6 @@ def fill_position_bias(be: Any, out: Any, cfg: T5Config, rel_bias: np.ndarray,
         be.upload(out[h], head)
 
 
-@functools.lru_cache(maxsize=16)
-def _distance_columns(T: int, S: int) -> np.ndarray:
-    """(T, S) int64: column j - i + T - 1 of a distance table for query i and key j."""
-    out = np.arange(S)[None, :] - np.arange(T)[:, None] + (T - 1)
-    out.setflags(write=False)
-    return out
-
-
 def distance_bias(cfg: T5Config, rel_bias: np.ndarray, T: int, S: int) -> np.ndarray:
     """(H, T + S - 1) float32 bidirectional position bias by distance: column c holds the bias
     of key - query = c - (T - 1) (ops.DistanceBias). Its (H, T, S) matrix is never built."""
@@ -337,8 +329,7 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
         return ws, lambda i, blk: long.layer(blk)
     ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
     mask_bias(be, attention_mask, ws.mask)                                 # (B, T)
-    be.upload(ws.index, _distance_columns(T, T))
-    attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask, ws.index))
+    attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask))
 
     def layer(i: int, blk: dict) -> EncoderAttention:
         if refills_bias(cfg, i):   # (H, 2T - 1): once, or per layer (UMT5)
