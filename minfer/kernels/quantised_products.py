@@ -115,9 +115,17 @@ def _quantise_row(xr, xq, base, ss, tb, sums, G):
     for s in range(K // STEP):
         part = xq[base + s * ss:base + s * ss + STEP]
         src = xr[s * STEP:s * STEP + STEP]
-        for k0 in range(0, STEP, min(G, STEP)):       # (GGUF's groups: 16 or 32 columns)
+        if G >= STEP:
             t = np.int32(0)
-            for k in range(k0, k0 + min(G, STEP)):
+            for k in range(STEP):
+                q = np.int8(np.rint(src[k] * inv))
+                part[k] = q
+                t += np.int32(q)
+            sums[s * STEP // G] += t
+            continue
+        for k0 in range(0, STEP, G):                  # (GGUF's groups: 16 or 32 columns)
+            t = np.int32(0)
+            for k in range(k0, k0 + G):
                 q = np.int8(np.rint(src[k] * inv))
                 part[k] = q
                 t += np.int32(q)
