@@ -132,13 +132,16 @@ _MODEL_OPTIONS = [
     click.option("--dtype", default=None, metavar="DTYPE",
                  help="How weights are stored: float32 (CPU default), float16 (CUDA default), "
                       "bfloat16, int8 (one scale per output channel), int4 (CPU; one scale per "
-                      f"{INT4_GROUP} input channels) or auto (as the checkpoint stores them)."),
+                      f"{INT4_GROUP} input channels), int8g32 / int8g16 / int4g32 / int4g16 (CPU; "
+                      "a GGUF file's blocks), float8_e4m3 / float8_e5m2 (CPU; an fp8 file's codes) "
+                      "or auto (as the checkpoint stores them; fp8 and GGUF files load in the "
+                      "most compact format that holds them exactly)."),
     click.option("--compute", default=None, metavar="MODE",
                  help="What products compute in: CPU float32 (default), int8 (int8/int4 "
-                      "weights x inputs rounded to int8, on VNNI where the CPU has it) or "
-                      "bfloat16 (bfloat16 weights x inputs rounded to bfloat16; the default for "
-                      "bfloat16 weights on a CPU with AVX512_BF16); CUDA float16 (default) or "
-                      "float32."),
+                      "weights or GGUF's int8g blocks x inputs rounded to int8, on VNNI where "
+                      "the CPU has it) or bfloat16 (bfloat16 weights or fp8 codes x inputs "
+                      "rounded to bfloat16; the default for bfloat16 weights on a CPU with "
+                      "AVX512_BF16); CUDA float16 (default) or float32."),
     click.option("--workspace", default=None, metavar="SIZE",
                  help="Arena size for activations and caches, e.g. 512MiB  [default: 1GiB]; with "
                       "--memory-limit, the part of the limit kept for them."),

@@ -92,21 +92,23 @@ def load(model: str | _Path, device: str = "cpu", dtype: _Any = None, workspace:
         computed in float32), "bfloat16" (CPU: stored 2 bytes; see compute), "int8"
         (one scale per output channel), "int4" (CPU: 4 bits, one scale per group of 128 input
         channels: io/formats.py's INT4_GROUP), "int8g32" / "int8g16" (CPU: int8 with a
-        float32 scale and offset per group of 32 / 16 input channels, computed in float32:
-        what a GGUF file's blocks load as), "int4g32" / "int4g16" (the same with unsigned 4-bit
-        codes: a GGUF file's 4-bit blocks) or "auto" (the checkpoint's own: int8, int4,
+        float32 scale and offset per group of 32 / 16 input channels: what a GGUF file's blocks
+        load as), "int4g32" / "int4g16" (the same with unsigned 4-bit codes: a GGUF file's 4-bit
+        blocks), "float8_e4m3" / "float8_e5m2" (CPU: an fp8 file's codes, kept with a scale per
+        row) or "auto" (the checkpoint's own: int8, int4,
         bfloat16, float16 or float32). A
         checkpoint that `minfer convert --dtype int8 | int4` wrote loads in its format unless
         another is asked for.
     compute: what the products compute in, apart from how weights are stored. CPU: "float32"
         (default: weights widened, outputs as float32's up to rounding) or "int8" (int8 or int4
-        weights: each product's input rows are rounded to int8 on the fly and multiplied as
-        integers, on the CPU's dot-product instructions (VNNI) where it has them: faster, a
-        little less exact; with dtype unset it stores int8) or "bfloat16" (bfloat16 weights:
-        each product's inputs rounded to bfloat16, the products of bfloat16 pairs summed in
-        float32, on AVX512_BF16 where the CPU has it; the default for bfloat16 weights on such a
-        CPU, float32 elsewhere; with dtype unset it stores bfloat16). CUDA: "float16" (default;
-        float32 for float32 weights) or "float32".
+        weights, or a GGUF file's int8g blocks as they are: each product's input rows are
+        rounded to int8 on the fly and multiplied as integers, on the CPU's dot-product
+        instructions (VNNI) where it has them: faster, a little less exact; with dtype unset it
+        stores int8, GGUF's blocks stay int8g) or "bfloat16" (bfloat16 weights, or an fp8 file's
+        codes as they are: each product's inputs rounded to bfloat16, the products of bfloat16
+        pairs summed in float32, on AVX512_BF16 where the CPU has it; the default for bfloat16
+        weights on such a CPU, float32 elsewhere; with dtype unset it stores bfloat16, fp8
+        stays fp8). CUDA: "float16" (default; float32 for float32 weights) or "float32".
     workspace: arena size for activations and caches, e.g. "512MiB" (default 1GiB, paged in
         lazily, so only what a run touches costs memory). With memory_limit: the part of the
         limit reserved for runs.

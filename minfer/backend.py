@@ -45,7 +45,8 @@ FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bf
 _COMPUTE_FORMATS = {
     "int8": ((*QUANTISED_FORMATS, "int8g32", "int8g16"),   # (and GGUF's blocks as they are)
              "compute='int8' multiplies int8 or int4 weights, not dtype {name!r}: use "
-             "dtype='int8' or 'int4' (or leave dtype unset)"),
+             "dtype='int8' or 'int4' (or leave dtype unset; GGUF's int8g blocks multiply as "
+             "they are)"),
     "bfloat16": (("bfloat16", *FP8_FORMATS),
                  "compute='bfloat16' multiplies bfloat16 or fp8 weights, not dtype {name!r}: use "
                  "dtype='bfloat16' (or leave dtype unset)"),

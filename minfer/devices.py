@@ -93,7 +93,7 @@ def fix_mmap_threshold() -> bool:
     """Under a memory limit, host blocks of MMAP_THRESHOLD bytes and more get a mapping of their
     own, given back to the system when freed. glibc's threshold is otherwise dynamic: freeing a
     mapped block raises it to that block's size (up to 32 MiB), so later temporaries of a few MiB
-    (an encoder pass's bias buckets, its (B, T, C) result) come from the heap and stay there once
+    (a decoder pass's bias rows, an encoder pass's (B, T, C) result) come from the heap and stay there once
     freed: on a T5-XXL encoder under 2 GiB ~10 MiB of the peak outside the arena. Fixing it stops
     the adjustment. Process-wide; a MALLOC_MMAP_THRESHOLD_ set in the environment is kept. False
     where there is no glibc."""

@@ -89,7 +89,8 @@ class PackedWeight:
     `bits` -> float rows (unscaled); kernel(x, bits, [scale,] out): the compiled small-M product,
     or None (off, or not on the CPU); compute: "float32", or the rounding of the inputs before
     every product ("int8", "bfloat16": `ROUNDINGS`); rounded_kernel: the compiled product of that
-    compute mode, or None (int8: `(x, bits, scale, out, work)`; bfloat16: `(x, bits, out, work)`)
+    compute mode, or None (`(x, bits, scale, out, work)`, or `(x, bits, out, work)` for a format
+    without scales: bfloat16)
     and work_bytes(M, K, groups) the scratch bytes it rounds M input rows into; bits: what the
     kernels read (the stored array, or float16 viewed as its uint16 bits for the compiled code);
     scratch: the runtime's shared flat float buffer (one product at a time; also where the
@@ -213,7 +214,8 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
     multiplies by: the array itself when it is already in the compute dtype (and no kernel runs
     it), else a PackedWeight. `compiled` is the compiled kernels on the CPU (`kernels.compiled()`:
     the registry), or None; `compute`: the backend's compute mode ("int8" only for quantised
-    formats and "bfloat16" only for bfloat16 weights: the backend checks)."""
+    formats and GGUF's int8 blocks, "bfloat16" only for bfloat16 and fp8 weights: the backend
+    checks)."""
     w = arrays[name]
     own = compiled.BY_FORMAT[fmt.name] if compiled is not None else None
     if np.dtype(fmt.storage) == np.dtype(compute_dtype) and not fmt.scaled:

@@ -1,7 +1,8 @@
 """bfloat16 x bfloat16 products (compute="bfloat16"): out (M, N) float32 = bf16(x) (M, K) @
 w (N, K).T, for weights stored as bfloat16 (uint16 bits, the layout minfer already keeps them in)
-or as fp8 codes with a scale per row (every fp8 value is a bfloat16: see the fp8 section). Each activation is rounded to bfloat16 (to nearest, ties to even, NaN kept
-NaN, as torch rounds) once per product into the caller's scratch, then the products run on the
+or as fp8 codes with a scale per row (every fp8 value is a bfloat16: see the fp8 section). Each
+activation is rounded to bfloat16 (to nearest, ties to even, NaN kept NaN, as torch rounds) once
+per product into the caller's scratch, then the products run on the
 bfloat16 dot-product tiles (`bfloat16_tiles`: vdpbf16ps on AVX512_BF16 CPUs, a widening
 fallback elsewhere), accumulating in float32.
 

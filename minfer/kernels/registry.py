@@ -51,8 +51,8 @@ class FormatKernels:
     """The kernels of one storage format: its float32 product (small M), the widening of its
     rows into float32 blocks (large M, then BLAS; None: already float32) and `rounded`: by
     compute mode, the product that rounds its inputs first and the scratch bytes it rounds
-    M rows of K columns into (the quantised formats: compute="int8"'s int8 x int8 product;
-    bfloat16: compute="bfloat16"'s bfloat16 x bfloat16 product)."""
+    M rows of K columns into (the quantised formats and GGUF's int8 blocks: compute="int8"'s
+    int8 x int8 product; bfloat16 and fp8: compute="bfloat16"'s bfloat16 x bfloat16 product)."""
     product: Callable
     widen: Callable | None = None
     rounded: dict[str, tuple[Callable, Callable[[int, int, int], int]]] = field(default_factory=dict)
