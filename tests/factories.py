@@ -1,8 +1,9 @@
-"""Test inputs written with NumPy (no torch): random T5 checkpoints in the HF layout, and raw
-safetensors files with whatever header a test needs."""
+"""Test inputs written with NumPy (no torch): random T5 checkpoints in the HF layout, raw
+safetensors files with whatever header a test needs, and calls run side by side in threads."""
 import json
 import math
 import struct
+import threading
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -98,3 +99,19 @@ def encode_fp8(x: np.ndarray, fmt: str) -> np.ndarray:
     at = np.clip(np.searchsorted(table, x), 1, len(table) - 1)
     nearer = np.where(np.abs(x - table[at - 1]) <= np.abs(table[at] - x), at - 1, at)
     return order[nearer].astype(np.uint8)
+
+
+def in_threads(calls):
+    """Run each call in its own thread; their results (or exceptions) in order, and the
+    threads (started)."""
+    out = [None] * len(calls)
+
+    def work(i, call):
+        try:
+            out[i] = call()
+        except BaseException as e:   # (the test reads it)
+            out[i] = e
+    threads = [threading.Thread(target=work, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    return out, threads

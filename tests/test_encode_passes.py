@@ -1,13 +1,13 @@
 """/v1/encode's queue (minfer/serve/encode_passes.py) in one process: requests waiting while the
 model is busy share the next encoder pass and get exactly the rows they get alone; a cancelled
 request leaves without losing the others' rows; a failed shared pass is rerun per request."""
-import threading
 import time
 
 import numpy as np
 import pytest
 
 import minfer
+from factories import in_threads
 from minfer.errors import Cancelled, InputError
 from minfer.serve.encode_passes import SHARE_MIN_POSITIONS, EncodePasses, PassRule
 from minfer.serve.jobs import Job
@@ -30,22 +30,6 @@ def wait_until(condition, seconds=30):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
-
-
-def in_threads(calls):
-    """Run each call in its own thread; their results (or exceptions) in order, and the
-    threads (started)."""
-    out = [None] * len(calls)
-
-    def work(i, call):
-        try:
-            out[i] = call()
-        except BaseException as e:   # (the test reads it)
-            out[i] = e
-    threads = [threading.Thread(target=work, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    return out, threads
 
 
 # (preset, length, texts): the rules a server sees; every pass has T >= 128 positions a row

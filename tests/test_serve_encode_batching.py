@@ -2,11 +2,11 @@
 port): requests that arrive while the model is busy share encoder passes (fewer passes than
 requests in /metrics) and answer the very bytes each gets alone, for the flux, sd3 and wan
 presets and no preset; a client that leaves while its request waits costs the others nothing."""
-import threading
 import time
 
 import httpx
 import pytest
+from factories import in_threads
 from serve_process import serving
 
 LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)   # > 128 tokens
@@ -34,20 +34,6 @@ def post(server, body, timeout=120):
         return http.post("/v1/encode", json={"encoding_format": "base64", **body})
 
 
-def concurrently(calls):
-    out = [None] * len(calls)
-
-    def work(i, call):
-        try:
-            out[i] = call()
-        except Exception as e:   # (the test reads it)
-            out[i] = e
-    threads = [threading.Thread(target=work, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    return out, threads
-
-
 def busy(server, since):
     """Once the blocker's pass has begun: a request runs and no pass has ended since."""
     deadline = time.monotonic() + 60
@@ -61,9 +47,9 @@ def busy(server, since):
 
 def test_concurrent_requests_share_passes_and_answer_their_own_bytes(server):
     before = server.settle()
-    blocker, blocking = concurrently([lambda: post(server, BLOCKER)])
+    blocker, blocking = in_threads([lambda: post(server, BLOCKER)])
     assert busy(server, before["minfer_encode_passes_total"]), "the blocker ended too soon"
-    out, threads = concurrently([lambda b=b: post(server, b) for b in BODIES])
+    out, threads = in_threads([lambda b=b: post(server, b) for b in BODIES])
     for t in blocking + threads:
         t.join(180)
     after = server.settle()
@@ -83,10 +69,10 @@ def test_concurrent_requests_share_passes_and_answer_their_own_bytes(server):
 
 def test_a_client_that_leaves_while_waiting_costs_the_others_nothing(server):
     before = server.settle()
-    blocker, blocking = concurrently([lambda: post(server, BLOCKER)])
+    blocker, blocking = in_threads([lambda: post(server, BLOCKER)])
     assert busy(server, before["minfer_encode_passes_total"]), "the blocker ended too soon"
     # the first gives up after 0.3 s, its rows still waiting behind the blocker
-    out, threads = concurrently([lambda: post(server, BODIES[0], timeout=0.3),
+    out, threads = in_threads([lambda: post(server, BODIES[0], timeout=0.3),
                                  lambda: post(server, BODIES[1]),
                                  lambda: post(server, BODIES[2])])
     for t in blocking + threads:

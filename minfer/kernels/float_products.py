@@ -315,8 +315,10 @@ def _dot_widened(x, rf, ob, i, nr):
         m += 1
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def matmul_i8g(x, w, params, out):
+@njit(inline="always")
+def _grouped_product(x, w, params, out, widen_row):
+    """out = x @ (the grouped rows widened by widen_row(row, params row, dst)).T: blocks of
+    weight rows over the threads, 4 rows widened at a time into L1, then the 4x4 tiles."""
     K = x.shape[1]
     N = w.shape[0]
     for b in prange((N + BLOCK - 1) // BLOCK):
@@ -327,10 +329,15 @@ def matmul_i8g(x, w, params, out):
         for i in range(0, n1 - n0, 4):
             nr = min(4, n1 - n0 - i)
             for j in range(nr):
-                _widen_i8g_row(w[n0 + i + j], params[n0 + i + j], rf[j])
+                widen_row(w[n0 + i + j], params[n0 + i + j], rf[j])
             for j in range(nr, 4):       # past the last weight row: zeros, results dropped
                 rf[j, :] = 0.0
             _dot_widened(x, rf, ob, i, nr)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_i8g(x, w, params, out):
+    _grouped_product(x, w, params, out, _widen_i8g_row)
 
 
 # -- grouped int4 weights (GGUF's 4-bit blocks), computed in float32 -----------------------------------
@@ -382,17 +389,4 @@ def _widen_i4g_row(row, prow, dst):
 
 @njit(parallel=True, fastmath=True, cache=True)
 def matmul_i4g(x, w, params, out):
-    K = x.shape[1]
-    N = w.shape[0]
-    for b in prange((N + BLOCK - 1) // BLOCK):
-        n0 = b * BLOCK
-        n1 = min(N, n0 + BLOCK)
-        ob = out[:, n0:n1]
-        rf = np.zeros((4, K), np.float32)
-        for i in range(0, n1 - n0, 4):
-            nr = min(4, n1 - n0 - i)
-            for j in range(nr):
-                _widen_i4g_row(w[n0 + i + j], params[n0 + i + j], rf[j])
-            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
-                rf[j, :] = 0.0
-            _dot_widened(x, rf, ob, i, nr)
+    _grouped_product(x, w, params, out, _widen_i4g_row)

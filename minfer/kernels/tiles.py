@@ -644,8 +644,17 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
 
     fzero = ir.Constant(fty, None)
     faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
-    sxp = _elem(context, builder, a[9], sx, m)
-    outp = _rows(context, builder, a[13], out, m, C)
+    _store_row_scaled(context, builder, (a[9], sx), (a[13], out), m, i, valid, faccs, P, C, lanes)
+
+
+def _store_row_scaled(context, builder, sx, out, m, i, valid, faccs, P, C, lanes):
+    """The grouped panel tiles' epilogue: out[m + c, i + 16 p + j] = sx[m + c] * the float32
+    accumulator of (c, p) (`lanes` outputs a vector, 16 / lanes vectors per p), masked to the
+    outputs below `valid`. sx, out: (type, value) of the row scales (1-D) and the output (2-D)."""
+    nvec = 16 // lanes
+    fty = _vec(F32, lanes)
+    sxp = _elem(context, builder, sx[0], sx[1], m)
+    outp = _rows(context, builder, out[0], out[1], m, C)
     mstore, lane_mask = _lane_masks(builder, valid, lanes)
     for p in range(P):
         for h in range(nvec):
@@ -735,19 +744,7 @@ def _panel_grouped_codegen(P, C, Q, isa, context, builder, a, args):
 
     fzero = ir.Constant(fty, None)
     faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
-    sxp = _elem(context, builder, a[8], sx, m)
-    outp = _rows(context, builder, a[12], out, m, C)
-    mstore, lane_mask = _lane_masks(builder, valid, lanes)
-    for p in range(P):
-        for h in range(nvec):
-            first = p * 16 + h * lanes
-            mask = lane_mask(first)
-            for c in range(C):
-                rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
-                value = builder.fmul(faccs[(c * P + p) * nvec + h], _splat(builder, rscale, lanes))
-                at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
-                                     fty.as_pointer())
-                builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+    _store_row_scaled(context, builder, (a[8], sx), (a[12], out), m, i, valid, faccs, P, C, lanes)
 
 
 def make_panel_grouped_tile(isas: dict[bool, str]):
