@@ -19,8 +19,11 @@ BODIES = [{"input": ["a cat sat on the mat", "hi there"], "preset": "flux"},
           {"input": ["x", "y z"], "preset": "wan", "dtype": "bfloat16"},
           {"input": [LONG, "a short one"]},
           {"input": [LONG, "another short one", "z"], "dtype": "float16"}]
-# a request that keeps the model busy for a while (64 rows of 512 tokens: ~1 s)
+# a request that keeps the model busy for a while (64 rows of 512 tokens, one pass of its own:
+# ~0.3 s on 2 Zen 4 cores); the tests queue BLOCKERS of them, so that what is sent after them
+# waits well past a client's 0.3 s timeout however fast the pass gets
 BLOCKER = {"input": [f"blocker {i}" for i in range(64)], "preset": "flux"}
+BLOCKERS = 6
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +50,19 @@ def busy(server, since):
 
 def test_concurrent_requests_share_passes_and_answer_their_own_bytes(server):
     before = server.settle()
-    blocker, blocking = in_threads([lambda: post(server, BLOCKER)])
+    blocker, blocking = in_threads([lambda: post(server, BLOCKER)] * BLOCKERS)
     assert busy(server, before["minfer_encode_passes_total"]), "the blocker ended too soon"
     out, threads = in_threads([lambda b=b: post(server, b) for b in BODIES])
     for t in blocking + threads:
         t.join(180)
     after = server.settle()
-    assert blocker[0].status_code == 200
+    assert all(b.status_code == 200 for b in blocker)
     for got in out:
         assert not isinstance(got, Exception) and got.status_code == 200, got
     passes = after["minfer_encode_passes_total"] - before["minfer_encode_passes_total"]
     served = (after["minfer_encode_pass_requests_total"]
               - before["minfer_encode_pass_requests_total"])
-    assert served == len(BODIES) + 1
+    assert served == len(BODIES) + BLOCKERS
     assert passes < served   # requests that waited behind the blocker shared passes
     # one at a time: the very same answer bytes
     for body, got in zip(BODIES, out):
@@ -69,9 +72,9 @@ def test_concurrent_requests_share_passes_and_answer_their_own_bytes(server):
 
 def test_a_client_that_leaves_while_waiting_costs_the_others_nothing(server):
     before = server.settle()
-    blocker, blocking = in_threads([lambda: post(server, BLOCKER)])
+    blocker, blocking = in_threads([lambda: post(server, BLOCKER)] * BLOCKERS)
     assert busy(server, before["minfer_encode_passes_total"]), "the blocker ended too soon"
-    # the first gives up after 0.3 s, its rows still waiting behind the blocker
+    # the first gives up after 0.3 s, its rows still waiting behind the blockers
     out, threads = in_threads([lambda: post(server, BODIES[0], timeout=0.3),
                                  lambda: post(server, BODIES[1]),
                                  lambda: post(server, BODIES[2])])
