@@ -123,3 +123,13 @@ def test_a_cpu_pass_writes_the_states_into_the_callers_array_not_the_arena(folde
     assert arena.stats().peak - base <= scratch           # the planned scratch, and no output
     assert cpu.plan(B, T)["encoder_scratch"] == scratch + output   # (the plan still counts it)
     assert states.shape == (B, T, cfg.d_model) and np.isfinite(states).all()
+
+
+def test_a_second_devices_padding_is_zeroed_on_that_device(strict_cuda, folder):
+    # Wan's zeroed tail ran on the thread's current device (0), not the model's
+    m = minfer.load(folder, device="cuda:1", dtype="float32")
+    states, mask = m.encode(["a cat sat on the mat", "hi"], preset="wan", max_length=12,
+                            return_mask=True, return_tensors="cupy")
+    with m.backend.on_device():
+        host, kept = states.get(), mask.get()
+    assert (host[kept == 0] == 0).all() and (host[kept == 1] != 0).any()

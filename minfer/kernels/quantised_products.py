@@ -477,9 +477,21 @@ def _quantised_floats(x, work):
 
 
 def grouped_work_bytes(M: int, K: int, groups: int) -> int:
-    """Scratch bytes of `qmatmul_i8g` for M input rows of K columns in `groups` groups."""
-    from . import quantised_bytes   # (the panels' quantised rows, or the rows as float32)
-    return max(quantised_bytes(M, K, groups), M * K * 4 + 64)
+    """Scratch bytes of `qmatmul_i8g` for M input rows of K columns in `groups` groups: the
+    panels' quantised rows where `_qmatmul_grouped` takes the panels, else the rows as float32
+    (a caller that cuts M rows into parts to fit its scratch keeps parts of 256 rows and more on
+    the panels: their bytes grow with M alone)."""
+    from . import quantised_bytes
+    if _takes_panels(M, K, groups):
+        return quantised_bytes(M, K, groups)
+    return M * K * 4 + 64
+
+
+@njit(inline="always")
+def _takes_panels(M, K, groups):
+    """Whether `_qmatmul_grouped` runs M rows of K columns in `groups` groups on the panels."""
+    G = K // groups if groups else 0
+    return M >= PANEL_MIN_ROWS and K % STEP == 0 and (G == 32 or G == 16)
 
 
 @njit(parallel=True, cache=True)
@@ -488,7 +500,7 @@ def _qmatmul_grouped(x, w, params, out, work, best):
     M, K = x.shape
     groups = params.shape[1]
     G = K // groups if groups else 0
-    if M >= PANEL_MIN_ROWS and K % STEP == 0 and (G == 32 or G == 16):
+    if _takes_panels(M, K, groups):
         off = OFFSET_BEST if best else OFFSET_FALLBACK
         xq, sums, sx = _quantise(x, work, groups)
         if G == 32:

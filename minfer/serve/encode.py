@@ -34,7 +34,7 @@ from starlette.responses import Response
 from ..encoding.presets import PRESETS
 from ..errors import InputError
 from ..io.limits import short_repr
-from .encode_passes import EncodePasses, PassRule
+from .encode_passes import SHARE_MIN_POSITIONS, EncodePasses, PassRule
 from .errors import APIError
 from .jobs import Job
 from .schema import _check_count, _integer, _strings
@@ -97,11 +97,12 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int, passes: EncodePasse
         raise InputError(f"{model.folder}: this model has no encoder")
     length = padded_length(req, max_input_tokens)
     cache = getattr(model, "encode_cache", None)
+    scope = answer_scope(req, length)
     keys: list[bytes] = []
     found: list[Rendered | None] = [None] * len(req.texts)
-    if cache is not None:
+    if cache is not None and scope is not None:
         rendering = (f"{model.cache_identity}|{id(model.tokenizer)}|/v1/encode|{name}|"
-                     f"{max_input_tokens}|{req.preset}|{length}|{req.dtype}|{req.base64}")
+                     f"{max_input_tokens}|{req.preset}|{length}|{req.dtype}|{req.base64}|{scope}")
         keys = [answer_key(rendering, text) for text in req.texts]
         found = [cache.get_answer(key) for key in keys]
     todo = [i for i, r in enumerate(found) if r is None]
@@ -117,13 +118,26 @@ def run(job: Job, req: EncodeRequest, max_input_tokens: int, passes: EncodePasse
                                  f"largest value {HALF_MAX:g}; ask for float32 or bfloat16")
         for i, row, (states, mask) in zip(todo, rows, got):
             found[i] = rendered(encoded_row(states, mask, req), name, len(row))
-            if cache is not None:
+            if keys:
                 cache.put_answer(keys[i], found[i], len(found[i].body))
     done = [r for r in found if r is not None]   # (all, by now)
     tokens = sum(r.tokens for r in done)
     if len(done) == 1:
         return done[0].body, tokens
     return answer([memoryview(r.body)[r.start:r.end] for r in done], name, tokens), tokens
+
+
+def answer_scope(req: EncodeRequest, length: int | None) -> str | None:
+    """Which requests may share an input's kept answer: "any" where its states do not depend on
+    what else was in its pass (every input padded to one length of at least
+    SHARE_MIN_POSITIONS: each product of the pass takes the same code path for any number of
+    rows, and the rows' sums do not depend on the others), "alone" for a request of one input
+    (its states depend on the pass's longest row and, below SHARE_MIN_POSITIONS, on the number
+    of rows: such an answer is only the answer to that input sent alone), else None: nothing
+    is kept, and a hit would be another batch's rounding."""
+    if length is not None and length >= SHARE_MIN_POSITIONS:
+        return "any"
+    return "alone" if len(req.texts) == 1 else None
 
 
 def padded_length(req: EncodeRequest, max_input_tokens: int) -> int | None:

@@ -472,5 +472,6 @@ def _zero_padding(be: Any, states: Any, mask: np.ndarray) -> None:
     positions, device states through the uploaded mask (no host copy of the states)."""
     if isinstance(states, np.ndarray):
         states[mask == 0] = 0.0
-    else:
+        return
+    with be.on_device():   # (the model's device, which need not be the thread's current one)
         be.xp.copyto(states, np.float32(0), where=be.asarray(mask[..., None] == 0))
