@@ -15,7 +15,8 @@ from pathlib import Path as _Path
 from typing import Any as _Any
 
 from . import errors
-from .backend import FP8_FORMATS as _FP8_FORMATS, QUANTISED_FORMATS as _QUANTISED_FORMATS, option_name as _option_name
+from .backend import FP8_FORMATS as _FP8_FORMATS, QUANTISED_FORMATS as _QUANTISED_FORMATS
+from .backend import option_name as _option_name
 from .devices import cuda_available as _cuda_available, make_backend as _make_backend
 from .encoding.cache import EncodeCache as _EncodeCache
 from .errors import (ArenaExhausted, Cancelled, CheckpointError, ConfigError, InputError,

@@ -93,8 +93,8 @@ def fix_mmap_threshold() -> bool:
     """Under a memory limit, host blocks of MMAP_THRESHOLD bytes and more get a mapping of their
     own, given back to the system when freed. glibc's threshold is otherwise dynamic: freeing a
     mapped block raises it to that block's size (up to 32 MiB), so later temporaries of a few MiB
-    (a decoder pass's bias rows, an encoder pass's (B, T, C) result) come from the heap and stay there once
-    freed: on a T5-XXL encoder under 2 GiB ~10 MiB of the peak outside the arena. Fixing it stops
+    (a decoder pass's bias rows, an encoder pass's (B, T, C) result) come from the heap and stay
+    there once freed: on a T5-XXL encoder under 2 GiB ~10 MiB of the peak outside the arena. Fixing it stops
     the adjustment. Process-wide; a MALLOC_MMAP_THRESHOLD_ set in the environment is kept. False
     where there is no glibc."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:

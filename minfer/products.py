@@ -225,8 +225,9 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
     if own is None:
         return PackedWeight(w, scale, fmt.widen, None, scratch, shape=shape, compute=compute)
     bits = w.view(np.uint16) if w.dtype == np.float16 else w   # numba has no float16
-    # the int4 kernels take whole blocks of 64 columns per group, the grouped int4 ones rows of
-    # whole 32 columns (so groups of 16 or a multiple of 32); other sizes widen
+    # the int4 kernels take whole blocks of 64 columns per group, the grouped ones (GGUF's int8
+    # and int4 blocks) rows of whole 32 columns (so groups of 16 or a multiple of 32); other
+    # sizes widen
     blocks = (not fmt.packed or int4_group(shape[1]) % 64 == 0 if not fmt.group else
               shape[1] % 32 == 0)
     kernel = own.product if blocks else None

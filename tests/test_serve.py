@@ -232,6 +232,8 @@ def test_models_health_and_metrics(server):
     models = server.openai(KEY).models.list()
     assert [m.id for m in models.data] == ["dates"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    done = server.openai(KEY).completions.create(model="dates", prompt=PROMPTS[0], stream=True)
+    assert "".join(c.choices[0].text for c in done)   # (a completion's own metrics, streamed)
     m = server.metrics()
     for name in ("minfer_requests_running", "minfer_requests_waiting",
                  "minfer_generated_tokens_total", "minfer_prompt_tokens_total",

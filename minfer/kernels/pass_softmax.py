@@ -46,10 +46,12 @@ def _pow2(typingctx, n):
 
 @njit(inline="always", **NON_FINITE_SAFE)
 def _exp_nonpositive(x):
-    """e^x for x <= 0 (a score minus its row's maximum), 0 below EXP_FLOOR; NaN stays NaN."""
+    """e^x for x <= 0 (a score minus its row's maximum), 0 below EXP_FLOOR; NaN stays NaN
+    (through r: the exponent n is taken from 0 instead, an integer conversion of NaN being
+    undefined in LLVM)."""
     small = x < EXP_FLOOR
     y = EXP_FLOOR if small else x
-    n = np.floor(y * LOG2_E + np.float32(0.5))
+    n = np.floor((y if y == y else np.float32(0.0)) * LOG2_E + np.float32(0.5))
     r = (y - n * LN2_HI) - n * LN2_LO
     p = _TAYLOR[0]
     for c in _TAYLOR[1:]:

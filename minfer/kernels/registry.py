@@ -14,6 +14,7 @@ from typing import Callable
 import numba
 import numpy as np
 
+from ..io import tensors as io_tensors
 from . import (bfloat16_products, bfloat16_tiles, float_products, pass_softmax, quantised_products,
                step_ops, tiles, widening)
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
@@ -27,10 +28,11 @@ from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_
 from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
                        widen_i8)
 
-# The sources whose compiled code numba caches (kernels._kernel_stamp hashes them).
+# The sources whose compiled code numba caches (kernels._kernel_stamp hashes them), and
+# io/tensors.py, whose fp8 tables the bfloat16 products compile in as constants.
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
-                                           pass_softmax))
+                                           pass_softmax, io_tensors))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:

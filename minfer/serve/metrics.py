@@ -27,7 +27,7 @@
     minfer_encode_cache_hits_total     counter: encoder rows (or /v1/encode's rendered answers
                                        of them) answered from the encode cache
     minfer_encode_cache_misses_total   counter: encoder rows looked up and not found there
-    minfer_encode_cache_evictions_total  counter: rows dropped to stay within its budget
+    minfer_encode_cache_evictions_total  counter: rows and kept answers dropped to stay within its budget
     minfer_encode_cache_bytes          gauge: bytes it holds (of minfer_encode_cache_budget_bytes)
     minfer_encode_cache_entries        gauge: rows it holds
                                        (the encode_cache lines only with `--encode-cache`)
@@ -92,8 +92,8 @@ class _EncodeCacheCounts:
                                   "encode cache", value=s.hits)
         yield CounterMetricFamily("minfer_encode_cache_misses", "Encoder rows not found in the "
                                   "encode cache", value=s.misses)
-        yield CounterMetricFamily("minfer_encode_cache_evictions", "Encoder rows evicted from "
-                                  "the encode cache", value=s.evicted)
+        yield CounterMetricFamily("minfer_encode_cache_evictions", "Encoder rows and kept "
+                                  "answers evicted from the encode cache", value=s.evicted)
         yield GaugeMetricFamily("minfer_encode_cache_bytes", "Bytes the encode cache holds",
                                 value=s.bytes)
         yield GaugeMetricFamily("minfer_encode_cache_budget_bytes", "The encode cache's budget",
