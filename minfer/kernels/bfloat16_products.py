@@ -269,9 +269,7 @@ def _panels(xb, w, table, scale, out, M, K, scaled, best):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
-        raw = np.empty(pairs * P * 16 * 4 + ALIGN, np.uint8)
-        skip = (ALIGN - tiles.address(raw) % ALIGN) % ALIGN
-        pw = raw[skip:skip + pairs * P * 16 * 4].view(np.uint32)
+        pw = tiles.aligned_bytes(pairs * P * 16 * 4).view(np.uint32)
         _pack_panel(w, table, n0, nb, K, P * 16, pw)
         m = 0
         while m + 4 <= M:

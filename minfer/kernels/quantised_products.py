@@ -316,9 +316,7 @@ def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
-        raw = np.empty(K * P * 16 + 64, np.uint8)
-        skip = (64 - tiles.address(raw) % 64) % 64
-        pw = raw[skip:skip + K * P * 16]
+        pw = tiles.aligned_bytes(K * P * 16)
         ps = np.empty(groups * P * 16, np.float32)
         _pack4(w, scale, groups, n0, nb, P * 16, pw.view(np.uint32), ps)
         m = 0
@@ -342,9 +340,7 @@ def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
-        raw = np.empty(K * P * 16 + 64, np.uint8)
-        skip = (64 - tiles.address(raw) % 64) % 64
-        pw = raw[skip:skip + K * P * 16]
+        pw = tiles.aligned_bytes(K * P * 16)
         _pack(w, n0, nb, P * 16, flip, pw.view(np.uint32))
         m = 0
         while m + 4 <= M:
@@ -438,9 +434,7 @@ def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
         P = (nb + 15) // 16
-        raw = np.empty(K * P * 16 + 64, np.uint8)
-        skip = (64 - tiles.address(raw) % 64) % 64
-        pw = raw[skip:skip + K * P * 16]
+        pw = tiles.aligned_bytes(K * P * 16)
         ps = np.empty(2 * groups * P * 16, np.float32)
         _pack_grouped(w, params, n0, nb, P * 16, flip, pw.view(np.uint32), ps)
         m = 0

@@ -37,8 +37,9 @@ as unsigned nibbles q + 8, so they are the unsigned operand as they are and the 
 from __future__ import annotations
 
 import llvmlite.binding as ll
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 I8, I16, I32, I64, F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
@@ -117,6 +118,14 @@ def address(typingctx, a):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         return builder.ptrtoint(ary.data, ir.IntType(64))
     return types.int64(a), codegen
+
+
+@njit(inline="always")
+def aligned_bytes(n):
+    """n bytes from a 64-byte boundary, in a buffer of the caller's own (a panel task's)."""
+    raw = np.empty(n + 64, np.uint8)
+    skip = (64 - address(raw) % 64) % 64
+    return raw[skip:skip + n]
 
 
 # -- IR pieces -------------------------------------------------------------------------------------
@@ -498,6 +507,26 @@ PANEL = 64                 # weight rows of a panel: 4 vectors of 16
 QUAD = 4                   # columns per lane
 
 
+def _quad(b, wdata, at, xp, xoff, accs, P, isa, u_signed):
+    """One quad (4 columns) of a panel tile: the P x 64 bytes of weights at byte `at` of the
+    panel (16 weight rows x 4 columns a 64-byte vector), each input row's 4 bytes at `xoff` of
+    its pointer in xp broadcast to every lane, their products added into accs (index (c * P +
+    p) * vectors + h, c < len(xp)); returns the new accumulators."""
+    W = _WIDTH[isa]
+    nvec = 64 // W
+    wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)), _vec(I8, W))
+           for h in range(nvec)] for p in range(P)]
+    xv = [b.bitcast(_splat(b, b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()), align=1),
+                           W // 4), _vec(I8, W)) for p_ in xp]
+    accs = list(accs)
+    for c in range(len(xp)):
+        for p in range(P):
+            for h in range(nvec):
+                k = (c * P + p) * nvec + h
+                accs[k] = _dot4(b, accs[k], wv[p][h], xv[c], isa, u_signed=u_signed)
+    return accs
+
+
 def _panel_codegen(P, C, isa, context, builder, a, args):
     """The panel tile's outputs: out[m + c, i + 16 p + j] for c < C, p < P, j < 16 where
     16 p + j < valid (the others are not written). pw: the packed panel (1-D, bytes), quad q of
@@ -516,19 +545,8 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
         for q in range(STEP // QUAD):
             at = b.add(b.mul(s, ir.Constant(I64, (STEP // QUAD) * row_bytes)),
                        ir.Constant(I64, q * row_bytes))
-            wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)), _vec(I8, W))
-                   for h in range(per)] for p in range(P)]
-            xoff = b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD))
-            xv = []
-            for p_ in xp:
-                word = b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()), align=1)
-                xv.append(b.bitcast(_splat(b, word, lanes), _vec(I8, W)))
-            for c in range(C):
-                for p in range(P):
-                    for h in range(per):
-                        k = (c * P + p) * per + h
-                        accs[k] = _dot4(b, accs[k], wv[p][h], xv[c], isa,
-                                        u_signed=isa not in _VNNI)
+            accs = _quad(b, wdata, at, xp, b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD)), accs,
+                         P, isa, isa not in _VNNI)
         return accs
 
     zero = ir.Constant(_vec(I32, lanes), None)
@@ -618,16 +636,8 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
             for q in range(STEP // QUAD):
                 at = b.add(b.mul(s, ir.Constant(I64, (STEP // QUAD) * row_bytes)),
                            ir.Constant(I64, q * row_bytes))
-                wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)),
-                                 _vec(I8, W)) for h in range(nvec)] for p in range(P)]
-                xoff = b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD))
-                xv = [b.bitcast(_splat(b, b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()),
-                                                 align=1), lanes), _vec(I8, W)) for p_ in xp]
-                for c in range(C):
-                    for p in range(P):
-                        for h in range(nvec):
-                            k = (c * P + p) * nvec + h
-                            accs[k] = _dot4(b, accs[k], wv[p][h], xv[c], isa)
+                accs = _quad(b, wdata, at, xp, b.add(b.mul(s, ss), ir.Constant(I64, q * QUAD)),
+                             accs, P, isa, False)
             return accs
         izero = ir.Constant(_vec(I32, lanes), None)
         iaccs = _loop(b, per, [izero] * (C * P * nvec), step)
@@ -714,17 +724,8 @@ def _panel_grouped_codegen(P, C, Q, isa, context, builder, a, args):
         for q in range(Q):
             at = b.mul(b.add(b.mul(g, ir.Constant(I64, Q)), ir.Constant(I64, q)),
                        ir.Constant(I64, row_bytes))
-            wv = [[_load_vec(b, wdata, b.add(at, ir.Constant(I64, p * 64 + h * W)), _vec(I8, W))
-                   for h in range(nvec)] for p in range(P)]
-            xoff = b.add(first, ir.Constant(I64, q * QUAD))
-            xv = [b.bitcast(_splat(b, b.load(b.bitcast(b.gep(p_, [xoff]), I32.as_pointer()),
-                                             align=1), lanes), _vec(I8, W)) for p_ in xp]
-            for c in range(C):
-                for p in range(P):
-                    for h in range(nvec):
-                        k = (c * P + p) * nvec + h
-                        iaccs[k] = _dot4(b, iaccs[k], wv[p][h], xv[c], isa,
-                                         u_signed=isa not in _VNNI)
+            iaccs = _quad(b, wdata, at, xp, b.add(first, ir.Constant(I64, q * QUAD)), iaccs, P,
+                          isa, isa not in _VNNI)
         out = list(faccs)
         for c in range(C):
             total = _load_at(b, tp[c], g)
