@@ -181,7 +181,8 @@ def matmul_e5m2(x, w, scale, out):
 # row, the nibbles taken as they are (q + 8) and 8 x the group's input sum taken off once per
 # group; more rows widen 4 weight rows into float rows in L1 (scaled) for the 4x4 tiles.
 @njit(inline="always")
-def _widen_i4_row(row, srow, dst, K):
+def _widen_i4_row(row, srow, dst):
+    K = dst.shape[0]
     G = K // srow.shape[0]
     for g in range(srow.shape[0]):
         s = srow[g]
@@ -264,18 +265,7 @@ def matmul_i4(x, w, scale, out):
                         out[m + 3, n] = a3
                     m += rows
         return
-    for b in prange((N + BLOCK - 1) // BLOCK):
-        n0 = b * BLOCK
-        n1 = min(N, n0 + BLOCK)
-        ob = out[:, n0:n1]
-        rf = np.zeros((4, K), np.float32)
-        for i in range(0, n1 - n0, 4):
-            nr = min(4, n1 - n0 - i)
-            for j in range(nr):
-                _widen_i4_row(w[n0 + i + j], scale[n0 + i + j], rf[j], K)
-            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
-                rf[j, :] = 0.0
-            _dot_widened(x, rf, ob, i, nr)
+    _grouped_product(x, w, scale, out, _widen_i4_row)
 
 
 # -- grouped int8 weights (GGUF's blocks), computed in float32 -----------------------------------------
@@ -317,8 +307,9 @@ def _dot_widened(x, rf, ob, i, nr):
 
 @njit(inline="always")
 def _grouped_product(x, w, params, out, widen_row):
-    """out = x @ (the grouped rows widened by widen_row(row, params row, dst)).T: blocks of
-    weight rows over the threads, 4 rows widened at a time into L1, then the 4x4 tiles."""
+    """out = x @ (the rows widened by widen_row(row, the row's group scales (and offsets),
+    dst)).T: blocks of weight rows over the threads, 4 rows widened at a time into L1, then the
+    4x4 tiles (int4, and GGUF's grouped int8 / int4)."""
     K = x.shape[1]
     N = w.shape[0]
     for b in prange((N + BLOCK - 1) // BLOCK):
