@@ -532,13 +532,21 @@ def test_the_distance_softmax_exponential_is_exact_to_float32_rounding():
 
 
 def test_the_distance_softmax_keeps_nan_and_uniform_rows_as_numpy():
-    s = rng.standard_normal((1, 1, 3, 4)).astype(np.float32)
+    s = rng.standard_normal((1, 1, 6, 4)).astype(np.float32)
     s[0, 0, 0, 2] = np.nan
     s[0, 0, 1, 1] = np.inf
     s[0, 0, 2] = np.finfo(np.float32).min              # an all-masked row: uniform, never NaN
-    k.softmax_distance_bias(s, np.zeros((1, 6), np.float32), 0, np.zeros((1, 4), np.float32))
-    assert np.isnan(s[0, 0, 0]).all() and np.isnan(s[0, 0, 1]).all()
+    s[0, 0, 3, 0] = -np.float32(np.nan)                # a NaN with its sign bit set (not the max)
+    s[0, 0, 4] = [-0.0, -3.0, -np.inf, -1.0]           # -inf weighs nothing; the maximum is -0
+    s[0, 0, 5] = [-5.0, -7.0, -6.0, -9.0]              # all negative: the max is the least negative
+    want = s.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        want = np.exp(want - want.max(-1, keepdims=True))
+        want /= want.sum(-1, keepdims=True)
+    k.softmax_distance_bias(s, np.zeros((1, 9), np.float32), 0, np.zeros((1, 4), np.float32))
+    assert np.isnan(s[0, 0, :2]).all() and np.isnan(s[0, 0, 3]).all()
     np.testing.assert_allclose(s[0, 0, 2], 0.25, rtol=1e-6)
+    np.testing.assert_allclose(s[0, 0, 4:], want[0, 0, 4:], rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("H", [1, 5, 6])

@@ -59,15 +59,40 @@ def _exp_nonpositive(x):
     return np.float32(0.0) if small else p * _pow2(n)
 
 
-@njit(fastmath=True)
+@intrinsic
+def _ordered_bits(typingctx, v):
+    """float32 -> an int32 that orders as the float does: its bits, the others than the sign
+    flipped for a negative value (-0 just below +0; a NaN with the sign clear above +inf, one
+    with it set below -inf). Its own inverse (`_ordered_float`). In IR: an integer maximum
+    vectorises (vpmaxsd), a float one with NaN semantics does not."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        flip = builder.and_(builder.ashr(bits, ir.Constant(i32, 31)), ir.Constant(i32, 0x7FFFFFFF))
+        return builder.xor(bits, flip)
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _ordered_float(typingctx, v):
+    """The float32 of `_ordered_bits`' int32."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        flip = builder.and_(builder.ashr(args[0], ir.Constant(i32, 31)), ir.Constant(i32, 0x7FFFFFFF))
+        return builder.bitcast(builder.xor(args[0], flip), ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always")
 def _largest(row, S):
-    """max(row[:S]) as a vector reduction: fastmath's no-NaN assumption is what lets LLVM
-    vectorise it. A NaN in the row may be skipped here, but not by the sum of exponentials,
-    whose NaN term makes the whole row NaN, as NumPy's softmax does."""
-    top = np.float32(-np.inf)
+    """max(row[:S]) as an integer maximum of the ordered bits (`_ordered_bits`), which LLVM
+    vectorises, where the float loop does not (benchmarks/README.md, "Measurements behind
+    constants in the code"). A NaN with its sign set is not the maximum, but the sum of exponentials still
+    has its NaN term, so the row becomes NaN, as NumPy's softmax makes it."""
+    top = np.int32(-2147483648)
     for j in range(S):
-        top = max(top, row[j])
-    return top
+        top = max(top, _ordered_bits(row[j]))
+    return _ordered_float(top)
 
 
 @njit(inline="always", **NON_FINITE_SAFE)
