@@ -38,6 +38,10 @@ _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
 # to bfloat16; on CUDA the products run in the compute dtype.
 _COMPUTE = {"cpu": {"float32": "float32", "int8": "float32", "bfloat16": "float32"},
             "cuda": {"float16": "float16", "float32": "float32"}}
+# the CPU compute modes whose encoder attention rounds its products' inputs to bfloat16
+# (ops.rounded_distance_attention): both already round every linear product's inputs, at least
+# as coarsely (int8 steps per row), and the attention then runs on the bfloat16 tiles
+ROUNDED_ATTENTION = ("bfloat16", "int8")
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
 FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bfloat16" multiplies
                                                # their values (each a bfloat16) as they are

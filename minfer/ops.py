@@ -26,7 +26,7 @@ import numpy as np
 from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
-from .products import PackedWeight
+from .products import PackedWeight, round_to_bfloat16
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
@@ -269,7 +269,8 @@ def toeplitz_view(xp: Any, table: Any, T: int) -> Any:
 
 
 def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scores: Any,
-                       ctx: Any, stats: tuple[Any, Any] | None = None) -> None:
+                       ctx: Any, stats: tuple[Any, Any] | None = None,
+                       round_weights: bool = False) -> None:
     """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance.
     q, k, v (B, H, T|S, D); scores a (B, H, T, S) contiguous scratch; ctx (B, T, H, D).
 
@@ -277,7 +278,9 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
     part of `scores`, then one compiled sweep per row adds the table's bias and the key mask and
     takes the softmax (kernels/pass_softmax.py). Elsewhere the heads run in two rounds, the
     second half of `scores` holding a round's bias built from the table (so the scratch is
-    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps."""
+    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps. `round_weights`:
+    the softmax weights rounded to bfloat16 before the value product (without the kernels:
+    `rounded_distance_attention`)."""
     B, H, T, D = q.shape
     S = k.shape[2]
     ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
@@ -288,6 +291,8 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
             s = flat[B * h0 * T * S:B * h1 * T * S].reshape(B, h1 - h0, T, S)
             xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
             kc.softmax_distance_bias(s, bias.table, h0, bias.key_mask)
+            if round_weights:
+                s[...] = round_to_bfloat16(xp, s)
             xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
         over_heads(xp, H, heads)
         return
@@ -305,13 +310,48 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
         xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
         s += chunk
         softmax_(xp, s, None if stats is None else (stats[0][:, h0:h1], stats[1][:, h0:h1]))
+        if round_weights:
+            s[...] = round_to_bfloat16(xp, s)
         xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
+
+
+def rounded_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: Any, ctx: Any,
+                               stats: tuple[Any, Any] | None = None) -> None:
+    """The self-attention of `distance_attention` with its products' inputs rounded to bfloat16
+    (queries, keys, values and the softmax weights; sums and the softmax in float32): what the
+    encoder runs with compute="bfloat16" or "int8" (backend.ROUNDED_ATTENTION). qkv (B, T, 3,
+    H, D) the q|k|v product's output (contiguous; rounded in place without the kernels), scores
+    the scratch of `distance_scratch` elements, ctx (B, T, H, D).
+
+    With the compiled kernels one call does it all, on the bfloat16 tiles, without a score
+    tensor (kernels/pass_attention.py); elsewhere q|k|v are rounded in place and the weights
+    after the softmax, around `distance_attention`'s float32 products, which then multiply
+    exactly what the tiles multiply (a bfloat16 pair's product is exact in float32)."""
+    kc = compiled(xp, qkv)
+    if kc is not None:
+        kc.attend_bf16(qkv, bias.table, bias.key_mask, ctx, scores)
+        return
+    flat = qkv.reshape(-1, qkv.shape[-1])
+    flat[...] = round_to_bfloat16(xp, flat)
+    q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
+    distance_attention(xp, q, k, v, bias, scores, ctx, stats, round_weights=True)
 
 
 def distance_scores(B: int, H: int, T: int, S: int) -> int:
     """Elements of `distance_attention`'s scores scratch: (B, H, T, S) rounded up to two
     equal rounds of heads (its other backends' bias)."""
     return B * 2 * ((H + 1) // 2) * T * S
+
+
+def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int) -> int:
+    """Elements (of `itemsize` bytes) of an encoder pass's attention scratch, enough for
+    `distance_attention` and `rounded_distance_attention` alike: the compiled bfloat16
+    attention's packed q|k|v and per-thread blocks (attention_layout.py) need more than the
+    scores only for short inputs (T below about 2D)."""
+    from .kernels.attention_layout import AttentionShape
+    threads = kernels.max_threads()
+    packed = AttentionShape(B, H, T, T, D, threads).nbytes() if threads else 0
+    return max(distance_scores(B, H, T, T), -(-packed // itemsize))
 
 
 def mask_value(dtype: Any) -> float:

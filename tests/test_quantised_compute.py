@@ -53,6 +53,9 @@ def test_xl_heldout_rows_agree_with_float32(dtype, compute):
 # 5-26% logit error). What must hold: rounding the activations to int8 adds little to the
 # weights' own error, and nothing blows up. Measured (benchmarks/accuracy_modes.py): int8 0.055-0.26,
 # int8 x int8 0.073-0.27, int4 0.73-1.16 of the largest logit, int4 x int8 within 3% of int4.
+# The encoder's attention in bfloat16 (ops.rounded_distance_attention, 2026-11-28) moved int8 x
+# int8 to 0.115-0.273 (0.071 -> 0.115 and 0.079 -> 0.119 on the two smallest), while the trained
+# T5 kept all 800 held-out outputs and its encoder states moved 0.057 -> 0.046 from float32's.
 @pytest.mark.parametrize("case", T5_CASES)
 def test_parity_fixture_logit_error_of_each_mode(case):
     ref = load_reference(case)
@@ -64,7 +67,7 @@ def test_parity_fixture_logit_error_of_each_mode(case):
         return rel_err(got, ref["logits"])
     weight_only = error("int8")
     assert error(None) < 1e-4 and weight_only < 0.3
-    assert error("int8", "int8") < max(1.5 * weight_only, 0.1)
+    assert error("int8", "int8") < max(1.5 * weight_only, 0.15)
     int4 = error("int4")
     assert int4 < 1.3
     assert error("int4", "int8") < 1.1 * int4

@@ -347,6 +347,13 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def max_threads() -> int:
+    """The most threads the compiled kernels may run here (numba's NUMBA_NUM_THREADS; what
+    per-thread scratch is sized for), or 0 where they are not selected."""
+    k = compiled()
+    return k.max_threads() if k is not None else 0
+
+
 def quantised_bytes(M: int, K: int, groups: int) -> int:
     """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
     (`quantised_products`' layout: the int8 rows, grouped by 4 and interleaved, their int32 sums

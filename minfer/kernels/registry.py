@@ -15,12 +15,13 @@ import numba
 import numpy as np
 
 from ..io import tensors as io_tensors
-from . import (bfloat16_products, bfloat16_tiles, float_products, pass_softmax, quantised_products,
-               step_ops, tiles, widening)
+from . import (attention_layout, bfloat16_products, bfloat16_tiles, float_products, pass_attention,
+               pass_softmax, quantised_products, step_ops, tiles, widening)
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
                              matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
+from .pass_attention import attend_bf16
 from .pass_softmax import softmax_distance_bias
 from .quantised_products import (grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
@@ -28,11 +29,13 @@ from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_
 from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
                        widen_i8)
 
-# The sources whose compiled code numba caches (kernels._kernel_stamp hashes them), and
-# io/tensors.py, whose fp8 tables the bfloat16 products compile in as constants.
+# The sources whose compiled code numba caches (kernels._kernel_stamp hashes them), and the
+# plain modules whose constants they compile in: io/tensors.py (the fp8 tables of the bfloat16
+# products), kernels/attention_layout.py (the bfloat16 attention's layout).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
-                                           pass_softmax, io_tensors))
+                                           pass_softmax, pass_attention, io_tensors,
+                                           attention_layout))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:
@@ -129,6 +132,10 @@ def warm_up() -> None:
     gather_rows(cache, np.zeros(1, np.int64), 1)
     softmax_distance_bias(np.zeros((1, 2, 2, 2), np.float32), np.zeros((2, 3), np.float32), 0,
                           np.zeros((1, 2), np.float32))
+    qkv = np.zeros((1, 2, 3, 1, 4), np.float32)
+    work = np.zeros(attention_layout.AttentionShape(1, 1, 2, 2, 4, max_threads()).nbytes(), np.uint8)
+    attend_bf16(qkv, np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32),
+                np.empty((1, 2, 1, 4), np.float32), work)
 
 
 def set_threads(n: int) -> None:
@@ -139,7 +146,7 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_query",
+__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_bf16", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
            "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "relu", "set_threads",
            "softmax_distance_bias", "top_k", "warm_up"]

@@ -92,7 +92,8 @@ class PassScratch(BufferSet):
 @dataclass
 class EncoderScratch(PassScratch):
     """An encoder pass: its bias is given by distance (ops.DistanceBias), never as a (B, H, T,
-    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds."""
+    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds and for
+    `ops.rounded_distance_attention`'s packed q|k|v (`ops.distance_scratch`)."""
     distance: Any = None  # (H, 2T - 1) position bias by distance (refilled per layer: UMT5)
     mask: Any = None      # (B, T) the padding mask, additive, uploaded
 
@@ -100,7 +101,8 @@ class EncoderScratch(PassScratch):
     def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
         H = cfg.num_heads
         return {**PassScratch.specs(cfg, B, T, T, dtype),
-                "scores": ((ops.distance_scores(B, H, T, T),), dtype),
+                "scores": ((ops.distance_scratch(B, H, T, cfg.d_kv, np.dtype(dtype).itemsize),),
+                           dtype),
                 "distance": ((H, 2 * T - 1), dtype), "mask": ((B, T), dtype)}
 
 

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ... import ops
+from ...backend import ROUNDED_ATTENTION
 from .long_attention import LongAttention
 from .buffers import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch,
                       PassScratch, reorder_elements)
@@ -185,15 +186,20 @@ class PassAttention:
 
 class EncoderAttention:
     """The encoder's self-attention over its own positions, the bias given by distance (T5's
-    position bias) and key (padding): ops.distance_attention."""
+    position bias) and key (padding): ops.distance_attention, or with `rounded` (compute modes
+    backend.ROUNDED_ATTENTION) ops.rounded_distance_attention over the pass's q|k|v."""
 
-    def __init__(self, xp: Any, bias: Any):
-        self.xp, self.bias = xp, bias
+    def __init__(self, xp: Any, bias: Any, rounded: bool = False):
+        self.xp, self.bias, self.rounded = xp, bias, rounded
 
     def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
         B, H, T, D = q.shape
-        ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores,
-                               ws.ctx.reshape(B, T, H, D), stats=ws.stats_as(B, H, T))
+        ctx, stats = ws.ctx.reshape(B, T, H, D), ws.stats_as(B, H, T)
+        if self.rounded:   # (q, k and v are views of ws.qkv)
+            ops.rounded_distance_attention(self.xp, ws.qkv.reshape(B, T, 3, H, D), self.bias,
+                                           ws.scores, ctx, stats)
+            return
+        ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores, ctx, stats=stats)
 
 
 class StepAttention:
@@ -329,7 +335,8 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
         return ws, lambda i, blk: long.layer(blk)
     ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
     mask_bias(be, attention_mask, ws.mask)                                 # (B, T)
-    attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask))
+    attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask),
+                            rounded=be.compute in ROUNDED_ATTENTION and ws.qkv.dtype == np.float32)
 
     def layer(i: int, blk: dict) -> EncoderAttention:
         if refills_bias(cfg, i):   # (H, 2T - 1): once, or per layer (UMT5)

@@ -1,0 +1,72 @@
+"""The scratch of the encoder's bfloat16 attention (kernels/pass_attention.py), in plain NumPy so
+that the run's planning (models/t5/buffers.py, through ops.distance_scratch) sizes it without
+loading numba: one declaration of the parts, their shapes and their order.
+
+Per (batch row, head): the queries as the bfloat16 tiles' interleaved input rows (groups of
+GROUP rows, each row padded to whole steps of STEP columns), the keys as panels of PANEL keys
+(Dp / 2 words of column pairs per key), the values as panels of PANEL value columns over the
+keys (Sp / 2 words of key pairs per column). Per thread: LANE_ROWS positions' rows rounded (the
+packing's staging), one block of QUERY_BLOCK queries' float32 scores and their bfloat16 weights
+(interleaved rows again, the value product's input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PANEL = 64                 # keys (or value columns) of one packed panel: 4 vectors of 16 lanes
+GROUP = 4                  # input rows interleaved step by step
+STEP = 32                  # bfloat16 columns of one tile step: rows padded to a multiple
+QUERY_BLOCK = 64           # query rows whose scores a thread holds at once
+LANE_ROWS = 16             # positions one packing task takes: a vector of key lanes (even:
+                           # value words pair two positions)
+ALIGN = 64                 # each part from a cache line
+
+
+def up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One call's scratch: B batch rows, H heads, T queries over S keys of D columns, `threads`
+    parallel tasks."""
+    B: int
+    H: int
+    T: int
+    S: int
+    D: int
+    threads: int
+
+    def parts(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        """name -> (shape, dtype) of each part, in order."""
+        B, H, T, S, D = self.B, self.H, self.T, self.S, self.D
+        Dp, Sp = up(D, STEP), up(S, STEP)
+        rows = up(min(T, QUERY_BLOCK), GROUP)
+        return {"queries": ((B, H, up(T, GROUP) // GROUP, GROUP * Dp), np.uint16),
+                "keys": ((B, H, up(S, PANEL) * Dp), np.uint16),
+                "values": ((B, H, up(D, PANEL) * Sp), np.uint16),
+                "rounded": ((self.threads, LANE_ROWS, Dp // 2), np.uint32),
+                "scores": ((self.threads, rows, S), np.float32),
+                "weights": ((self.threads, rows // GROUP, GROUP * Sp), np.uint16)}
+
+    def nbytes(self) -> int:
+        """Bytes `carve` needs: every part from an ALIGN boundary, and the buffer's own start."""
+        return sum(up(int(np.prod(shape)) * np.dtype(dt).itemsize, ALIGN)
+                   for shape, dt in self.parts().values()) + ALIGN
+
+    def carve(self, work: np.ndarray) -> dict[str, np.ndarray]:
+        """The parts as arrays over the contiguous buffer `work` (at least `nbytes()` bytes)."""
+        flat = work.reshape(-1).view(np.uint8)
+        if flat.nbytes < self.nbytes():
+            raise ValueError(f"bfloat16 attention: the scratch holds {flat.nbytes} bytes, "
+                             f"{self.nbytes()} needed")
+        at = -flat.ctypes.data % ALIGN
+        out = {}
+        for name, (shape, dt) in self.parts().items():
+            n = int(np.prod(shape)) * np.dtype(dt).itemsize
+            out[name] = flat[at:at + n].view(dt).reshape(shape)
+            at = up(at + n, ALIGN)
+        return out
