@@ -42,6 +42,13 @@ _COMPUTE = {"cpu": {"float32": "float32", "int8": "float32", "bfloat16": "float3
 # (ops.rounded_distance_attention): both already round every linear product's inputs, at least
 # as coarsely (int8 steps per row), and the attention then runs on the bfloat16 tiles
 ROUNDED_ATTENTION = ("bfloat16", "int8")
+
+
+def rounds_attention(compute: str, dtype: Any) -> bool:
+    """Whether an encoder pass of this compute mode and activation dtype takes the bfloat16
+    attention (ROUNDED_ATTENTION, on the CPU's float32 activations)."""
+    return compute in ROUNDED_ATTENTION and np.dtype(dtype) == np.float32
+
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
 FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bfloat16" multiplies
                                                # their values (each a bfloat16) as they are

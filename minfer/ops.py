@@ -343,15 +343,18 @@ def distance_scores(B: int, H: int, T: int, S: int) -> int:
     return B * 2 * ((H + 1) // 2) * T * S
 
 
-def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int) -> int:
-    """Elements (of `itemsize` bytes) of an encoder pass's attention scratch, enough for
-    `distance_attention` and `rounded_distance_attention` alike: the compiled bfloat16
-    attention's packed q|k|v and per-thread blocks (attention_layout.py) need more than the
-    scores only for short inputs (T below about 2D)."""
-    from .kernels.attention_layout import AttentionShape
-    threads = kernels.max_threads()
-    packed = AttentionShape(B, H, T, T, D, threads).nbytes() if threads else 0
-    return max(distance_scores(B, H, T, T), -(-packed // itemsize))
+def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, rounded: bool) -> int:
+    """Elements (of `itemsize` bytes) of an encoder pass's attention scratch: `distance_scores`
+    for `distance_attention` (and for `rounded_distance_attention` without the kernels); with
+    `rounded` and the compiled kernels (the path rounded_distance_attention then takes), the
+    packed q|k|v and per-thread blocks of kernels/pass_attention.py (attention_layout.py):
+    linear in T where the scores are quadratic (T5-XXL's 64 heads over 512 tokens: 13 MiB a
+    batch row against 64 MiB)."""
+    threads = kernels.max_threads() if rounded else 0
+    if threads:
+        from .kernels.attention_layout import AttentionShape
+        return -(-AttentionShape(B, H, T, T, D, threads).nbytes() // itemsize)
+    return distance_scores(B, H, T, T)
 
 
 def mask_value(dtype: Any) -> float:

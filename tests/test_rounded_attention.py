@@ -161,18 +161,19 @@ def test_a_short_scratch_is_a_clear_error():
 def test_the_numpy_path_computes_what_the_kernel_does(T, monkeypatch):
     """ops.rounded_distance_attention without the kernels: q|k|v rounded in place, the weights
     rounded after the softmax, float32 products of the rounded values (each pair's product
-    exact): the kernel's function up to the order of the sums. The encoder's scratch
-    (`distance_scratch`) holds either path's needs, a 1-token input's too."""
+    exact): the kernel's function up to the order of the sums. Each path in the scratch
+    `distance_scratch` sizes for it, a 1-token input's too."""
     B, H, D = 2, 3, 64
     qkv, table, key_mask = case(B, H, T, D)
     want = reference(qkv, table, key_mask)
     bias = ops.DistanceBias(table, key_mask)
-    scores = np.full(ops.distance_scratch(B, H, T, D, 4), np.nan, np.float32)
     stats = tuple(np.empty((B, H, T, 1), np.float32) for _ in range(2))
     results = []
     for compiled in ((True, False) if k is not None else (False,)):
         if not compiled:
             monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
+            monkeypatch.setattr(kernels, "max_threads", lambda: 0)
+        scores = np.full(ops.distance_scratch(B, H, T, D, 4, rounded=True), np.nan, np.float32)
         ctx = np.full((B, T, H, D), np.nan, np.float32)
         ops.rounded_distance_attention(np, qkv.copy(), bias, scores, ctx, stats)
         assert np.abs(ctx - want).max() <= TOLERANCE * np.abs(want).max()
@@ -182,15 +183,25 @@ def test_the_numpy_path_computes_what_the_kernel_does(T, monkeypatch):
         assert np.abs(results[0] - results[1]).max() <= TOLERANCE * np.abs(want).max()
 
 
-def test_the_encoder_scratch_holds_the_packed_attention_for_short_inputs():
+def test_the_encoder_scratch_is_sized_for_the_attention_its_compute_mode_runs():
+    """float32: the scores of `distance_attention`; a rounding mode with the kernels: the packed
+    q|k|v of pass_attention, linear in T (T5-XXL's 64 heads over 512 tokens: a fifth of the
+    scores), short inputs (packing more than scoring) included; without the kernels the scores
+    again (rounded_distance_attention's NumPy path needs them)."""
     cfg = minfer.load(T5_DIR).config
+    H, D = cfg.num_heads, cfg.d_kv
     threads = kernels.max_threads()
     for T in (1, 2, 7, 64, 300):
-        elements = EncoderScratch.specs(cfg, 3, T, np.float32)["scores"][0][0]
-        assert elements >= ops.distance_scores(3, cfg.num_heads, T, T)
-        if threads:
-            need = AttentionShape(3, cfg.num_heads, T, T, cfg.d_kv, threads).nbytes()
-            assert elements * 4 >= need
+        plain = EncoderScratch.specs(cfg, 3, T, np.float32)["scores"][0][0]
+        assert plain == ops.distance_scores(3, H, T, T)
+        for compute in ("bfloat16", "int8"):
+            elements = EncoderScratch.specs(cfg, 3, T, np.float32, compute)["scores"][0][0]
+            if threads:
+                assert elements * 4 >= AttentionShape(3, H, T, T, D, threads).nbytes()
+            else:
+                assert elements == plain
+    # T5-XXL's encoder (64 heads of 64) over 512 tokens, 2 threads: 12.4 MiB against 64 MiB
+    assert AttentionShape(1, 64, 512, 512, 64, 2).nbytes() * 5 < ops.distance_scores(1, 64, 512, 512) * 4
 
 
 @pytest.mark.parametrize("dtype,compute,rounded", [(None, None, False), ("bfloat16", "bfloat16", True),

@@ -115,7 +115,8 @@ class Model(OwnsWeights, DecodingModel):
         table = cls.family.weight_table(config)
         fmt = weight_format(backend.weight_format)
         formats = slot_formats(table, ckpt, fmt, "cpu" if backend.device == "cpu" else "cuda")
-        planned = cls.family.run_bytes(config, backend.dtype, 1, None, None)["peak"]
+        planned = cls.family.run_bytes(config, backend.dtype, 1, None, None,
+                                       compute=backend.compute)["peak"]
         plan = plan_placement(table, backend.dtype, fmt, backend.memory_limit,
                               backend.workspace_reserve(planned), formats)
         runtime = WeightRuntime(backend, plan, recorder)
@@ -174,7 +175,7 @@ class Model(OwnsWeights, DecodingModel):
         their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
         check_plan_arguments(batch, input_len, max_new_tokens)
         return self.family.run_bytes(self.config, self.backend.dtype, batch, input_len,
-                                   max_new_tokens)
+                                     max_new_tokens, compute=self.backend.compute)
 
     def parameter_count(self) -> int:
         return self.family.weight_table(self.config).parameter_count()

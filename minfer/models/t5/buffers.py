@@ -17,6 +17,7 @@ import numpy as np
 
 from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
+from ...backend import rounds_attention
 from .config import T5Config
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
@@ -92,17 +93,18 @@ class PassScratch(BufferSet):
 @dataclass
 class EncoderScratch(PassScratch):
     """An encoder pass: its bias is given by distance (ops.DistanceBias), never as a (B, H, T,
-    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds and for
-    `ops.rounded_distance_attention`'s packed q|k|v (`ops.distance_scratch`)."""
+    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds, or with a
+    compute mode that rounds the attention (backend.rounds_attention) for what
+    `ops.rounded_distance_attention` takes (`ops.distance_scratch`)."""
     distance: Any = None  # (H, 2T - 1) position bias by distance (refilled per layer: UMT5)
     mask: Any = None      # (B, T) the padding mask, additive, uploaded
 
     @classmethod
-    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any, compute: str = "float32") -> BufferSpec:
         H = cfg.num_heads
-        return {**PassScratch.specs(cfg, B, T, T, dtype),
-                "scores": ((ops.distance_scratch(B, H, T, cfg.d_kv, np.dtype(dtype).itemsize),),
-                           dtype),
+        scores = ops.distance_scratch(B, H, T, cfg.d_kv, np.dtype(dtype).itemsize,
+                                      rounds_attention(compute, dtype))
+        return {**PassScratch.specs(cfg, B, T, T, dtype), "scores": ((scores,), dtype),
                 "distance": ((H, 2 * T - 1), dtype), "mask": ((B, T), dtype)}
 
 
@@ -157,7 +159,8 @@ class LongEncoderScratch(PassScratch):
     global_bias: Any = None   # flat: a chunk's (H, B, rows, G) global bias
 
     @classmethod
-    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any) -> BufferSpec:
+    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any, compute: str = "float32") -> BufferSpec:
+        """(compute: LongT5's attention is float32 in every compute mode)"""
         shape = LongShape.of(cfg, T)
         H, D, C, bl, G = cfg.num_heads, cfg.d_kv, cfg.d_model, shape.block, shape.globals
         rows, span = shape.chunk * bl, (shape.blocks + 2) * bl
@@ -254,14 +257,14 @@ def reorder_elements(self_shape: tuple[int, ...], cross_shape: tuple[int, ...], 
 
 
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
-              max_new_tokens: int | None) -> dict[str, int]:
+              max_new_tokens: int | None, compute: str = "float32") -> dict[str, int]:
     """Arena bytes of one generation: its decode state plus the largest of the encoder pass, the
     cross K/V projection and a beam reorder (the device's library temporaries fit its arena's
     own pool, arena.SCOPE_TEMPORARIES; the model code itself allocates nothing on the device);
     of an encoder-only model, one encoder pass and its output."""
     S = input_len or (DEFAULT_ENCODER_INPUT_LEN if cfg.encoder_only else DEFAULT_INPUT_LEN)
     out = bytes_needed({"out": ((batch, S, cfg.d_model), dtype)})
-    encoder = out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype)
+    encoder = out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype, compute)
     if cfg.encoder_only:
         return {"encoder_scratch": encoder, "peak": encoder}
     N = max_new_tokens or DEFAULT_NEW_TOKENS

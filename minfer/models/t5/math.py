@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ... import ops
-from ...backend import ROUNDED_ATTENTION
+from ...backend import rounds_attention
 from .long_attention import LongAttention
 from .buffers import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch,
                       PassScratch, reorder_elements)
@@ -187,7 +187,7 @@ class PassAttention:
 class EncoderAttention:
     """The encoder's self-attention over its own positions, the bias given by distance (T5's
     position bias) and key (padding): ops.distance_attention, or with `rounded` (compute modes
-    backend.ROUNDED_ATTENTION) ops.rounded_distance_attention over the pass's q|k|v."""
+    backend.rounds_attention) ops.rounded_distance_attention over the pass's q|k|v."""
 
     def __init__(self, xp: Any, bias: Any, rounded: bool = False):
         self.xp, self.bias, self.rounded = xp, bias, rounded
@@ -333,10 +333,10 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
                              bias_table(cfg, params, "encoder", 0),
                              params.get("encoder.global_rel_bias"))
         return ws, lambda i, blk: long.layer(blk)
-    ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype)
+    ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype, be.compute)
     mask_bias(be, attention_mask, ws.mask)                                 # (B, T)
     attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask),
-                            rounded=be.compute in ROUNDED_ATTENTION and ws.qkv.dtype == np.float32)
+                            rounded=rounds_attention(be.compute, ws.qkv.dtype))
 
     def layer(i: int, blk: dict) -> EncoderAttention:
         if refills_bias(cfg, i):   # (H, 2T - 1): once, or per layer (UMT5)

@@ -123,14 +123,15 @@ def prompt_call_bytes(cfg: XLConfig, dtype: Any, batch: int, T: int) -> int:
 
 
 def run_bytes(cfg: XLConfig, dtype: Any, batch: int, input_len: int | None,
-              max_new_tokens: int | None = None, whole_fits: bool = False) -> dict[str, int]:
+              max_new_tokens: int | None = None, whole_fits: bool = False,
+              compute: str = "float32") -> dict[str, int]:
     """Arena bytes of a run: the segment memory plus the largest of one segment's scratch with
     its head's temporaries (the segments a prompt of `input_len` tokens runs in, default
     tgt_len: one call when `whole_fits`, see `prompt_segment` and `XLModel.plan`; generation
     steps need less) and a reorder of the memory. A plan without `max_new_tokens` (forward and
     scoring, the workspace at load) counts the head of every position of the segment (forward's,
     which keeps their (rows, V) log-probs: scoring needs less); a generation plan the last
-    position's log-probs."""
+    position's log-probs. (compute: no buffer here depends on it; the family's signature.)"""
     T = cfg.tgt_len if input_len is None else prompt_segment(cfg, input_len, whole_fits)
     memory = MemoryBuffers.nbytes(cfg, batch, dtype)
     scratch = segment_scratch_bytes(cfg, dtype, batch, T)
