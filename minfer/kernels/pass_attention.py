@@ -40,6 +40,7 @@ from .step_ops import NON_FINITE_SAFE
 assert (PANEL, GROUP, STEP) == (bfloat16_tiles.PANEL, bfloat16_tiles.GROUP, bfloat16_tiles.STEP)
 _panel = bfloat16_tiles.make_panel_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 NO_SCALE = np.ones(1, np.float32)     # (the panel tile's scale: not read, the products unscaled)
+HEAD_DIM = 64                         # every T5 size's d_kv but t5-11b's (128): packed as a constant
 
 
 @njit(inline="always")
@@ -72,11 +73,10 @@ def _round_rows(qkv, b, t0, n, part, h, D, rows):
     head h, rounded to bfloat16, as one word (r < n; an odd D's last column alone)."""
     for r in range(n):
         src = qkv[b, t0 + r, part, h]
-        dst = rows[r]
         for c in range(D // 2):
-            dst[c] = _pair(src[2 * c], src[2 * c + 1])
+            rows[r, c] = _pair(src[2 * c], src[2 * c + 1])
         if D % 2:
-            dst[D // 2] = np.uint32(_to_bf16(src[D - 1]))
+            rows[r, D // 2] = np.uint32(_to_bf16(src[D - 1]))
 
 
 @njit(inline="always")
@@ -175,19 +175,32 @@ def _pack_rows(qkv, qx, kp, vp, rounded):
     B, T, _, H, D = qkv.shape
     N = _up(T, LANE_ROWS) // LANE_ROWS                  # blocks of positions per batch row
     threads = rounded.shape[0]
-    # (three loops, not one: the three together ran at half the speed of each alone)
+    # (three loops, not one: the three together ran at half the speed of each alone; T5's head
+    # size as a constant where it is 64, so that LLVM unrolls and vectorises the rows' loops)
     for t in prange(threads):
         for i in range(t, B * N, threads):
             b, t0 = i // N, i % N * LANE_ROWS
-            _pack_queries(qkv, b, t0, min(T, t0 + LANE_ROWS), D, qx, rounded[t])
+            t1 = min(T, t0 + LANE_ROWS)
+            if D == HEAD_DIM:
+                _pack_queries(qkv, b, t0, t1, HEAD_DIM, qx, rounded[t])
+            else:
+                _pack_queries(qkv, b, t0, t1, D, qx, rounded[t])
     for t in prange(threads):
         for i in range(t, B * N, threads):
             b, t0 = i // N, i % N * LANE_ROWS
-            _pack_keys(qkv, b, t0, min(T, t0 + LANE_ROWS), T, D, kp, rounded[t])
+            t1 = min(T, t0 + LANE_ROWS)
+            if D == HEAD_DIM:
+                _pack_keys(qkv, b, t0, t1, T, HEAD_DIM, kp, rounded[t])
+            else:
+                _pack_keys(qkv, b, t0, t1, T, D, kp, rounded[t])
     for t in prange(threads):
         for i in range(t, B * N, threads):
             b, t0 = i // N, i % N * LANE_ROWS
-            _pack_values(qkv, b, t0, min(T, t0 + LANE_ROWS), T, D, vp, rounded[t])
+            t1 = min(T, t0 + LANE_ROWS)
+            if D == HEAD_DIM:
+                _pack_values(qkv, b, t0, t1, T, HEAD_DIM, vp, rounded[t])
+            else:
+                _pack_values(qkv, b, t0, t1, T, D, vp, rounded[t])
     if T % PANEL or D % PANEL:     # (a separate loop: the tasks' work is even within each)
         for j in prange(B * H):
             _zero_padding(j // H, j % H, T, T, D, qx, kp, vp)
