@@ -44,41 +44,47 @@ def main() -> None:
     if kernels.active() is None:
         raise SystemExit("the compiled kernels are off (MINFER_KERNELS=numpy, or no numba)")
     print(cpu(), f"; {args.threads} threads")
-    H, D = args.heads, args.dim
-    rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
         B, T = (int(n) for n in shape.split("x"))
-        qkv = (rng.standard_normal((B, T, 3, H, D)) * 0.5).astype(np.float32)
-        table = rng.standard_normal((H, 2 * T - 1)).astype(np.float32)
-        bias = ops.DistanceBias(table, np.zeros((B, T), np.float32))
-        ctx = np.empty((B, T, H, D), np.float32)
-        scores = np.empty(ops.distance_scores(B, H, T, T), np.float32)
-        stats = tuple(np.empty((B, H, T, 1), np.float32) for _ in range(2))
-        work = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads()).nbytes(), np.uint8)
-        parts = AttentionShape(B, H, T, T, D, numba.get_num_threads()).carve(work)
-        q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
-        calls = {
-            "float32 (distance_attention)":
-                lambda: ops.distance_attention(np, q, k, v, bias, scores, ctx, stats),
-            "bfloat16 (rounded_distance_attention)":
-                lambda: ops.rounded_distance_attention(np, qkv, bias, work, ctx, stats),
-            "  its packing alone":
-                lambda: _pack_only(qkv, parts["queries"], parts["keys"], parts["values"],
-                                   parts["rounded"]),
-        }
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        for call in calls.values():
-            call()                                   # compile / warm up
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    call()
-                times[name].append((time.perf_counter() - t0) / 5 * 1e3)
-        print(f"\n{B} x {T} tokens, {H} heads of {D}: ms per call, median of {args.rounds} rounds")
+        times = time_shape(B, T, args.heads, args.dim, args.rounds)
+        print(f"\n{B} x {T} tokens, {args.heads} heads of {args.dim}: ms per call, median of "
+              f"{args.rounds} rounds")
         for name, ts in times.items():
             print(f"  {name:40s} {statistics.median(ts):8.2f}")
 
+
+def time_shape(B: int, T: int, H: int, D: int, rounds: int) -> dict[str, list[float]]:
+    """ms per call of each attention, `rounds` interleaved rounds of 5 calls."""
+    rng = np.random.default_rng(0)
+    qkv = (rng.standard_normal((B, T, 3, H, D)) * 0.5).astype(np.float32)
+    table = rng.standard_normal((H, 2 * T - 1)).astype(np.float32)
+    bias = ops.DistanceBias(table, np.zeros((B, T), np.float32))
+    ctx = np.empty((B, T, H, D), np.float32)
+    scores = np.empty(ops.distance_scores(B, H, T, T), np.float32)
+    stats = tuple(np.empty((B, H, T, 1), np.float32) for _ in range(2))
+    layout = AttentionShape(B, H, T, T, D, numba.get_num_threads())
+    work = np.empty(layout.nbytes(), np.uint8)
+    parts = layout.carve(work)
+    q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+    calls = {
+        "float32 (distance_attention)":
+            lambda: ops.distance_attention(np, q, k, v, bias, scores, ctx, stats),
+        "bfloat16 (rounded_distance_attention)":
+            lambda: ops.rounded_distance_attention(np, qkv, bias, work, ctx, stats),
+        "  its packing alone":
+            lambda: _pack_only(qkv, parts["queries"], parts["keys"], parts["values"],
+                               parts["rounded"]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():
+        call()                                   # compile / warm up
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(5):
+                call()
+            times[name].append((time.perf_counter() - t0) / 5 * 1e3)
+    return times
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,8 @@ TOLERANCE = 2.0 ** -8
 
 
 def bf16(x):
-    return round_to_bfloat16(np, np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])).reshape(x.shape)
+    flat = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
+    return round_to_bfloat16(np, flat).reshape(x.shape)
 
 
 def reference(qkv, table, key_mask):
@@ -52,7 +53,8 @@ def unrounded(qkv, table, key_mask):
     B, T, _, H, D = qkv.shape
     q, kk, v = (qkv.astype(np.float64)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
     idx = np.arange(T)[None, :] - np.arange(T)[:, None] + T - 1
-    s = q @ kk.swapaxes(-1, -2) + table[:, idx].astype(np.float64)[None] + key_mask[:, None, None, :]
+    s = q @ kk.swapaxes(-1, -2)
+    s += table[:, idx].astype(np.float64)[None] + key_mask[:, None, None, :]
     e = np.exp(s - s.max(-1, keepdims=True))
     return ((e / e.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3)
 
@@ -124,7 +126,8 @@ def test_every_thread_count_gives_the_same_bits():
     before = numba.get_num_threads()
     try:
         outs = []
-        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS}):
+        most = numba.config.NUMBA_NUM_THREADS
+        for n in sorted({1, min(2, most), most}):
             numba.set_num_threads(n)
             outs.append(run(qkv, table, key_mask))
     finally:

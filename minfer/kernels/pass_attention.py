@@ -12,7 +12,8 @@ Two phases (the scratch's layout: attention_layout.py):
    values transposed into panels of PANEL value columns over the keys (word q * width + r: keys
    2q, 2q + 1 of column r). Each parallel task takes LANE_ROWS positions of one batch row and
    every head, so that it reads whole stretches of q|k|v; q, k and v in three loops, which ran
-   faster than one loop doing all three (benchmarks/README.md, 2026-11-28).
+   faster than one loop doing all three (benchmarks/README.md, "Measurements behind constants
+   in the code").
 2. `_heads`, over (batch row, head) pairs: per block of up to QUERY_BLOCK queries, their scores
    against every key panel (float32, into the thread's (QUERY_BLOCK, T)), each row's softmax with
    the bias and key mask added (`_softmax_rounded`: its last sweep writes the weights rounded to
@@ -40,7 +41,8 @@ from .step_ops import NON_FINITE_SAFE
 assert (PANEL, GROUP, STEP) == (bfloat16_tiles.PANEL, bfloat16_tiles.GROUP, bfloat16_tiles.STEP)
 _panel = bfloat16_tiles.make_panel_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 NO_SCALE = np.ones(1, np.float32)     # (the panel tile's scale: not read, the products unscaled)
-HEAD_DIM = 64                         # every T5 size's d_kv but t5-11b's (128): packed as a constant
+HEAD_DIM = 64                         # every T5 size's d_kv but t5-11b's (128): a constant in the
+                                      # packing where it is this
 
 
 @njit(inline="always")
@@ -48,7 +50,7 @@ def _up(n, m):
     return (n + m - 1) // m * m
 
 
-# -- phase 1: q, k and v rounded and packed -----------------------------------------------------------------
+# -- phase 1: q, k and v rounded and packed -------------------------------------------------------
 @njit(inline="always")
 def _panel_width(n, first):
     """Lanes of the panel whose first row is `first` of n rows: PANEL, or the last panel's rows
@@ -64,9 +66,9 @@ def _pair(lo, hi):
 
 # Loops that LLVM should vectorise index their arrays by the loop's own counter, on views that
 # start where the run starts: an index such as `at + j` may be negative as far as numba knows, so
-# it adds a wrap-around select to every access, and such loops stayed scalar (3-5x slower:
-# benchmarks/README.md, 2026-11-28). Each packing computes a block's words into a small buffer
-# first (`_round_rows`), then copies them into the layout.
+# it adds a wrap-around select to every access, and such loops stayed scalar (3-8x slower:
+# benchmarks/README.md, "Measurements behind constants in the code"). Each packing computes a
+# block's words into a small buffer first (`_round_rows`), then copies them into the layout.
 @njit(inline="always")
 def _round_rows(qkv, b, t0, n, part, h, D, rows):
     """rows[r, c] = columns 2c, 2c + 1 of position t0 + r's q (part 0), k (1) or v (2) row of
@@ -176,7 +178,8 @@ def _pack_rows(qkv, qx, kp, vp, rounded):
     N = _up(T, LANE_ROWS) // LANE_ROWS                  # blocks of positions per batch row
     threads = rounded.shape[0]
     # (three loops, not one: the three together ran at half the speed of each alone; T5's head
-    # size as a constant where it is 64, so that LLVM unrolls and vectorises the rows' loops)
+    # size as a constant where it is 64, so that LLVM unrolls and vectorises the rows' loops:
+    # both in benchmarks/README.md)
     for t in prange(threads):
         for i in range(t, B * N, threads):
             b, t0 = i // N, i % N * LANE_ROWS
