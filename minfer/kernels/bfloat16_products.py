@@ -254,6 +254,19 @@ def _panel_row(P, C, scaled, best, pw, xb, m, n, scale, n0, nb, out):
         _panel(1, C, scaled, best, pw, xb, m, n, scale, n0, nb, out)
 
 
+@njit(inline="always")
+def _panel_rows(P, scaled, best, pw, xb, M, n, scale, n0, nb, out):
+    """out[:M, n0:n0 + nb] from one packed panel of P vectors of weight rows: every 4 input rows
+    of a group take it whole (4 x P accumulators), the last M % 4 rows one at a time."""
+    m = 0
+    while m + 4 <= M:
+        _panel_row(P, 4, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+        m += 4
+    while m < M:
+        _panel_row(P, 1, scaled, best, pw, xb, m, n, scale, n0, nb, out)
+        m += 1
+
+
 @njit(parallel=True, cache=True)
 def _panels(xb, w, table, scale, out, M, K, scaled, best):
     """out (M, N) by panels of PANEL weight rows, one per parallel task: the panel repacked
@@ -271,13 +284,7 @@ def _panels(xb, w, table, scale, out, M, K, scaled, best):
         P = (nb + 15) // 16
         pw = tiles.aligned_bytes(pairs * P * 16 * 4).view(np.uint32)
         _pack_panel(w, table, n0, nb, K, P * 16, pw)
-        m = 0
-        while m + 4 <= M:
-            _panel_row(P, 4, scaled, best, pw, xb, m, n, scale, n0, nb, out)
-            m += 4
-        while m < M:
-            _panel_row(P, 1, scaled, best, pw, xb, m, n, scale, n0, nb, out)
-            m += 1
+        _panel_rows(P, scaled, best, pw, xb, M, n, scale, n0, nb, out)
 
 
 @njit(inline="always")

@@ -33,13 +33,12 @@ from numba import njit, prange
 
 from . import bfloat16_tiles
 from .attention_layout import GROUP, LANE_ROWS, PANEL, QUERY_BLOCK, STEP, AttentionShape
-from .bfloat16_products import _padded, _to_bf16
-from .pass_softmax import _exp_nonpositive, _largest
+from .bfloat16_products import _padded, _panel_rows, _to_bf16
+from .pass_softmax import _exponentials
 from .step_ops import NON_FINITE_SAFE
 
 # the layout's constants are the tiles' own
 assert (PANEL, GROUP, STEP) == (bfloat16_tiles.PANEL, bfloat16_tiles.GROUP, bfloat16_tiles.STEP)
-_panel = bfloat16_tiles.make_panel_tile({True: bfloat16_tiles.ISA, False: bfloat16_tiles.FALLBACK})
 NO_SCALE = np.ones(1, np.float32)     # (the panel tile's scale: not read, the products unscaled)
 HEAD_DIM = 64                         # every T5 size's d_kv but t5-11b's (128): a constant in the
                                       # packing where it is this
@@ -171,39 +170,46 @@ def _zero_padding(b, h, T, S, D, qx, kp, vp):
 
 
 @njit(inline="always")
+def _pack_part(qkv, part, b, t0, t1, D, qx, kp, vp, rows):
+    T = qkv.shape[1]
+    if part == 0:
+        _pack_queries(qkv, b, t0, t1, D, qx, rows)
+    elif part == 1:
+        _pack_keys(qkv, b, t0, t1, T, D, kp, rows)
+    else:
+        _pack_values(qkv, b, t0, t1, T, D, vp, rows)
+
+
+@njit(inline="always")
+def _pack_block(qkv, part, b, t0, qx, kp, vp, rows):
+    """Positions t0 .. t0 + LANE_ROWS - 1 of batch row b: their q (part 0), k (1) or v (2)
+    rows. T5's head size as a constant where it is 64: LLVM then unrolls and vectorises the
+    rows' loops (benchmarks/README.md)."""
+    T, D = qkv.shape[1], qkv.shape[4]
+    t1 = min(T, t0 + LANE_ROWS)
+    if D == HEAD_DIM:
+        _pack_part(qkv, part, b, t0, t1, HEAD_DIM, qx, kp, vp, rows)
+    else:
+        _pack_part(qkv, part, b, t0, t1, D, qx, kp, vp, rows)
+
+
+@njit(inline="always")
 def _pack_rows(qkv, qx, kp, vp, rounded):
     """qkv (B, T, 3, H, D) rounded and packed, LANE_ROWS positions a task, each thread its
     share of the tasks with its own `rounded` (LANE_ROWS, Dp / 2) words; then the padding."""
     B, T, _, H, D = qkv.shape
     N = _up(T, LANE_ROWS) // LANE_ROWS                  # blocks of positions per batch row
     threads = rounded.shape[0]
-    # (three loops, not one: the three together ran at half the speed of each alone; T5's head
-    # size as a constant where it is 64, so that LLVM unrolls and vectorises the rows' loops:
-    # both in benchmarks/README.md)
+    # (three loops, not one: the three together ran at half the speed of each alone)
     for t in prange(threads):
         for i in range(t, B * N, threads):
-            b, t0 = i // N, i % N * LANE_ROWS
-            t1 = min(T, t0 + LANE_ROWS)
-            if D == HEAD_DIM:
-                _pack_queries(qkv, b, t0, t1, HEAD_DIM, qx, rounded[t])
-            else:
-                _pack_queries(qkv, b, t0, t1, D, qx, rounded[t])
+            _pack_block(qkv, 0, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
     for t in prange(threads):
         for i in range(t, B * N, threads):
-            b, t0 = i // N, i % N * LANE_ROWS
-            t1 = min(T, t0 + LANE_ROWS)
-            if D == HEAD_DIM:
-                _pack_keys(qkv, b, t0, t1, T, HEAD_DIM, kp, rounded[t])
-            else:
-                _pack_keys(qkv, b, t0, t1, T, D, kp, rounded[t])
+            _pack_block(qkv, 1, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
     for t in prange(threads):
         for i in range(t, B * N, threads):
-            b, t0 = i // N, i % N * LANE_ROWS
-            t1 = min(T, t0 + LANE_ROWS)
-            if D == HEAD_DIM:
-                _pack_values(qkv, b, t0, t1, T, HEAD_DIM, vp, rounded[t])
-            else:
-                _pack_values(qkv, b, t0, t1, T, D, vp, rounded[t])
+            _pack_block(qkv, 2, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
     if T % PANEL or D % PANEL:     # (a separate loop: the tasks' work is even within each)
         for j in prange(B * H):
             _zero_padding(j // H, j % H, T, T, D, qx, kp, vp)
@@ -216,15 +222,7 @@ def _softmax_rounded(row, bias, mask, S, dst, at):
     first step in the interleaved layout: steps GROUP * STEP apart; the padding past S zero).
     row is overwritten with the exponentials. Max-subtracted, as pass_softmax's: a row of equal
     (even all-masked) values gives uniform weights; NaN or +inf scores give NaN."""
-    for j in range(S):
-        row[j] += bias[j] + mask[j]
-    top = _largest(row, S)
-    total = np.float32(0.0)
-    for j in range(S):
-        e = _exp_nonpositive(row[j] - top)
-        row[j] = e
-        total += e
-    inv = np.float32(1.0) / total
+    inv = _exponentials(row, bias, mask, S)
     for s in range(_padded(S) // STEP):
         k0 = s * STEP
         part = dst[at + s * GROUP * STEP:]
@@ -235,18 +233,6 @@ def _softmax_rounded(row, bias, mask, S, dst, at):
         else:
             for k in range(STEP):
                 part[k] = _to_bf16(src[k] * inv) if k0 + k < S else 0
-
-
-@njit(inline="always")
-def _panel_rows(P, C, best, pw, x, m, n, i, valid, out):
-    if P == 4:
-        _panel(4, C, False, best, pw, x, m, n, NO_SCALE, i, valid, out)
-    elif P == 3:
-        _panel(3, C, False, best, pw, x, m, n, NO_SCALE, i, valid, out)
-    elif P == 2:
-        _panel(2, C, False, best, pw, x, m, n, NO_SCALE, i, valid, out)
-    else:
-        _panel(1, C, False, best, pw, x, m, n, NO_SCALE, i, valid, out)
 
 
 @njit(inline="always")
@@ -261,13 +247,7 @@ def _product(x, rows, packed, K, N, out, best):
         nb = min(N - p0, PANEL)
         P = (nb + 15) // 16
         pw = words[p0 // PANEL * size:p0 // PANEL * size + size]
-        m = 0
-        while m + 4 <= rows:
-            _panel_rows(P, 4, best, pw, x, m, n, p0, nb, out)
-            m += 4
-        while m < rows:
-            _panel_rows(P, 1, best, pw, x, m, n, p0, nb, out)
-            m += 1
+        _panel_rows(P, False, best, pw, x, rows, n, NO_SCALE, p0, nb, out)
 
 
 @njit(inline="always")

@@ -96,8 +96,9 @@ def _largest(row, S):
 
 
 @njit(inline="always", **NON_FINITE_SAFE)
-def _softmax_row(row, bias, mask, S):
-    """row[:S] = softmax(row + bias + mask) in place (bias, mask: the row's S values)."""
+def _exponentials(row, bias, mask, S):
+    """row[:S] = exp(row + bias + mask - their maximum) in place (bias, mask: the row's S
+    values); returns 1 / their sum, the softmax's scale."""
     for j in range(S):
         row[j] += bias[j] + mask[j]
     top = _largest(row, S)
@@ -106,7 +107,13 @@ def _softmax_row(row, bias, mask, S):
         e = _exp_nonpositive(row[j] - top)
         row[j] = e
         total += e
-    inv = np.float32(1.0) / total
+    return np.float32(1.0) / total
+
+
+@njit(inline="always", **NON_FINITE_SAFE)
+def _softmax_row(row, bias, mask, S):
+    """row[:S] = softmax(row + bias + mask) in place (bias, mask: the row's S values)."""
+    inv = _exponentials(row, bias, mask, S)
     for j in range(S):
         row[j] *= inv
 
