@@ -26,6 +26,7 @@ import numpy as np
 from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
+from .kernels.attention_layout import AttentionShape
 from .products import PackedWeight, round_to_bfloat16
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -278,21 +279,19 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
     part of `scores`, then one compiled sweep per row adds the table's bias and the key mask and
     takes the softmax (kernels/pass_softmax.py). Elsewhere the heads run in two rounds, the
     second half of `scores` holding a round's bias built from the table (so the scratch is
-    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps. `round_weights`:
-    the softmax weights rounded to bfloat16 before the value product (without the kernels:
-    `rounded_distance_attention`)."""
+    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps. `round_weights`
+    (that path only: `rounded_distance_attention` without the kernels): the softmax weights
+    rounded to bfloat16 before the value product."""
     B, H, T, D = q.shape
     S = k.shape[2]
     ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
     flat = scores.reshape(-1)
-    kc = compiled(xp, q)
+    kc = None if round_weights else compiled(xp, q)
     if kc is not None:
         def heads(h0: int, h1: int) -> None:
             s = flat[B * h0 * T * S:B * h1 * T * S].reshape(B, h1 - h0, T, S)
             xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
             kc.softmax_distance_bias(s, bias.table, h0, bias.key_mask)
-            if round_weights:
-                s[...] = round_to_bfloat16(xp, s)
             xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
         over_heads(xp, H, heads)
         return
@@ -352,7 +351,6 @@ def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, rounded: boo
     batch row against 64 MiB)."""
     threads = kernels.max_threads() if rounded else 0
     if threads:
-        from .kernels.attention_layout import AttentionShape
         return -(-AttentionShape(B, H, T, T, D, threads).nbytes() // itemsize)
     return distance_scores(B, H, T, T)
 
