@@ -27,7 +27,7 @@ from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
 from .kernels.attention_layout import AttentionShape
-from .products import PackedWeight, round_to_bfloat16
+from .products import PackedWeight, QuantisedRows, round_to_bfloat16
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
@@ -43,23 +43,31 @@ def compiled(xp: Any, x: Any) -> Any:
     return kernels.active()
 
 
-def linear(xp: Any, x: Any, w: Any, out: Any = None) -> Any:
+def linear(xp: Any, x: Any, w: Any, out: Any = None, relu: bool = False) -> Any:
     """x (..., I) @ w.T into `out` (..., O) (allocated when None) as one 2-D product; w is a
     linear slot (O, I), one row per output channel (io/formats.py), or a `PackedWeight`
-    (another storage format, or the compiled kernels), which multiplies itself.
+    (another storage format, or the compiled kernels), which multiplies itself. `relu`:
+    max(x @ w.T, 0) (in the int8 products' epilogue where they run it). x may be the
+    `QuantisedRows` the norm in front of w made for it (`add_rms_norm(..., into=w)`).
 
     One 2-D product: NumPy runs a stacked (B, T, I) @ (I, O) as B separate products, each reading
     all of w, so a batch of 16 decoding rows would stream every weight matrix 16 times a step."""
+    if isinstance(x, QuantisedRows):
+        rows, o2 = x.rows, out.reshape(-1, out.shape[-1])
+        w.matmul(xp, rows.reshape(-1, rows.shape[-1]), o2, relu, ready=True)
+        return out
     if out is None:
         out = xp.empty((*x.shape[:-1], w.shape[0]), dtype=x.dtype)
     if not out.flags.c_contiguous and (xp is np or out.ndim != 2):
-        out[...] = linear(xp, x, w)   # (a device namespace's matmul writes strided 2-D outputs)
-        return out
+        out[...] = linear(xp, x, w, relu=relu)   # (a device namespace's matmul writes strided
+        return out                               # 2-D outputs)
     x2, o2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
     if isinstance(w, PackedWeight):
-        w.matmul(xp, x2, o2)
-    else:
-        on_blas_threads(xp, lambda: xp.matmul(x2, w.T, out=o2))
+        w.matmul(xp, x2, o2, relu)
+        return out
+    on_blas_threads(xp, lambda: xp.matmul(x2, w.T, out=o2))
+    if relu:
+        activate(xp, "relu", o2, o2.shape[-1], False)
     return out
 
 
@@ -116,9 +124,14 @@ def rms_normalize(xp: Any, x: Any, eps: float, out: Any = None, work: Any = None
 
 
 def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any,
-                 work: Any = None, inv: Any = None) -> Any:
+                 work: Any = None, inv: Any = None, into: Any = None) -> Any:
     """x += delta (a sublayer's output; None: nothing to add), then out = rms_norm(x, weight):
-    the residual add of one sublayer and the norm in front of the next, as one pass. (..., C)."""
+    the residual add of one sublayer and the norm in front of the next, as one pass. (..., C).
+    `into`: the linear slot the norm feeds; where its product takes input rows already
+    quantised (compute="int8" in the compiled kernels: `PackedWeight.norm_work`), the normed
+    rows go quantised into that product's scratch instead of into `out`, and the result is
+    `QuantisedRows(out)`, which only `linear(.., into)` takes: no float copy of rows that only
+    feed that product."""
     k = compiled(xp, x)
     if k is None:
         if delta is not None:
@@ -126,7 +139,12 @@ def add_rms_norm(xp: Any, x: Any, delta: Any, weight: Any, eps: float, out: Any,
         return rms_norm(xp, x, weight, eps, out, work, inv)
     C = x.shape[-1]
     d = delta.reshape(-1, C) if delta is not None else np.empty((0, C), np.float32)
-    k.add_rms_norm(x.reshape(-1, C), d, weight, eps, out.reshape(-1, C))
+    rows = x.reshape(-1, C)
+    ready = into.norm_work(rows.shape[0]) if isinstance(into, PackedWeight) else None
+    if ready is not None:
+        k.add_rms_norm_quantised(rows, d, weight, eps, ready, into.groups)
+        return QuantisedRows(out)
+    k.add_rms_norm(rows, d, weight, eps, out.reshape(-1, C))
     return out
 
 

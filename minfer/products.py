@@ -79,6 +79,20 @@ def takes_kernel(M: int, K: int) -> bool:
 # =====================================================================================================
 # What the math multiplies by
 # =====================================================================================================
+class QuantisedRows:
+    """What an RMS norm hands the int8 x int8 product after it when it quantised its rows
+    straight into that product's scratch (`ops.add_rms_norm(..., into=)`): `rows`, the norm's
+    float buffer (..., K), gives the shape only; it was not written. Only `ops.linear` with the
+    same slot takes it; any other use fails (it is no array)."""
+
+    def __init__(self, rows: Any):
+        self.rows = rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rows.shape
+
+
 class PackedWeight:
     """A linear slot stored in a form `xp.matmul` cannot take as it is. `ops.linear` calls its
     `matmul(xp, x, out)` and `ops.embed` its `rows(xp, ids, out)`.
@@ -91,7 +105,9 @@ class PackedWeight:
     every product ("int8", "bfloat16": `ROUNDINGS`); rounded_kernel: the compiled product of that
     compute mode, or None (`(x, bits, scale, out, work)`, or `(x, bits, out, work)` for a format
     without scales: bfloat16)
-    and work_bytes(M, K, groups) the scratch bytes it rounds M input rows into; bits: what the
+    and work_bytes(M, K, groups) the scratch bytes it rounds M input rows into; floors: whether
+    that product takes a floor for its outputs (the int8 products' epilogue: a ReLU); ready_rows:
+    whether it also takes rows already quantised in the scratch (`norm_work`); bits: what the
     kernels read (the stored array, or float16 viewed as its uint16 bits for the compiled code);
     scratch: the runtime's shared flat float buffer (one product at a time; also where the
     rounded products put their rounded inputs), None for a slot already stored in the compute
@@ -101,7 +117,8 @@ class PackedWeight:
                  kernel: Callable | None, scratch: Any, bits: Any = None,
                  shape: tuple[int, int] | None = None, compute: str = "float32",
                  rounded_kernel: Callable | None = None,
-                 work_bytes: Callable[[int, int, int], int] | None = None):
+                 work_bytes: Callable[[int, int, int], int] | None = None,
+                 floors: bool = False, ready_rows: bool = False):
         self.stored, self.scale, self.widen, self.kernel = stored, scale, widen, kernel
         self.bits = stored if bits is None else bits
         self.scratch = scratch
@@ -109,58 +126,98 @@ class PackedWeight:
         self.plain = scratch is None      # stored in the compute dtype: no widening, no scale
         self.rounding = ROUNDINGS.get(compute)
         self.rounded_kernel, self.work_bytes = rounded_kernel, work_bytes
+        self.floors = floors and rounded_kernel is not None
+        self.ready_rows = ready_rows and rounded_kernel is not None
         self._work = None                 # the scratch as bytes (the rounded products' inputs)
-        self._groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
+        self.groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
 
-    def matmul(self, xp: Any, x: Any, out: Any) -> Any:
-        """x (M, K) @ self.T -> out (M, N), float."""
-        # (asked at every call: a process forked after the kernels' threads started must not
-        # run them, minfer/kernels/)
+    def _rounds_compiled(self) -> bool:
+        """Whether the products run in the compiled product of the compute mode now (asked at
+        every call: a process forked after the kernels' threads started must not run them,
+        minfer/kernels/)."""
+        return (self.kernel is not None and self.rounded_kernel is not None
+                and self.shape[1] >= KERNEL_MIN_INNER and kernels.active() is not None)
+
+    def norm_work(self, M: int) -> Any:
+        """The scratch (bytes) an RMS norm in front of this product may quantise its M input
+        rows into (`kernels.add_rms_norm_quantised`, with `groups` sums a row), or None where
+        this product does not take them so: not compute="int8" in the compiled kernels, a
+        format whose kernel quantises only for itself (GGUF's blocks), or more rows than the
+        scratch holds at once (the product then takes them in parts, quantising each)."""
+        if not (self.ready_rows and self._rounds_compiled()):
+            return None
+        work = self._work_bytes()
+        return work if self.work_bytes(M, self.shape[1], self.groups) <= work.size else None
+
+    def matmul(self, xp: Any, x: Any, out: Any, relu: bool = False, ready: bool = False) -> Any:
+        """x (M, K) @ self.T -> out (M, N), float; with `relu`, max(that, 0) (in the int8
+        products' epilogue where they run it). `ready`: x's rows are already quantised in the
+        scratch (`norm_work`; x gives the shape only)."""
+        if ready:   # (only ever after norm_work said yes, in the same state)
+            return self._rounded_product(x, out, relu, ready)
         fast = self.kernel is not None and kernels.active() is not None
         if self.rounding is not None:
-            if fast and self.rounded_kernel is not None and self.shape[1] >= KERNEL_MIN_INNER:
-                return self._rounded_product(x, out)
+            if self._rounds_compiled():
+                return self._rounded_product(x, out, relu)
             x = self.rounding(xp, x)      # the same rounding, multiplied in float32 below
+        self._product(xp, x, out, fast)
+        if relu:
+            xp.maximum(out, 0, out=out)
+        return out
+
+    def _product(self, xp: Any, x: Any, out: Any, fast: bool) -> None:
+        """out = x @ self.T in float32: the small-M kernels, or blocks widened for BLAS."""
         if fast and takes_kernel(x.shape[0], self.shape[1]):
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
                 self.kernel(x, self.bits, out)
             else:
                 self.kernel(x, self.bits, self.scale, out)
-            return out
+            return
         N = self.shape[0]
         if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
             # (BLAS only from the pool's threads: kernels.split's `blas`)
             kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out) if self.plain else
                             self._widened_product(xp, x, out, 0, N, self.scratch), xp)
-            return out
+            return
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
         if self.plain:   # BLAS at one thread per part of the output columns
             kernels.split(N, lambda i, a, b: xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
                           count, blas=True)
-            return out
+            return
         size = self.scratch.size // count
         kernels.split(N, lambda i, a, b: self._widened_product(
             xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count, blas=True)
-        return out
 
-    def _rounded_product(self, x: Any, out: Any) -> Any:
-        """The compiled product of the compute mode, over as many input rows at a time as the
-        scratch holds rounded (all of a decoding step's; an encoder pass's in parts)."""
-        x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+    def _work_bytes(self) -> Any:
         if self._work is None:
             self._work = self.scratch.view(np.uint8)
+        return self._work
+
+    def _rounded_product(self, x: Any, out: Any, relu: bool = False, ready: bool = False) -> Any:
+        """The compiled product of the compute mode, over as many input rows at a time as the
+        scratch holds rounded (all of a decoding step's; an encoder pass's in parts); `ready`:
+        all of x's rows are there already, quantised."""
+        x = x if x.flags.c_contiguous or ready else np.ascontiguousarray(x)
+        work = self._work_bytes()
         M, K = x.shape
         step = M
-        while step > 1 and self.work_bytes(step, K, self._groups) > self._work.size:
+        while step > 1 and self.work_bytes(step, K, self.groups) > work.size:
             step = (step + 1) // 2
-        step = step - step % 4 if step > 4 else step   # (the kernels' tiles take 4 rows)
+        if 4 < step < M:                               # parts of whole 4-row tiles
+            step -= step % 4
+        if ready and step < M:
+            raise AssertionError("quantised rows handed to a product whose scratch is short")
+        extra = (((0.0 if relu else -np.inf),) if self.floors else ()) + \
+            ((ready,) if self.ready_rows else ())
         for a in range(0, M, step):
             b = min(M, a + step)
             if self.scale is None:
-                self.rounded_kernel(x[a:b], self.bits, out[a:b], self._work)
+                self.rounded_kernel(x[a:b], self.bits, out[a:b], work, *extra)
             else:
-                self.rounded_kernel(x[a:b], self.bits, self.scale, out[a:b], self._work)
+                self.rounded_kernel(x[a:b], self.bits, self.scale, out[a:b], work, *extra)
+        if relu and not self.floors:
+            np.maximum(out, 0, out=out)
         return out
 
     def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
@@ -233,7 +290,8 @@ def wrap(fmt: WeightFormat, name: str, arrays: dict[str, Any], compute_dtype: An
     kernel = own.product if blocks else None
     rounded = own.rounded.get(compute) if blocks else None
     return PackedWeight(w, scale, own.widen, kernel, scratch, bits, shape, compute,
-                        *(rounded or (None, None)))
+                        *(rounded or (None, None)), floors=own.floors,
+                        ready_rows=own.ready_rows)
 
 
 def scratch_bytes(fmt: WeightFormat, shape: tuple[int, int], compute_dtype: Any) -> int:

@@ -200,9 +200,11 @@ def test_group_and_panel_tiles_are_exact_on_every_instruction_set(isa):
     @njit
     def run_panel(words, xq, sums, sx, s, out):
         base, rs, ss, _, _ = qp._place(M, Kp, 0)
-        panel(3, 4, True, words, xq, base, rs, ss, Kp // 64, sums, 0, sx, s, 0, N, out, off)
+        panel(3, 4, True, words, xq, base, rs, ss, Kp // 64, sums, 0, sx, s, 0, N, out, off,
+              qp.NO_FLOOR)
         base, rs, ss, _, _ = qp._place(M, Kp, 4)
-        panel(3, 1, True, words, xq, base, rs, ss, Kp // 64, sums, 4, sx, s, 0, N, out, off)
+        panel(3, 1, True, words, xq, base, rs, ss, Kp // 64, sums, 4, sx, s, 0, N, out, off,
+              qp.NO_FLOOR)
 
     w = rng.integers(-128, 128, (N, K)).astype(np.int8)
     w[1] = -128

@@ -13,6 +13,7 @@ from numba.np.ufunc.parallel import _iget_num_threads
 
 from . import tiles
 from .float_products import matmul_i8g
+from .step_ops import norm_row
 from .widening import I8
 
 
@@ -241,17 +242,17 @@ def _pack(w, n0, nb, width, flip, words):
 
 
 @njit(inline="always")
-def _panel_row(P, C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off):
+def _panel_row(P, C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low):
     base, rs, ss, _, _ = _place(M, K, m)
     n = K // STEP
     if P == 4:
-        _panel(4, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+        _panel(4, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
     elif P == 3:
-        _panel(3, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+        _panel(3, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
     elif P == 2:
-        _panel(2, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+        _panel(2, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
     else:
-        _panel(1, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off)
+        _panel(1, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
 
 
 def _scale_at(scale, n, g):
@@ -294,20 +295,20 @@ def _pack4(w, scale, groups, n0, nb, width, words, ps):
 
 
 @njit(inline="always")
-def _panel4_row(P, C, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out):
+def _panel4_row(P, C, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low):
     base, rs, ss, _, _ = _place(M, K, m)
     if P == 4:
-        _panel4(4, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+        _panel4(4, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
     elif P == 3:
-        _panel4(3, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+        _panel4(3, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
     elif P == 2:
-        _panel4(2, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+        _panel4(2, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
     else:
-        _panel4(1, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out)
+        _panel4(1, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
 
 
 @njit(inline="always")
-def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best):
+def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best, low):
     """`_panels` for int4 weights: the panel holds their nibbles unpacked (q + 8) and their
     group scales (`_pack4`), the tile a float32 sum of the groups' exact int32 sums."""
     N = w.shape[0]
@@ -321,15 +322,15 @@ def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best):
         _pack4(w, scale, groups, n0, nb, P * 16, pw.view(np.uint32), ps)
         m = 0
         while m + 4 <= M:
-            _panel4_row(P, 4, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out)
+            _panel4_row(P, 4, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
             m += 4
         while m < M:
-            _panel4_row(P, 1, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out)
+            _panel4_row(P, 1, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
             m += 1
 
 
 @njit(inline="always")
-def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
+def _panels(w, scale, out, xq, sums, sx, M, K, best, off, low):
     """out (int8 weights, K a multiple of STEP) by panels of PANEL weight rows, one per parallel
     task: the panel repacked (`_pack`, into a buffer of the task's own, 64-byte aligned), then
     every 4 input rows of a group take it whole (4 x 16 accumulators: 16 vpdpbusd per 4 loads of
@@ -344,17 +345,60 @@ def _panels(w, scale, out, xq, sums, sx, M, K, best, off):
         _pack(w, n0, nb, P * 16, flip, pw.view(np.uint32))
         m = 0
         while m + 4 <= M:
-            _panel_row(P, 4, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off)
+            _panel_row(P, 4, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
             m += 4
         while m < M:
-            _panel_row(P, 1, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off)
+            _panel_row(P, 1, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
             m += 1
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul(x, w, scale, out, work, kind, best):
-    """out = quantised(x) @ w.T with int8 (kind I8: scale per row) or int4 (I4: scale per group)
-    weights, on the `best` tiles or the fallback's."""
+def add_rms_norm_quantised(x, delta, weight, eps, work, groups):
+    """x (M, K) += delta (skipped when delta has no rows), then each row's RMS norm
+    (`step_ops.norm_row`, the float norm's own arithmetic) quantised into `work` exactly as
+    `_quantise` quantises the float norm (`_carve`'s parts, `groups` sums a row): the norm in
+    front of an int8 x int8 product, whose float rows are never written. The product then takes
+    them with `ready` (its x only giving the shape)."""
+    M, K = x.shape
+    xq, sums, sx = _carve(work, M, K, groups)
+    G = K // groups
+    add = delta.shape[0] == M
+    tasks = min(M, 4 * _iget_num_threads()) if M * K >= QUANTISE_PARALLEL else 1
+    for t in prange(tasks):
+        h = np.empty(K, np.float32)           # one normed row, in L1 (per task)
+        for m in range(t * M // tasks, (t + 1) * M // tasks):
+            norm_row(x, delta, add, weight, eps, m, h)
+            base, _, ss, tb, _ = _place(M, K, m)
+            sx[m] = _quantise_row(h, xq, base, ss, tb, sums[m], G)
+
+
+@njit(inline="always")
+def _rows_of(x, work, groups, ready):
+    """The quantised rows of x in `work` (`_carve`'s parts): quantised here, or, when `ready`,
+    already there (`add_rms_norm_quantised` wrote them; x only gives the shape)."""
+    M, K = x.shape
+    if ready:
+        return _carve(work, M, K, groups)
+    return _quantise(x, work, groups)
+
+
+@njit(inline="always")
+def _floor_all(out, low):
+    """out = max(out, low) (NaN kept): the epilogue's ReLU where the tiles store plainly."""
+    if low > -np.inf:
+        M, N = out.shape
+        for m in range(M):
+            row = out[m]
+            for n in range(N):
+                if row[n] < low:
+                    row[n] = low
+
+
+@njit(parallel=True, cache=True)
+def _qmatmul(x, w, scale, out, work, kind, best, low, ready):
+    """out = max(quantised(x) @ w.T, low) with int8 (kind I8: scale per row) or int4 (I4: scale
+    per group) weights, on the `best` tiles or the fallback's (low: 0 a ReLU, -inf none; ready:
+    `_rows_of`)."""
     numba.literally(kind)                # one build per kind and instruction set: the others'
     numba.literally(best)                # tiles are not compiled
     M, K = x.shape
@@ -368,12 +412,12 @@ def _qmatmul(x, w, scale, out, work, kind, best):
         groups = scale.shape[-1]
         n, tail, off = groups, 0, 0
         per = K // groups // 64          # 64-column blocks per group (K: whole blocks)
-    xq, sums, sx = _quantise(x, work, groups)
+    xq, sums, sx = _rows_of(x, work, groups, ready)
     if kind == I8 and M >= PANEL_MIN_ROWS and tail == 0:
-        _panels(w, scale, out, xq, sums, sx, M, K, best, off)
+        _panels(w, scale, out, xq, sums, sx, M, K, best, off, low)
         return
     if kind == I4 and M >= PANEL_MIN_ROWS:
-        _panels4(w, scale, groups, out, xq, sums, sx, M, K, best)
+        _panels4(w, scale, groups, out, xq, sums, sx, M, K, best, low)
         return
     # (numba's own get_num_threads reads a ctypes pointer, which numba cannot cache; this is
     # the symbol its parallel loops call, resolved when the cached code loads)
@@ -390,6 +434,7 @@ def _qmatmul(x, w, scale, out, work, kind, best):
             _cached_pass(kind, best, w, scale, n0, n1, xq, M, K, m, cols, sums, n, tail, per,
                          sx, out, off)
             m += cols
+    _floor_all(out, low)
 
 
 # -- GGUF's blocks (int8g32 / int8g16): int8 q with a scale and an offset per group ----------------------
@@ -412,20 +457,24 @@ def _pack_grouped(w, params, n0, nb, width, flip, words, ps):
 
 
 @njit(inline="always")
-def _grouped_row(P, C, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off):
+def _grouped_row(P, C, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off, low):
     base, rs, ss, _, _ = _place(M, K, m)
     if P == 4:
-        _panel_g(4, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+        _panel_g(4, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
+                 low)
     elif P == 3:
-        _panel_g(3, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+        _panel_g(3, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
+                 low)
     elif P == 2:
-        _panel_g(2, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+        _panel_g(2, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
+                 low)
     else:
-        _panel_g(1, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off)
+        _panel_g(1, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
+                 low)
 
 
 @njit(inline="always")
-def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off):
+def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off, low):
     """`_panels` for the grouped format: Q quads (4 Q columns) a group."""
     N = w.shape[0]
     groups = params.shape[1]
@@ -439,10 +488,12 @@ def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off):
         _pack_grouped(w, params, n0, nb, P * 16, flip, pw.view(np.uint32), ps)
         m = 0
         while m + 4 <= M:
-            _grouped_row(P, 4, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off)
+            _grouped_row(P, 4, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
+                         low)
             m += 4
         while m < M:
-            _grouped_row(P, 1, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off)
+            _grouped_row(P, 1, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
+                         low)
             m += 1
 
 
@@ -489,7 +540,7 @@ def _takes_panels(M, K, groups):
 
 
 @njit(parallel=True, cache=True)
-def _qmatmul_grouped(x, w, params, out, work, best):
+def _qmatmul_grouped(x, w, params, out, work, best, low):
     numba.literally(best)
     M, K = x.shape
     groups = params.shape[1]
@@ -498,42 +549,77 @@ def _qmatmul_grouped(x, w, params, out, work, best):
         off = OFFSET_BEST if best else OFFSET_FALLBACK
         xq, sums, sx = _quantise(x, work, groups)
         if G == 32:
-            _grouped_panels(w, params, out, xq, sums, sx, M, K, 8, best, off)
+            _grouped_panels(w, params, out, xq, sums, sx, M, K, 8, best, off, low)
         else:
-            _grouped_panels(w, params, out, xq, sums, sx, M, K, 4, best, off)
+            _grouped_panels(w, params, out, xq, sums, sx, M, K, 4, best, off, low)
         return
     matmul_i8g(_quantised_floats(x, work), w, params, out)
+    _floor_all(out, low)
+
+
+# The entries. `low` floors the outputs in the products' epilogue (0: the FF's ReLU; NO_FLOOR:
+# none); `ready` says the int8 and int4 products' input rows are already quantised in `work`
+# (`add_rms_norm_quantised`: the norm in front of the product wrote them, not float rows; x then
+# gives only the shape). The compiled entries take both always (one build each); the Python
+# names default them.
+NO_FLOOR = np.float32(-np.inf)
 
 
 @njit(cache=True)
-def qmatmul_i8g(x, w, params, out, work):
-    """out = quantised(x) @ (w * scale + offset per group).T: GGUF's blocks (int8 q (N, K),
-    params (N, groups, 2) float32 scale and offset) times the input rows quantised per row;
-    work: grouped_work_bytes(M, K, groups) bytes."""
-    _qmatmul_grouped(x, w, params, out, work, True)
+def _qmatmul_i8g(x, w, params, out, work, low):
+    _qmatmul_grouped(x, w, params, out, work, True, low)
 
 
 @njit(cache=True)
-def qmatmul_i8g_fallback(x, w, params, out, work):
+def _qmatmul_i8g_fallback(x, w, params, out, work, low):
+    _qmatmul_grouped(x, w, params, out, work, False, low)
+
+
+@njit(cache=True)
+def _qmatmul_i8(x, w, scale, out, work, low, ready):
+    _qmatmul(x, w, scale, out, work, I8, True, low, ready)
+
+
+@njit(cache=True)
+def _qmatmul_i8_fallback(x, w, scale, out, work, low, ready):
+    _qmatmul(x, w, scale, out, work, I8, False, low, ready)
+
+
+@njit(cache=True)
+def _qmatmul_i4(x, w, scale, out, work, low, ready):
+    _qmatmul(x, w, scale, out, work, I4, True, low, ready)
+
+
+@njit(cache=True)
+def _qmatmul_i4_fallback(x, w, scale, out, work, low, ready):
+    _qmatmul(x, w, scale, out, work, I4, False, low, ready)
+
+
+def qmatmul_i8g(x, w, params, out, work, low=NO_FLOOR):
+    """out = max(quantised(x) @ (w * scale + offset per group).T, low): GGUF's blocks (int8 q
+    (N, K), params (N, groups, 2) float32 scale and offset) times the input rows quantised per
+    row; work: grouped_work_bytes(M, K, groups) bytes."""
+    _qmatmul_i8g(x, w, params, out, work, np.float32(low))
+
+
+def qmatmul_i8g_fallback(x, w, params, out, work, low=NO_FLOOR):
     """qmatmul_i8g on the tiles a CPU without VNNI runs."""
-    _qmatmul_grouped(x, w, params, out, work, False)
+    _qmatmul_i8g_fallback(x, w, params, out, work, np.float32(low))
 
 
-@njit(cache=True)
-def qmatmul_i8(x, w, scale, out, work):
-    _qmatmul(x, w, scale, out, work, I8, True)
+def qmatmul_i8(x, w, scale, out, work, low=NO_FLOOR, ready=False):
+    """out = max(quantised(x) @ (w * scale).T, low), int8 weights (N, K), scale (N,)."""
+    _qmatmul_i8(x, w, scale, out, work, np.float32(low), ready)
 
 
-@njit(cache=True)
-def qmatmul_i8_fallback(x, w, scale, out, work):
-    _qmatmul(x, w, scale, out, work, I8, False)
+def qmatmul_i8_fallback(x, w, scale, out, work, low=NO_FLOOR, ready=False):
+    _qmatmul_i8_fallback(x, w, scale, out, work, np.float32(low), ready)
 
 
-@njit(cache=True)
-def qmatmul_i4(x, w, scale, out, work):
-    _qmatmul(x, w, scale, out, work, I4, True)
+def qmatmul_i4(x, w, scale, out, work, low=NO_FLOOR, ready=False):
+    """qmatmul_i8 for int4 weights (N, K / 2 bytes), scale (N, groups)."""
+    _qmatmul_i4(x, w, scale, out, work, np.float32(low), ready)
 
 
-@njit(cache=True)
-def qmatmul_i4_fallback(x, w, scale, out, work):
-    _qmatmul(x, w, scale, out, work, I4, False)
+def qmatmul_i4_fallback(x, w, scale, out, work, low=NO_FLOOR, ready=False):
+    _qmatmul_i4_fallback(x, w, scale, out, work, np.float32(low), ready)

@@ -23,8 +23,9 @@ from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, 
                              matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
 from .pass_attention import attend_bf16
 from .pass_softmax import softmax_distance_bias
-from .quantised_products import (grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
-                                 qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
+from .quantised_products import (add_rms_norm_quantised, grouped_work_bytes, qmatmul_i4,
+                                 qmatmul_i4_fallback, qmatmul_i8, qmatmul_i8_fallback, qmatmul_i8g,
+                                 qmatmul_i8g_fallback)
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
 from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
                        widen_i8)
@@ -57,10 +58,15 @@ class FormatKernels:
     rows into float32 blocks (large M, then BLAS; None: already float32) and `rounded`: by
     compute mode, the product that rounds its inputs first and the scratch bytes it rounds
     M rows of K columns into (the quantised formats and GGUF's int8 blocks: compute="int8"'s
-    int8 x int8 product; bfloat16 and fp8: compute="bfloat16"'s bfloat16 x bfloat16 product)."""
+    int8 x int8 product; bfloat16 and fp8: compute="bfloat16"'s bfloat16 x bfloat16 product).
+    floors: that rounded product takes a floor for its outputs (`low`: the FF's ReLU in its
+    epilogue); ready_rows: it takes input rows the RMS norm already quantised (`ready`,
+    `add_rms_norm_quantised`)."""
     product: Callable
     widen: Callable | None = None
     rounded: dict[str, tuple[Callable, Callable[[int, int, int], int]]] = field(default_factory=dict)
+    floors: bool = False
+    ready_rows: bool = False
 
 
 BY_FORMAT: dict[str, FormatKernels] = {
@@ -68,13 +74,15 @@ BY_FORMAT: dict[str, FormatKernels] = {
     "float16": FormatKernels(matmul_f16, widen_f16),
     "bfloat16": FormatKernels(matmul_bf16, widen_bf16,
                               {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
-    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}),
-    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}),
+    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}, True, True),
+    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}, True, True),
     # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); with
     # compute="int8" the blocks' q times the quantised inputs, per group (compute="bfloat16"
     # refuses these formats: q x scale + offset is no bfloat16)
-    "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
-    "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)}),
+    "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)},
+                             True),
+    "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)},
+                             True),
     # GGUF's 4-bit blocks: the unsigned codes widened, then scaled and offset as the above
     # (float32 products only)
     "int4g32": FormatKernels(matmul_i4g, widen_i4g),
@@ -116,6 +124,8 @@ def warm_up() -> None:
     matmul_i4g(x64, nibbles, np.zeros((2, 2, 2), np.float32), out64)
     widen_i4g(nibbles, np.empty((2, 64), np.float32))
     qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
+    add_rms_norm_quantised(np.ones((1, 64), np.float32), np.ones((1, 64), np.float32),
+                           np.ones(64, np.float32), 1e-6, work, 1)
     qmatmul_i4(x64, nibbles, scales, out64, work)
     qmatmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64, work)
     bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)
@@ -146,7 +156,8 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "attend_bf16", "attend_query",
+__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "add_rms_norm_quantised",
+           "attend_bf16", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
            "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "relu", "set_threads",
            "softmax_distance_bias", "top_k", "warm_up"]

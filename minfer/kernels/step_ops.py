@@ -20,23 +20,40 @@ NON_FINITE_SAFE = dict(fastmath={"reassoc", "contract", "arcp", "nsz", "afn"}, e
 
 # -- fused step functions ---------------------------------------------------------------------------------
 @njit(cache=True, **NON_FINITE_SAFE)
+def norm_row(x, delta, add, weight, eps, r, h):
+    """Row r of x (R, C) += delta's row r when `add`, then h (C,) = weight * x[r] /
+    sqrt(mean(x[r]^2) + eps). Not inlined in numba's IR, so the callers' own flags (the fused
+    int8 norm has no fast-math) do not change this arithmetic: every caller gets the same h."""
+    C = x.shape[1]
+    xr = x[r]
+    if add:
+        dr = delta[r]
+        for c in range(C):
+            xr[c] += dr[c]
+    ss = np.float32(0.0)
+    for c in range(C):
+        ss += xr[c] * xr[c]
+    inv = np.float32(1.0) / math.sqrt(ss / C + eps)
+    for c in range(C):
+        h[c] = xr[c] * inv * weight[c]
+
+
+NORM_PARALLEL = 1 << 16        # elements of x above which the rows are normed in parallel
+
+
+@njit(parallel=True, cache=True, **NON_FINITE_SAFE)
 def add_rms_norm(x, delta, weight, eps, h):
     """x (R, C) += delta (R, C) (skipped when delta has no rows), then h = weight * x /
-    sqrt(mean(x^2) + eps) per row: a residual add and the RMS norm after it, in one pass."""
+    sqrt(mean(x^2) + eps) per row: a residual add and the RMS norm after it, in one pass
+    (an encoder pass's rows over the threads; a decoding step's few on this one)."""
     R, C = x.shape
     add = delta.shape[0] == R
-    for r in range(R):
-        xr, hr = x[r], h[r]
-        if add:
-            dr = delta[r]
-            for c in range(C):
-                xr[c] += dr[c]
-        ss = np.float32(0.0)
-        for c in range(C):
-            ss += xr[c] * xr[c]
-        inv = np.float32(1.0) / math.sqrt(ss / C + eps)
-        for c in range(C):
-            hr[c] = xr[c] * inv * weight[c]
+    if R * C >= NORM_PARALLEL:
+        for r in prange(R):
+            norm_row(x, delta, add, weight, eps, r, h[r])
+    else:
+        for r in range(R):
+            norm_row(x, delta, add, weight, eps, r, h[r])
 
 
 @njit(cache=True, **NON_FINITE_SAFE)

@@ -532,7 +532,7 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
     16 p + j < valid (the others are not written). pw: the packed panel (1-D, bytes), quad q of
     weight row 16 p + j at byte (q * P * 16 + 16 p + j) * 4, each weight + offset(isa); the input
     rows as `make_group_tile`'s (K = n * STEP, no tail); sums[m + c, 0] the row's sum."""
-    (pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out, off) = args
+    (pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out, off, low) = args
     W = _WIDTH[isa]
     lanes = W // 4
     per = 64 // W                      # vectors per 16 weight rows x 4 columns (64 bytes)
@@ -559,6 +559,7 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
     mload = _declare(builder, f"llvm.masked.load.v{lanes}f32.p0", fty, fty.as_pointer(), I32,
                      _vec(ir.IntType(1), lanes), fty)
     mstore, lane_mask = _lane_masks(builder, valid, lanes)
+    floor = _splat(builder, low, lanes)
     for p in range(P):
         for h in range(per):
             first = p * 16 + h * lanes
@@ -572,9 +573,16 @@ def _panel_codegen(P, C, isa, context, builder, a, args):
                 rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
                 value = builder.fmul(builder.sitofp(total, fty),
                                      builder.fmul(ws, _splat(builder, rscale, lanes)))
+                value = _floor(builder, value, floor)
                 at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
                                      fty.as_pointer())
                 builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
+
+
+def _floor(builder, value, floor):
+    """max(value, floor) lane by lane, NaN kept (an ordered compare: NaN < floor is false):
+    the epilogue's ReLU with floor 0, nothing with floor -inf."""
+    return builder.select(builder.fcmp_ordered("<", value, floor), floor, value)
 
 
 def _lane_masks(builder, valid, lanes):
@@ -594,15 +602,16 @@ def _lane_masks(builder, valid, lanes):
 
 def make_panel_tile(isas: dict[bool, str]):
     """The panel tile: tile(P, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid,
-    out, off) writes out[m + c, i + 16 p + j] for c < C, p < P, 16 p + j < valid (see
-    `_panel_codegen`; sx, scale 1-D float32 contiguous, out's rows contiguous). P, C and best are
-    compile-time constants, best picking the instruction set `isas[best]`."""
+    out, off, low) writes max(out[m + c, i + 16 p + j], low) for c < C, p < P, 16 p + j < valid
+    (see `_panel_codegen`; sx, scale 1-D float32 contiguous, out's rows contiguous; low float32:
+    0 for a ReLU, -inf for none). P, C and best are compile-time constants, best picking the
+    instruction set `isas[best]`."""
     @intrinsic
     def tile(typingctx, P, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, i, valid, out,
-             off):
+             off, low):
         panels, cols, b = literals(P, C, best)
         sig = types.none(P, C, best, pw, xq, *[types.int64] * 4, sums, types.int64, sx, scale,
-                         types.int64, types.int64, out, types.int64)
+                         types.int64, types.int64, out, types.int64, types.float32)
 
         def codegen(context, builder, signature, args):
             _panel_codegen(panels, cols, isas[b], context, builder, signature.args[3:], args[3:])
@@ -617,7 +626,7 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
     (q + 8) x - 8 * sums[m + c, g]), the weights unpacked into the panel as their stored nibbles
     q + 8 (unsigned, 0 .. 15: vpdpbusd's and vpmaddubsw's unsigned operand as they are) and ps
     the group scales packed beside them."""
-    (pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid, out) = args
+    (pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid, out, low) = args
     W = _WIDTH[isa]
     lanes = W // 4
     nvec = 64 // W
@@ -654,18 +663,21 @@ def _panel4_codegen(P, C, isa, context, builder, a, args):
 
     fzero = ir.Constant(fty, None)
     faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
-    _store_row_scaled(context, builder, (a[9], sx), (a[13], out), m, i, valid, faccs, P, C, lanes)
+    _store_row_scaled(context, builder, (a[9], sx), (a[13], out), m, i, valid, faccs, P, C, lanes,
+                      low)
 
 
-def _store_row_scaled(context, builder, sx, out, m, i, valid, faccs, P, C, lanes):
-    """The grouped panel tiles' epilogue: out[m + c, i + 16 p + j] = sx[m + c] * the float32
-    accumulator of (c, p) (`lanes` outputs a vector, 16 / lanes vectors per p), masked to the
-    outputs below `valid`. sx, out: (type, value) of the row scales (1-D) and the output (2-D)."""
+def _store_row_scaled(context, builder, sx, out, m, i, valid, faccs, P, C, lanes, low):
+    """The grouped panel tiles' epilogue: out[m + c, i + 16 p + j] = max(sx[m + c] * the float32
+    accumulator of (c, p), low) (`lanes` outputs a vector, 16 / lanes vectors per p), masked to
+    the outputs below `valid`. sx, out: (type, value) of the row scales (1-D) and the output
+    (2-D); low: float32 (`_floor`)."""
     nvec = 16 // lanes
     fty = _vec(F32, lanes)
     sxp = _elem(context, builder, sx[0], sx[1], m)
     outp = _rows(context, builder, out[0], out[1], m, C)
     mstore, lane_mask = _lane_masks(builder, valid, lanes)
+    floor = _splat(builder, low, lanes)
     for p in range(P):
         for h in range(nvec):
             first = p * 16 + h * lanes
@@ -673,6 +685,7 @@ def _store_row_scaled(context, builder, sx, out, m, i, valid, faccs, P, C, lanes
             for c in range(C):
                 rscale = builder.load(builder.gep(sxp, [ir.Constant(I64, c)]))
                 value = builder.fmul(faccs[(c * P + p) * nvec + h], _splat(builder, rscale, lanes))
+                value = _floor(builder, value, floor)
                 at = builder.bitcast(builder.gep(outp[c], [builder.add(i, ir.Constant(I64, first))]),
                                      fty.as_pointer())
                 builder.call(mstore, [value, at, ir.Constant(I32, 4), mask])
@@ -680,13 +693,14 @@ def _store_row_scaled(context, builder, sx, out, m, i, valid, faccs, P, C, lanes
 
 def make_panel4_tile(isas: dict[bool, str]):
     """The int4 panel tile: tile(P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps,
-    i, valid, out) (see `_panel4_codegen`); P, C and best compile-time constants."""
+    i, valid, out, low) (see `_panel4_codegen`; outputs floored at low as the panel tile's); P,
+    C and best compile-time constants."""
     @intrinsic
     def tile(typingctx, P, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, i, valid,
-             out):
+             out, low):
         panels, cols, b = literals(P, C, best)
         sig = types.none(P, C, best, pw, xq, *[types.int64] * 5, sums, types.int64, sx, ps,
-                         types.int64, types.int64, out)
+                         types.int64, types.int64, out, types.float32)
 
         def codegen(context, builder, signature, args):
             _panel4_codegen(panels, cols, isas[b], context, builder, signature.args[3:], args[3:])
@@ -702,7 +716,7 @@ def _panel_grouped_codegen(P, C, Q, isa, context, builder, a, args):
     sums[m + c, g]) + ps[(2 g + 1) * P * 16 + 16 p + j] * sums[m + c, g]: each group's scale
     and offset (value = q * scale + offset), packed beside the panel's weights (`_pack`'s layout,
     each weight + off(isa)). A group lies within one STEP of the input rows (4 Q divides STEP)."""
-    (pw, xq, base, rs, ss, groups, sums, m, sx, ps, i, valid, out, off) = args
+    (pw, xq, base, rs, ss, groups, sums, m, sx, ps, i, valid, out, off, low) = args
     W = _WIDTH[isa]
     lanes = W // 4
     nvec = 64 // W
@@ -745,19 +759,20 @@ def _panel_grouped_codegen(P, C, Q, isa, context, builder, a, args):
 
     fzero = ir.Constant(fty, None)
     faccs = _loop(builder, groups, [fzero] * (C * P * nvec), group)
-    _store_row_scaled(context, builder, (a[8], sx), (a[12], out), m, i, valid, faccs, P, C, lanes)
+    _store_row_scaled(context, builder, (a[8], sx), (a[12], out), m, i, valid, faccs, P, C, lanes,
+                      low)
 
 
 def make_panel_grouped_tile(isas: dict[bool, str]):
     """The grouped int8 panel tile: tile(P, C, Q, best, pw, xq, base, rs, ss, groups, sums, m,
-    sx, ps, i, valid, out, off) (see `_panel_grouped_codegen`); P, C, Q (quads per group) and
-    best compile-time constants."""
+    sx, ps, i, valid, out, off, low) (see `_panel_grouped_codegen`; outputs floored at low as
+    the panel tile's); P, C, Q (quads per group) and best compile-time constants."""
     @intrinsic
     def tile(typingctx, P, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, i, valid,
-             out, off):
+             out, off, low):
         panels, cols, quads, b = literals(P, C, Q, best)
         sig = types.none(P, C, Q, best, pw, xq, *[types.int64] * 4, sums, types.int64, sx, ps,
-                         types.int64, types.int64, out, types.int64)
+                         types.int64, types.int64, out, types.int64, types.float32)
 
         def codegen(context, builder, signature, args):
             _panel_grouped_codegen(panels, cols, quads, isas[b], context, builder,

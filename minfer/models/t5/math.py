@@ -147,14 +147,16 @@ def clamp_if_inf(xp: Any, h: Any, lim: Any) -> None:
 
 
 def residual_norm(xp: Any, cfg: T5Config, x: Any, delta: Any, weight: Any, ws: Any,
-                  half_stream: bool = False) -> Any:
+                  half_stream: bool = False, into: Any = None) -> Any:
     """x += delta (the previous sublayer's output; None at the start of a pass), then
     ws.h = weight * x / rms(x): the norm in front of the next sublayer. One compiled pass on the
-    CPU in float32. float16 compute: the stream x is float32; `half_stream` (layer 0, before its
-    FF) rounds it to float16 and applies HF's guard first, as HF's float16 stream would be."""
+    CPU in float32; `into`, the slot the norm feeds: with compute="int8" the rows may go straight
+    to it quantised (`ops.add_rms_norm`). float16 compute: the stream x is float32; `half_stream`
+    (layer 0, before its FF) rounds it to float16 and applies HF's guard first, as HF's float16
+    stream would be."""
     work, inv = ws.norm_scratch()
     if x.dtype == ws.h.dtype:
-        return ops.add_rms_norm(xp, x, delta, weight, cfg.eps, ws.h, work, inv)
+        return ops.add_rms_norm(xp, x, delta, weight, cfg.eps, ws.h, work, inv, into)
     if delta is not None:
         x += delta
         if half_stream:
@@ -266,8 +268,11 @@ def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> 
     """h (B, T, C) -> the FF's output (B, T, C): act(h W_in) W_out, or gated (v1.1):
     (act(h W_0) * (h W_1)) W_out with W_0|W_1 fused into one (2F, C) product. float16 compute:
     W_out computes in float32 (HF keeps `wo` float32), into ws.ffo."""
-    hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                    # (B, T, F | 2F)
-    gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated, ws.act)  # (B, T, F)
+    if cfg.act == "relu" and not cfg.gated:     # (in the int8 products' epilogue)
+        gate = ops.linear(xp, h, blk["w_in"], out=ws.ff, relu=True)       # (B, T, F)
+    else:
+        hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                # (B, T, F | 2F)
+        gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated, ws.act)  # (B, T, F)
     if ws.ffo is None:
         return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
     wide = ws.act[..., :cfg.d_ff]
@@ -282,12 +287,13 @@ def block(xp: Any, cfg: T5Config, blk: dict, i: int, x: Any, ws: PassScratch, at
     K/V when `cross` (decoder layers), then the feed-forward; each a pre-norm residual.
     `pending`: the previous layer's last output, not yet added to x (its add is fused with this
     layer's first norm). Returns this layer's last output, pending likewise."""
-    h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws)
+    h = residual_norm(xp, cfg, x, pending, blk["ln_self"], ws, into=blk["w_qkv"])
     out = self_attention(xp, cfg, blk, i, h, ws, attn)
     if cross:
-        h = residual_norm(xp, cfg, x, out, blk["ln_cross"], ws, half_stream=i == 0)
+        h = residual_norm(xp, cfg, x, out, blk["ln_cross"], ws, half_stream=i == 0,
+                          into=blk["w_cross_q"])
         out = cross_attention(xp, cfg, blk, i, h, ws, attn)
-    h = residual_norm(xp, cfg, x, out, blk["ln_ff"], ws, half_stream=i == 0)
+    h = residual_norm(xp, cfg, x, out, blk["ln_ff"], ws, half_stream=i == 0, into=blk["w_in"])
     return feed_forward(xp, cfg, blk, h, ws)
 
 
