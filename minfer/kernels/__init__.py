@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
@@ -128,15 +129,41 @@ def _compile_ahead(module: Any) -> None:
         path = [p or os.getcwd() for p in sys.path]
         code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
                 "from minfer.kernels import environment; environment.configure(); "
-                "from minfer.kernels import registry; registry.warm_up()")
+                "from minfer.kernels import registry; "
+                "registry.warm_up(int(sys.argv[2]), int(sys.argv[3]))")
+        parts = _compile_parts()
+        children: list[subprocess.Popen] = []
         try:
-            done = subprocess.run([sys.executable, "-c", code, json.dumps(path)],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=1800).returncode == 0
+            for part in range(parts):      # side by side: each compiles its share of the kernels
+                children.append(subprocess.Popen(
+                    [sys.executable, "-c", code, json.dumps(path), str(part), str(parts)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 1800
+            done = all(c.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+                       for c in children)
         except (OSError, subprocess.SubprocessError):
             done = False
+        finally:
+            for c in children:
+                if c.poll() is None:
+                    c.kill()
+                    c.wait()
         with contextlib.suppress(OSError):
             open(marker if done else failed, "w").close()
+
+
+COMPILE_PARTS = 4     # at most this many compiling children (each holds LLVM: ~200-300 MiB)
+
+
+def _compile_parts() -> int:
+    """Children to compile the kernels in: one per processor this process may run on, at most
+    COMPILE_PARTS (the compile of one kernel is single-threaded; a 2-core machine halves its
+    first run's wait)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(COMPILE_PARTS, cpus))
 
 
 def _kernel_stamp(module: Any) -> str:

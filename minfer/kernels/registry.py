@@ -99,38 +99,65 @@ BY_FORMAT.update({
 })
 
 
-def warm_up() -> None:
-    """Compile (or load from the cache) every kernel for the array types the models use."""
-    x, out = np.zeros((1, 4), np.float32), np.zeros((1, 2), np.float32)
-    matmul_f32(x, np.zeros((2, 4), np.float32), out)
-    matmul_f16(x, np.zeros((2, 4), np.uint16), out)
-    matmul_bf16(x, np.zeros((2, 4), np.uint16), out)
-    matmul_i8(x, np.zeros((2, 4), np.int8), np.ones(2, np.float32), out)
-    add_rms_norm(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32),
-                 np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
-    relu(np.ones((1, 4), np.float32), 2, True)
+# -- warm-up: the first calls, in parts a first run compiles side by side (kernels._compile_ahead) ----
+_X, _OUT = np.zeros((1, 4), np.float32), np.zeros((1, 2), np.float32)
+_X64, _OUT64 = np.zeros((1, 64), np.float32), np.zeros((1, 2), np.float32)   # (a 64-column block)
+_NIBBLES, _SCALES = np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32)
+
+
+def _work() -> np.ndarray:
+    return np.empty(4096, np.uint8)
+
+
+def _float_products() -> None:
+    matmul_f32(_X, np.zeros((2, 4), np.float32), _OUT)
+    matmul_f16(_X, np.zeros((2, 4), np.uint16), _OUT)
+    matmul_bf16(_X, np.zeros((2, 4), np.uint16), _OUT)
+    matmul_i8(_X, np.zeros((2, 4), np.int8), np.ones(2, np.float32), _OUT)
+    matmul_i4(_X64, _NIBBLES, _SCALES, _OUT64)
+    matmul_i8g(_X64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), _OUT64)
+    matmul_i4g(_X64, _NIBBLES, np.zeros((2, 2, 2), np.float32), _OUT64)
+    for fp8 in ("float8_e4m3", "float8_e5m2"):
+        BY_FORMAT[fp8].product(_X, np.zeros((2, 4), np.uint8), np.ones(2, np.float32), _OUT)
+
+
+def _widenings() -> None:
     for widen in (widen_f16, widen_bf16):
         widen(np.zeros((1, 4), np.uint16), np.empty((1, 4), np.float32))
     widen_i8(np.zeros((1, 4), np.int8), np.empty((1, 4), np.float32))
     for fp8 in ("float8_e4m3", "float8_e5m2"):
-        BY_FORMAT[fp8].product(x, np.zeros((2, 4), np.uint8), np.ones(2, np.float32), out)
         BY_FORMAT[fp8].widen(np.zeros((1, 4), np.uint8), np.empty((1, 4), np.float32))
-    x64, out64 = np.zeros((1, 64), np.float32), np.zeros((1, 2), np.float32)  # (a 64-column block)
-    nibbles, scales = np.zeros((2, 32), np.uint8), np.ones((2, 1), np.float32)
-    matmul_i4(x64, nibbles, scales, out64)
-    widen_i4(nibbles, np.empty((2, 64), np.float32))
-    work = np.empty(4096, np.uint8)
-    matmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64)
-    matmul_i4g(x64, nibbles, np.zeros((2, 2, 2), np.float32), out64)
-    widen_i4g(nibbles, np.empty((2, 64), np.float32))
-    qmatmul_i8(x64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), out64, work)
+    widen_i4(_NIBBLES, np.empty((2, 64), np.float32))
+    widen_i4g(_NIBBLES, np.empty((2, 64), np.float32))
+
+
+def _int8_products() -> None:
+    qmatmul_i8(_X64, np.zeros((2, 64), np.int8), np.ones(2, np.float32), _OUT64, _work())
     add_rms_norm_quantised(np.ones((1, 64), np.float32), np.ones((1, 64), np.float32),
-                           np.ones(64, np.float32), 1e-6, work, 1)
-    qmatmul_i4(x64, nibbles, scales, out64, work)
-    qmatmul_i8g(x64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), out64, work)
-    bmatmul_bf16(x64, np.zeros((2, 64), np.uint16), out64, work)
+                           np.ones(64, np.float32), 1e-6, _work(), 1)
+
+
+def _int4_products() -> None:
+    qmatmul_i4(_X64, _NIBBLES, _SCALES, _OUT64, _work())
+
+
+def _grouped_products() -> None:
+    qmatmul_i8g(_X64, np.zeros((2, 64), np.int8), np.zeros((2, 2, 2), np.float32), _OUT64, _work())
+
+
+def _bfloat16_products() -> None:
+    bmatmul_bf16(_X64, np.zeros((2, 64), np.uint16), _OUT64, _work())
+
+
+def _fp8_products() -> None:
     for fp8 in (bmatmul_e4m3, bmatmul_e5m2):
-        fp8(x64, np.zeros((2, 64), np.uint8), np.ones(2, np.float32), out64, work)
+        fp8(_X64, np.zeros((2, 64), np.uint8), np.ones(2, np.float32), _OUT64, _work())
+
+
+def _steps() -> None:
+    add_rms_norm(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32),
+                 np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
+    relu(np.ones((1, 4), np.float32), 2, True)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
     cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
     q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)
@@ -140,12 +167,40 @@ def warm_up() -> None:
         for bias in biases:
             attend(q, cache[0], cache[0], 2, bias, ctx)
     gather_rows(cache, np.zeros(1, np.int64), 1)
+
+
+def _pass_attention() -> None:
     softmax_distance_bias(np.zeros((1, 2, 2, 2), np.float32), np.zeros((2, 3), np.float32), 0,
                           np.zeros((1, 2), np.float32))
     qkv = np.zeros((1, 2, 3, 1, 4), np.float32)
     work = np.zeros(attention_layout.AttentionShape(1, 1, 2, 2, 4, max_threads()).nbytes(), np.uint8)
     attend_bf16(qkv, np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32),
                 np.empty((1, 2, 1, 4), np.float32), work)
+
+
+# Each warm-up with its compile seconds (one core, a cold cache, AMD EPYC Zen 4, 2026-11-28:
+# benchmarks/README.md "A first run's compile, in parts"): `shares` deals them to the compiling
+# children, heaviest first to the least loaded, so that each child's share takes about as long.
+WARM_UPS = ((46.4, _pass_attention), (35.5, _float_products), (24.5, _int8_products),
+            (18.4, _fp8_products), (16.4, _int4_products), (15.0, _grouped_products),
+            (12.0, _steps), (9.5, _bfloat16_products), (2.2, _widenings))
+
+
+def shares(parts: int) -> list[list]:
+    """WARM_UPS' calls in `parts` lists of about equal compile time."""
+    loads, dealt = [0.0] * parts, [[] for _ in range(parts)]
+    for seconds, call in sorted(WARM_UPS, key=lambda entry: -entry[0]):
+        least = loads.index(min(loads))
+        loads[least] += seconds
+        dealt[least].append(call)
+    return dealt
+
+
+def warm_up(part: int = 0, parts: int = 1) -> None:
+    """Compile (or load from the cache) the kernels for the array types the models use: all of
+    them, or share `part` of `parts` (`shares`: a first run compiles them side by side)."""
+    for call in shares(parts)[part]:
+        call()
 
 
 def set_threads(n: int) -> None:
