@@ -160,34 +160,42 @@ class PackedWeight:
             if self._rounds_compiled():
                 return self._rounded_product(x, out, relu)
             x = self.rounding(xp, x)      # the same rounding, multiplied in float32 below
-        self._product(xp, x, out, fast)
-        if relu:
+        if not self._product(xp, x, out, fast, relu) and relu:
             xp.maximum(out, 0, out=out)
         return out
 
-    def _product(self, xp: Any, x: Any, out: Any, fast: bool) -> None:
-        """out = x @ self.T in float32: the small-M kernels, or blocks widened for BLAS."""
+    def _product(self, xp: Any, x: Any, out: Any, fast: bool, relu: bool = False) -> bool:
+        """out = x @ self.T in float32: the small-M kernels, or blocks widened for BLAS. Returns
+        whether it took the ReLU too (`relu`: the parts over the threads floor their own
+        columns as they finish them)."""
         if fast and takes_kernel(x.shape[0], self.shape[1]):
             x = x if x.flags.c_contiguous else np.ascontiguousarray(x)
             if self.scale is None:
                 self.kernel(x, self.bits, out)
             else:
                 self.kernel(x, self.bits, self.scale, out)
-            return
+            return False
         N = self.shape[0]
         if not fast:   # NumPy mode or CUDA: one pass of blocks; BLAS has its threads
             # (BLAS only from the pool's threads: kernels.split's `blas`)
             kernels.on_pool(lambda: xp.matmul(x, self.stored.T, out=out) if self.plain else
                             self._widened_product(xp, x, out, 0, N, self.scratch), xp)
-            return
+            return False
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
+
+        def floor(a: int, b: int) -> None:
+            if relu:
+                np.maximum(out[:, a:b], 0, out=out[:, a:b])
+
         if self.plain:   # BLAS at one thread per part of the output columns
-            kernels.split(N, lambda i, a, b: xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
-                          count, blas=True)
-            return
+            kernels.split(N, lambda i, a, b: (xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
+                                              floor(a, b)), count, blas=True)
+            return True
         size = self.scratch.size // count
-        kernels.split(N, lambda i, a, b: self._widened_product(
-            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), count, blas=True)
+        kernels.split(N, lambda i, a, b: (self._widened_product(
+            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), floor(a, b)), count,
+            blas=True)
+        return True
 
     def _work_bytes(self) -> Any:
         if self._work is None:

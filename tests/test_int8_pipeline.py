@@ -173,3 +173,22 @@ def test_a_short_scratch_keeps_the_float_norm():
     float32 = products.wrap(FORMATS["int8"], "w", {"w": q, "w_scale": scale}, np.float32, small,
                             k)
     assert float32.norm_work(8) is None              # float32 compute: nothing to quantise
+
+
+@pytest.mark.parametrize("fmt,compute", [("float32", "float32"), ("int8", "float32"),
+                                         ("bfloat16", "bfloat16"), ("int8", "int8")])
+@pytest.mark.parametrize("M", [3, 300])              # the small-M kernels; BLAS parts or panels
+def test_relu_with_the_product_is_relu_after_it_on_every_path(fmt, compute, M):
+    """`matmul(relu=True)` floors the outputs where the product runs: in the int8 epilogue, in
+    each thread's part of the output columns after BLAS, or after a small product."""
+    f = FORMATS[fmt]
+    stored = f.encode("w", rng.standard_normal((150, 128)).astype(np.float32))
+    work = np.empty(1 << 21, np.float32)
+    w = products.wrap(f, "w", stored, np.float32, work, k, compute=compute)
+    assert isinstance(w, products.PackedWeight)
+    x = rng.standard_normal((M, 128)).astype(np.float32)
+    plain, floored = (np.full((M, 150), np.nan, np.float32) for _ in range(2))
+    w.matmul(np, x, plain)
+    w.matmul(np, x, floored, relu=True)
+    assert (plain < 0).any()
+    np.testing.assert_array_equal(floored, np.maximum(plain, 0))
