@@ -1,6 +1,7 @@
 """The compiled CPU kernels (minfer/kernels/) against plain NumPy, at the edges of
 their blocking: rows that are not a multiple of the blocks, 1..17 input rows, every format."""
 import json
+import os
 import time
 
 import numpy as np
@@ -572,3 +573,22 @@ def test_distance_attention_equals_attention_with_the_bias_matrix(H, monkeypatch
         stats = (np.empty((B, H, T, 1), np.float32), np.empty((B, H, T, 1), np.float32))
         ops.distance_attention(np, q, kk, v, distance, scores, got, stats)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_runs_compile_is_dealt_to_children_once_each(monkeypatch):
+    """Every warm-up goes to exactly one compiling child, whatever their number; as many
+    children as processors, at most COMPILE_PARTS, fewer where free memory holds fewer."""
+    from minfer.kernels import registry
+    calls = [call for _, call in registry.WARM_UPS]
+    for parts in range(1, 6):
+        dealt = registry.shares(parts)
+        assert len(dealt) == parts and sorted(map(id, sum(dealt, []))) == sorted(map(id, calls))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for free, want in ((64 << 30, kernels.COMPILE_PARTS), (2 * kernels.COMPILE_CHILD_BYTES, 2),
+                       (kernels.COMPILE_CHILD_BYTES // 2, 1)):
+        monkeypatch.setattr(os, "sysconf", lambda name, free=free: free // page
+                            if name == "SC_AVPHYS_PAGES" else page)
+        assert kernels._compile_parts() == want
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert kernels._compile_parts() == 1

@@ -152,18 +152,23 @@ def _compile_ahead(module: Any) -> None:
             open(marker if done else failed, "w").close()
 
 
-COMPILE_PARTS = 4     # at most this many compiling children (each holds LLVM: ~200-300 MiB)
+COMPILE_PARTS = 4              # at most this many compiling children
+COMPILE_CHILD_BYTES = 640 << 20   # what one compiling child may hold at its peak (LLVM)
 
 
 def _compile_parts() -> int:
-    """Children to compile the kernels in: one per processor this process may run on, at most
-    COMPILE_PARTS (the compile of one kernel is single-threaded; a 2-core machine halves its
-    first run's wait)."""
+    """Children to compile the kernels in: one per processor this process may run on (the
+    compile of one kernel is single-threaded: a 2-core machine halves its first run's wait), at
+    most COMPILE_PARTS and no more than the memory free now holds."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    return max(1, min(COMPILE_PARTS, cpus))
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        free = COMPILE_CHILD_BYTES
+    return max(1, min(COMPILE_PARTS, cpus, free // COMPILE_CHILD_BYTES))
 
 
 def _kernel_stamp(module: Any) -> str:
