@@ -46,6 +46,10 @@ MIN_PART_COLUMNS = 64           # a large product is split over the threads in p
                                 # this many output columns (kernels.split)
 
 
+# the floors the int8 products' epilogue takes (float32: the compiled entries' one signature)
+RELU_FLOOR, NO_FLOOR = np.float32(0.0), np.float32(-np.inf)
+
+
 def quantise_rows(xp: Any, x: Any) -> Any:
     """x (M, K) with each row rounded to int8 steps of its own, absmax / 127 (to nearest even):
     what `compute="int8"` multiplies, for the products the integer kernels do not take. A row
@@ -129,6 +133,7 @@ class PackedWeight:
         self.floors = floors and rounded_kernel is not None
         self.ready_rows = ready_rows and rounded_kernel is not None
         self._work = None                 # the scratch as bytes (the rounded products' inputs)
+        self._steps: dict[int, int] = {}  # rows rounded at a time, by M (decoding's few M)
         self.groups = 1 if scale is None or scale.ndim == 1 else scale.shape[1]
 
     def _rounds_compiled(self) -> bool:
@@ -146,8 +151,22 @@ class PackedWeight:
         scratch holds at once (the product then takes them in parts, quantising each)."""
         if not (self.ready_rows and self._rounds_compiled()):
             return None
-        work = self._work_bytes()
-        return work if self.work_bytes(M, self.shape[1], self.groups) <= work.size else None
+        return self._work_bytes() if self._rows_at_once(M) == M else None
+
+    def _rows_at_once(self, M: int) -> int:
+        """How many of M input rows the scratch holds rounded at once: all, or parts of whole
+        4-row tiles. Remembered for the small M of decoding steps (asked ~100 times a step)."""
+        step = self._steps.get(M)
+        if step is not None:
+            return step
+        step, size = M, self._work_bytes().size
+        while step > 1 and self.work_bytes(step, self.shape[1], self.groups) > size:
+            step = (step + 1) // 2
+        if 4 < step < M:
+            step -= step % 4
+        if M <= KERNEL_MAX_ROWS:
+            self._steps[M] = step
+        return step
 
     def matmul(self, xp: Any, x: Any, out: Any, relu: bool = False, ready: bool = False) -> Any:
         """x (M, K) @ self.T -> out (M, N), float; with `relu`, max(that, 0) (in the int8
@@ -208,15 +227,11 @@ class PackedWeight:
         all of x's rows are there already, quantised."""
         x = x if x.flags.c_contiguous or ready else np.ascontiguousarray(x)
         work = self._work_bytes()
-        M, K = x.shape
-        step = M
-        while step > 1 and self.work_bytes(step, K, self.groups) > work.size:
-            step = (step + 1) // 2
-        if 4 < step < M:                               # parts of whole 4-row tiles
-            step -= step % 4
+        M = x.shape[0]
+        step = self._rows_at_once(M)
         if ready and step < M:
             raise AssertionError("quantised rows handed to a product whose scratch is short")
-        extra = (((0.0 if relu else -np.inf),) if self.floors else ()) + \
+        extra = ((RELU_FLOOR if relu else NO_FLOOR,) if self.floors else ()) + \
             ((ready,) if self.ready_rows else ())
         for a in range(0, M, step):
             b = min(M, a + step)

@@ -135,9 +135,15 @@ def slots(tree):
 def unfused(model, monkeypatch):
     """The model's int8 products without the pipeline: every norm writes float rows, the ReLU
     runs after the product."""
+    from minfer import ops
     monkeypatch.setattr(products.PackedWeight, "norm_work", lambda self, M: None)
-    for w in slots(model.params):
-        monkeypatch.setattr(w, "floors", False)
+    linear = ops.linear
+
+    def product_then_relu(xp, x, w, out=None, relu=False):
+        out = linear(xp, x, w, out)
+        return np.maximum(out, 0, out=out) if relu else out
+    monkeypatch.setattr(ops, "linear", product_then_relu)
+    assert any(w.floors for w in slots(model.params))
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

@@ -363,13 +363,23 @@ def add_rms_norm_quantised(x, delta, weight, eps, work, groups):
     xq, sums, sx = _carve(work, M, K, groups)
     G = K // groups
     add = delta.shape[0] == M
-    tasks = min(M, 4 * _iget_num_threads()) if M * K >= QUANTISE_PARALLEL else 1
+    if M * K < QUANTISE_PARALLEL:             # a decoding step's rows: no parallel region
+        _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, 0, M)
+        return
+    tasks = min(M, 4 * _iget_num_threads())
     for t in prange(tasks):
-        h = np.empty(K, np.float32)           # one normed row, in L1 (per task)
-        for m in range(t * M // tasks, (t + 1) * M // tasks):
-            norm_row(x, delta, add, weight, eps, m, h)
-            base, _, ss, tb, _ = _place(M, K, m)
-            sx[m] = _quantise_row(h, xq, base, ss, tb, sums[m], G)
+        _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, t * M // tasks,
+                            (t + 1) * M // tasks)
+
+
+@njit(inline="always")
+def _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, m0, m1):
+    M, K = x.shape
+    h = np.empty(K, np.float32)               # one normed row, in L1
+    for m in range(m0, m1):
+        norm_row(x, delta, add, weight, eps, m, h)
+        base, _, ss, tb, _ = _place(M, K, m)
+        sx[m] = _quantise_row(h, xq, base, ss, tb, sums[m], G)
 
 
 @njit(inline="always")

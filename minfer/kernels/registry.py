@@ -23,9 +23,9 @@ from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, 
                              matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
 from .pass_attention import attend_bf16
 from .pass_softmax import softmax_distance_bias
-from .quantised_products import (add_rms_norm_quantised, grouped_work_bytes, qmatmul_i4,
-                                 qmatmul_i4_fallback, qmatmul_i8, qmatmul_i8_fallback, qmatmul_i8g,
-                                 qmatmul_i8g_fallback)
+from .quantised_products import (_qmatmul_i4, _qmatmul_i8, _qmatmul_i8g, add_rms_norm_quantised,
+                                 grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
+                                 qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
 from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
 from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
                        widen_i8)
@@ -74,14 +74,16 @@ BY_FORMAT: dict[str, FormatKernels] = {
     "float16": FormatKernels(matmul_f16, widen_f16),
     "bfloat16": FormatKernels(matmul_bf16, widen_bf16,
                               {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
-    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (qmatmul_i8, _int8_work)}, True, True),
-    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (qmatmul_i4, _int8_work)}, True, True),
+    # (the compiled entries themselves, which take `low` float32 and `ready` always: a Python
+    # wrapper's defaults cost a decoding step's ~70 products a few microseconds each)
+    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (_qmatmul_i8, _int8_work)}, True, True),
+    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (_qmatmul_i4, _int8_work)}, True, True),
     # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); with
     # compute="int8" the blocks' q times the quantised inputs, per group (compute="bfloat16"
     # refuses these formats: q x scale + offset is no bfloat16)
-    "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)},
+    "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (_qmatmul_i8g, grouped_work_bytes)},
                              True),
-    "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (qmatmul_i8g, grouped_work_bytes)},
+    "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (_qmatmul_i8g, grouped_work_bytes)},
                              True),
     # GGUF's 4-bit blocks: the unsigned codes widened, then scaled and offset as the above
     # (float32 products only)
