@@ -46,10 +46,6 @@ MIN_PART_COLUMNS = 64           # a large product is split over the threads in p
                                 # this many output columns (kernels.split)
 
 
-# the floors the int8 products' epilogue takes (float32: the compiled entries' one signature)
-RELU_FLOOR, NO_FLOOR = np.float32(0.0), np.float32(-np.inf)
-
-
 def quantise_rows(xp: Any, x: Any) -> Any:
     """x (M, K) with each row rounded to int8 steps of its own, absmax / 127 (to nearest even):
     what `compute="int8"` multiplies, for the products the integer kernels do not take. A row
@@ -231,7 +227,7 @@ class PackedWeight:
         step = self._rows_at_once(M)
         if ready and step < M:
             raise AssertionError("quantised rows handed to a product whose scratch is short")
-        extra = ((RELU_FLOOR if relu else NO_FLOOR,) if self.floors else ()) + \
+        extra = ((kernels.RELU_FLOOR if relu else kernels.NO_FLOOR,) if self.floors else ()) + \
             ((ready,) if self.ready_rows else ())
         for a in range(0, M, step):
             b = min(M, a + step)

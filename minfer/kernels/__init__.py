@@ -386,6 +386,11 @@ def max_threads() -> int:
     return k.max_threads() if k is not None else 0
 
 
+# The floors the int8 products' epilogue takes (`low`; float32, the compiled entries' one
+# signature): the FF's ReLU, or none.
+RELU_FLOOR, NO_FLOOR = np.float32(0.0), np.float32(-np.inf)
+
+
 def quantised_bytes(M: int, K: int, groups: int) -> int:
     """Bytes of scratch an int8 x int8 product of M input rows of K columns quantises them into
     (`quantised_products`' layout: the int8 rows, grouped by 4 and interleaved, their int32 sums

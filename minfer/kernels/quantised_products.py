@@ -11,7 +11,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 from numba.np.ufunc.parallel import _iget_num_threads
 
-from . import tiles
+from . import NO_FLOOR, tiles
 from .float_products import matmul_i8g
 from .step_ops import norm_row
 from .widening import I8
@@ -572,9 +572,6 @@ def _qmatmul_grouped(x, w, params, out, work, best, low):
 # (`add_rms_norm_quantised`: the norm in front of the product wrote them, not float rows; x then
 # gives only the shape). The compiled entries take both always (one build each); the Python
 # names default them.
-NO_FLOOR = np.float32(-np.inf)
-
-
 @njit(cache=True)
 def _qmatmul_i8g(x, w, params, out, work, low):
     _qmatmul_grouped(x, w, params, out, work, True, low)
