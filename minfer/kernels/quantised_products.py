@@ -59,6 +59,7 @@ _panel = tiles.make_panel_tile({True: tiles.ISA, False: tiles.FALLBACK})
 _panel4 = tiles.make_panel4_tile({True: tiles.ISA, False: tiles.FALLBACK})
 _panel_g = tiles.make_panel_grouped_tile({True: tiles.ISA, False: tiles.FALLBACK})
 PANEL = tiles.PANEL
+TILES = PANEL // 16                     # a panel's vectors of 16 weight rows: always whole
 PANEL_MIN_ROWS = 256                    # input rows from which the products take the panels
                                         # (below, repacking the weights costs what it saves)
 
@@ -242,17 +243,10 @@ def _pack(w, n0, nb, width, flip, words):
 
 
 @njit(inline="always")
-def _panel_row(P, C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low):
+def _panel_row(C, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low):
     base, rs, ss, _, _ = _place(M, K, m)
     n = K // STEP
-    if P == 4:
-        _panel(4, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
-    elif P == 3:
-        _panel(3, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
-    elif P == 2:
-        _panel(2, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
-    else:
-        _panel(1, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
+    _panel(TILES, C, best, pw, xq, base, rs, ss, n, sums, m, sx, scale, n0, nb, out, off, low)
 
 
 def _scale_at(scale, n, g):
@@ -295,16 +289,9 @@ def _pack4(w, scale, groups, n0, nb, width, words, ps):
 
 
 @njit(inline="always")
-def _panel4_row(P, C, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low):
+def _panel4_row(C, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low):
     base, rs, ss, _, _ = _place(M, K, m)
-    if P == 4:
-        _panel4(4, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
-    elif P == 3:
-        _panel4(3, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
-    elif P == 2:
-        _panel4(2, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
-    else:
-        _panel4(1, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
+    _panel4(TILES, C, best, pw, xq, base, rs, ss, groups, per, sums, m, sx, ps, n0, nb, out, low)
 
 
 @njit(inline="always")
@@ -316,16 +303,15 @@ def _panels4(w, scale, groups, out, xq, sums, sx, M, K, best, low):
     for b in prange((N + PANEL - 1) // PANEL):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
-        P = (nb + 15) // 16
-        pw = tiles.aligned_bytes(K * P * 16)
-        ps = np.empty(groups * P * 16, np.float32)
-        _pack4(w, scale, groups, n0, nb, P * 16, pw.view(np.uint32), ps)
+        pw = tiles.aligned_bytes(K * PANEL)   # (a partial panel: zero rows past nb)
+        ps = np.empty(groups * PANEL, np.float32)
+        _pack4(w, scale, groups, n0, nb, PANEL, pw.view(np.uint32), ps)
         m = 0
         while m + 4 <= M:
-            _panel4_row(P, 4, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
+            _panel4_row(4, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
             m += 4
         while m < M:
-            _panel4_row(P, 1, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
+            _panel4_row(1, best, pw, xq, M, K, m, groups, per, sums, sx, ps, n0, nb, out, low)
             m += 1
 
 
@@ -334,21 +320,23 @@ def _panels(w, scale, out, xq, sums, sx, M, K, best, off, low):
     """out (int8 weights, K a multiple of STEP) by panels of PANEL weight rows, one per parallel
     task: the panel repacked (`_pack`, into a buffer of the task's own, 64-byte aligned), then
     every 4 input rows of a group take it whole (4 x 16 accumulators: 16 vpdpbusd per 4 loads of
-    weights and 4 broadcasts), the last M % 4 rows one at a time."""
+    weights and 4 broadcasts), the last M % 4 rows one at a time. The last panel of N % PANEL
+    rows is packed whole, zero rows past nb, and runs the same tile (its stores masked): one
+    build of the tile, not one per width (a cold compile of the int8, int4 and grouped
+    products 55.6 -> 44-49 s, benchmarks/README.md)."""
     N = w.shape[0]
     flip = np.uint32(0x80808080) if off else np.uint32(0)
     for b in prange((N + PANEL - 1) // PANEL):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
-        P = (nb + 15) // 16
-        pw = tiles.aligned_bytes(K * P * 16)
-        _pack(w, n0, nb, P * 16, flip, pw.view(np.uint32))
+        pw = tiles.aligned_bytes(K * PANEL)   # (a partial panel: zero rows past nb)
+        _pack(w, n0, nb, PANEL, flip, pw.view(np.uint32))
         m = 0
         while m + 4 <= M:
-            _panel_row(P, 4, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
+            _panel_row(4, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
             m += 4
         while m < M:
-            _panel_row(P, 1, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
+            _panel_row(1, best, pw, xq, M, K, m, sums, sx, scale, n0, nb, out, off, low)
             m += 1
 
 
@@ -467,20 +455,10 @@ def _pack_grouped(w, params, n0, nb, width, flip, words, ps):
 
 
 @njit(inline="always")
-def _grouped_row(P, C, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off, low):
+def _grouped_row(C, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off, low):
     base, rs, ss, _, _ = _place(M, K, m)
-    if P == 4:
-        _panel_g(4, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
-                 low)
-    elif P == 3:
-        _panel_g(3, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
-                 low)
-    elif P == 2:
-        _panel_g(2, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
-                 low)
-    else:
-        _panel_g(1, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
-                 low)
+    _panel_g(TILES, C, Q, best, pw, xq, base, rs, ss, groups, sums, m, sx, ps, n0, nb, out, off,
+             low)
 
 
 @njit(inline="always")
@@ -492,17 +470,16 @@ def _grouped_panels(w, params, out, xq, sums, sx, M, K, Q, best, off, low):
     for b in prange((N + PANEL - 1) // PANEL):
         n0 = b * PANEL
         nb = min(N, n0 + PANEL) - n0
-        P = (nb + 15) // 16
-        pw = tiles.aligned_bytes(K * P * 16)
-        ps = np.empty(2 * groups * P * 16, np.float32)
-        _pack_grouped(w, params, n0, nb, P * 16, flip, pw.view(np.uint32), ps)
+        pw = tiles.aligned_bytes(K * PANEL)   # (a partial panel: zero rows past nb)
+        ps = np.empty(2 * groups * PANEL, np.float32)
+        _pack_grouped(w, params, n0, nb, PANEL, flip, pw.view(np.uint32), ps)
         m = 0
         while m + 4 <= M:
-            _grouped_row(P, 4, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
+            _grouped_row(4, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
                          low)
             m += 4
         while m < M:
-            _grouped_row(P, 1, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
+            _grouped_row(1, Q, best, pw, xq, M, K, m, groups, sums, sx, ps, n0, nb, out, off,
                          low)
             m += 1
 

@@ -183,8 +183,8 @@ def _pass_attention() -> None:
 # Each warm-up with its compile seconds (one core, a cold cache, AMD EPYC Zen 4, 2026-11-28:
 # benchmarks/README.md "A first run's compile, in parts"): `shares` deals them to the compiling
 # children, heaviest first to the least loaded, so that each child's share takes about as long.
-WARM_UPS = ((46.4, _pass_attention), (35.5, _float_products), (24.5, _int8_products),
-            (18.4, _fp8_products), (16.4, _int4_products), (15.0, _grouped_products),
+WARM_UPS = ((46.4, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
+            (18.4, _fp8_products), (11.1, _int4_products), (11.4, _grouped_products),
             (12.0, _steps), (9.5, _bfloat16_products), (2.2, _widenings))
 
 
