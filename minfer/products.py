@@ -197,19 +197,17 @@ class PackedWeight:
                             self._widened_product(xp, x, out, 0, N, self.scratch), xp)
             return False
         count = kernels.parts(N, MIN_PART_COLUMNS)   # each part widens into its own scratch
+        size = 0 if self.plain else self.scratch.size // count
 
-        def floor(a: int, b: int) -> None:
+        def part(i: int, a: int, b: int) -> None:     # output columns a:b on one thread
+            if self.plain:   # BLAS at one thread per part
+                xp.matmul(x, self.stored[a:b].T, out=out[:, a:b])
+            else:
+                self._widened_product(xp, x, out, a, b, self.scratch[i * size:(i + 1) * size])
             if relu:
                 np.maximum(out[:, a:b], 0, out=out[:, a:b])
 
-        if self.plain:   # BLAS at one thread per part of the output columns
-            kernels.split(N, lambda i, a, b: (xp.matmul(x, self.stored[a:b].T, out=out[:, a:b]),
-                                              floor(a, b)), count, blas=True)
-            return True
-        size = self.scratch.size // count
-        kernels.split(N, lambda i, a, b: (self._widened_product(
-            xp, x, out, a, b, self.scratch[i * size:(i + 1) * size]), floor(a, b)), count,
-            blas=True)
+        kernels.split(N, part, count, blas=True)
         return True
 
     def _work_bytes(self) -> Any:
