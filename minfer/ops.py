@@ -27,13 +27,11 @@ from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
 from .kernels.attention_layout import AttentionShape
-from .products import PackedWeight, QuantisedRows, round_to_bfloat16
+from .products import MIN_PART_ROWS, PackedWeight, QuantisedRows, round_to_bfloat16
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
 LSE_CHUNK_BYTES = 1 << 18          # rows handled together by logsumexp_ (about L2-sized)
-MIN_PART_ROWS = 64                 # elementwise work is split over the threads in parts of at
-                                   # least this many rows (fewer: the hand-off costs more)
 
 
 def compiled(xp: Any, x: Any) -> Any:

@@ -44,6 +44,9 @@ KERNEL_MIN_INNER = 64           # ... and an inner dimension of at least this: w
                                 # softmax's tail clusters, K = 8 or 32: slower than BLAS)
 MIN_PART_COLUMNS = 64           # a large product is split over the threads in parts of at least
                                 # this many output columns (kernels.split)
+MIN_PART_ROWS = 64              # elementwise work (a ReLU after a product, ops' activations)
+                                # is split over the threads in parts of at least this many rows
+                                # (fewer: the hand-off costs more)
 
 
 def quantise_rows(xp: Any, x: Any) -> Any:
@@ -233,8 +236,9 @@ class PackedWeight:
                 self.rounded_kernel(x[a:b], self.bits, out[a:b], work, *extra)
             else:
                 self.rounded_kernel(x[a:b], self.bits, self.scale, out[a:b], work, *extra)
-        if relu and not self.floors:
-            np.maximum(out, 0, out=out)
+        if relu and not self.floors:    # (bfloat16's products: the ReLU after, rows over the threads)
+            kernels.split(M, lambda i, a, b: np.maximum(out[a:b], 0, out=out[a:b]),
+                          kernels.parts(M, MIN_PART_ROWS))
         return out
 
     def _widened_product(self, xp: Any, x: Any, out: Any, start: int, stop: int,
