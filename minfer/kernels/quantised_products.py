@@ -340,6 +340,16 @@ def _panels(w, scale, out, xq, sums, sx, M, K, best, off, low):
             m += 1
 
 
+@njit(inline="always")
+def _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, m0, m1):
+    M, K = x.shape
+    h = np.empty(K, np.float32)               # one normed row, in L1
+    for m in range(m0, m1):
+        norm_row(x, delta, add, weight, eps, m, h)
+        base, _, ss, tb, _ = _place(M, K, m)
+        sx[m] = _quantise_row(h, xq, base, ss, tb, sums[m], G)
+
+
 @njit(parallel=True, cache=True)
 def add_rms_norm_quantised(x, delta, weight, eps, work, groups):
     """x (M, K) += delta (skipped when delta has no rows), then each row's RMS norm
@@ -358,16 +368,6 @@ def add_rms_norm_quantised(x, delta, weight, eps, work, groups):
     for t in prange(tasks):
         _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, t * M // tasks,
                             (t + 1) * M // tasks)
-
-
-@njit(inline="always")
-def _norm_quantise_rows(x, delta, add, weight, eps, xq, sums, sx, G, m0, m1):
-    M, K = x.shape
-    h = np.empty(K, np.float32)               # one normed row, in L1
-    for m in range(m0, m1):
-        norm_row(x, delta, add, weight, eps, m, h)
-        base, _, ss, tb, _ = _place(M, K, m)
-        sx[m] = _quantise_row(h, xq, base, ss, tb, sums[m], G)
 
 
 @njit(inline="always")

@@ -76,15 +76,17 @@ BY_FORMAT: dict[str, FormatKernels] = {
                               {"bfloat16": (bmatmul_bf16, _bfloat16_work)}),
     # (the compiled entries themselves, which take `low` float32 and `ready` always: a Python
     # wrapper's defaults cost a decoding step's ~70 products a few microseconds each)
-    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (_qmatmul_i8, _int8_work)}, True, True),
-    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (_qmatmul_i4, _int8_work)}, True, True),
+    "int8": FormatKernels(matmul_i8, widen_i8, {"int8": (_qmatmul_i8, _int8_work)},
+                          floors=True, ready_rows=True),
+    "int4": FormatKernels(matmul_i4, widen_i4, {"int8": (_qmatmul_i4, _int8_work)},
+                          floors=True, ready_rows=True),
     # GGUF's blocks: q widened as int8's, then scaled and offset (formats.apply_scale); with
     # compute="int8" the blocks' q times the quantised inputs, per group (compute="bfloat16"
     # refuses these formats: q x scale + offset is no bfloat16)
     "int8g32": FormatKernels(matmul_i8g, widen_i8, {"int8": (_qmatmul_i8g, grouped_work_bytes)},
-                             True),
+                             floors=True),
     "int8g16": FormatKernels(matmul_i8g, widen_i8, {"int8": (_qmatmul_i8g, grouped_work_bytes)},
-                             True),
+                             floors=True),
     # GGUF's 4-bit blocks: the unsigned codes widened, then scaled and offset as the above
     # (float32 products only)
     "int4g32": FormatKernels(matmul_i4g, widen_i4g),
