@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .widening import BF16, E4M3, E5M2, F16, F32, I8, unit_factor, widen_unit
 
@@ -30,6 +30,14 @@ BLOCK = 32                      # output rows per parallel task
 # loads per multiply-add. Where they cross was measured on a t5-small decoder step
 # (benchmarks/README.md, "Measurements behind constants in the code").
 STREAM_MAX_ROWS = 8
+# ... and only while those input rows stay in L1 beside the streaming weight row: four rows of
+# K = 3072 (the FF's output product) are 48 KiB, more than Zen 4's 32 KiB L1, and re-read from
+# L2 for every weight row they ran at ~0.6x the stream of K = 768. Past this many bytes of input
+# rows the 4 x 4 tiles take them: float32 weights sooner (the tiles read their rows as stored)
+# than the others (the tiles widen 4 rows into a copy first). Measured: benchmarks/README.md,
+# "Measurements behind constants in the code".
+STREAM_MAX_INPUT_BYTES = 16 << 10        # float32 weights
+STREAM_MAX_WIDENED_INPUT_BYTES = 32 << 10  # weights widened from another format
 NO_SCALE = np.ones(0, np.float32)
 
 
@@ -69,6 +77,38 @@ def _tile1x4(x0, r0, r1, r2, r3, K):
     return (a0, a1, a2, a3)
 
 
+@njit(inline="always")
+def _widen_rows(wb, i, nr, rf, fmt):
+    """Weight rows i .. i + nr - 1 of wb widened into rf (4, K), zeros past them (their results
+    are dropped)."""
+    K = rf.shape[1]
+    for j in range(nr):
+        row = wb[i + j]
+        dst = rf[j]
+        for k in range(K):
+            dst[k] = widen_unit(row[k], fmt)
+    for j in range(nr, 4):
+        rf[j, :] = 0.0
+    return rf[0], rf[1], rf[2], rf[3]
+
+
+def _four_rows(wb, i, nr, rf, fmt):
+    """The 4 float32 weight rows from row i of wb that a 4 x 4 tile takes: float32 rows as
+    stored when all 4 are there (typed per weight dtype: the stored rows are float32 arrays
+    only for float32 weights), else `_widen_rows`."""
+
+
+@overload(_four_rows, inline="always")
+def _four_rows_typed(wb, i, nr, rf, fmt):
+    if wb.dtype == types.float32:
+        def stored(wb, i, nr, rf, fmt):
+            if nr == 4:
+                return wb[i], wb[i + 1], wb[i + 2], wb[i + 3]
+            return _widen_rows(wb, i, nr, rf, fmt)
+        return stored
+    return lambda wb, i, nr, rf, fmt: _widen_rows(wb, i, nr, rf, fmt)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
 def _matmul(x, w, scale, out, fmt, scaled):
     M, K = x.shape
@@ -87,7 +127,9 @@ def _matmul(x, w, scale, out, fmt, scaled):
                     acc += x0[k] * widen_unit(row[k], fmt)
                 ob[0, i] = acc * (scale[n0 + i] * f) if scaled else acc
             continue
-        if M <= STREAM_MAX_ROWS:         # beams, small batches: each weight row read once
+        budget = STREAM_MAX_INPUT_BYTES if fmt == F32 else STREAM_MAX_WIDENED_INPUT_BYTES
+        if M <= STREAM_MAX_ROWS and M * K * 4 <= budget:
+            # beams, small batches: each weight row read once
             for i in range(n1 - n0):     # (widened in registers), dotted with every input row
                 row = wb[i]              # while it sits in L1; the inputs stay in L1 too
                 s = scale[n0 + i] * f if scaled else np.float32(1.0)
@@ -112,30 +154,25 @@ def _matmul(x, w, scale, out, fmt, scaled):
                     m += 1
             continue
         # more input rows: 4 weight rows at a time, widened once into float rows that stay in
-        # L1, each multiplied by every input row in 4x4 tiles (1x4 for the last M % 4 rows)
+        # L1, each multiplied by every input row in 4x4 tiles (1x4 for the last M % 4 rows);
+        # float32 weight rows are taken as they are stored (4 of them whole: no copy)
         rf = np.zeros((4, K), np.float32)
         for i in range(0, n1 - n0, 4):
             nr = min(4, n1 - n0 - i)
-            for j in range(nr):
-                row = wb[i + j]
-                dst = rf[j]
-                for k in range(K):
-                    dst[k] = widen_unit(row[k], fmt)
-            for j in range(nr, 4):       # past the last weight row: zeros, results dropped
-                rf[j, :] = 0.0
+            r0, r1, r2, r3 = _four_rows(wb, i, nr, rf, fmt)
             s = np.ones(4, np.float32)
             if scaled:
                 for j in range(nr):
                     s[j] = scale[n0 + i + j] * f
             m = 0
             while m + 4 <= M:
-                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], rf[0], rf[1], rf[2], rf[3], K)
+                t = _tile4x4(x[m], x[m + 1], x[m + 2], x[m + 3], r0, r1, r2, r3, K)
                 for a in range(4):
                     for j in range(nr):
                         ob[m + a, i + j] = t[a * 4 + j] * s[j]
                 m += 4
             while m < M:
-                t = _tile1x4(x[m], rf[0], rf[1], rf[2], rf[3], K)
+                t = _tile1x4(x[m], r0, r1, r2, r3, K)
                 for j in range(nr):
                     ob[m, i + j] = t[j] * s[j]
                 m += 1
