@@ -49,6 +49,19 @@ def rounds_attention(compute: str, dtype: Any) -> bool:
     attention (ROUNDED_ATTENTION, on the CPU's float32 activations)."""
     return compute in ROUNDED_ATTENTION and np.dtype(dtype) == np.float32
 
+
+def encoder_attention_kind(compute: str, dtype: Any, on_host: bool | None) -> str | None:
+    """Which compiled encoder attention a pass of this compute mode and activation dtype takes
+    where the kernels are selected (their scratch: kernels/attention_layout.py): "bfloat16"
+    (`rounds_attention`: CPU compute modes), "float32" (float32 compute in NumPy: `on_host`),
+    or None (the array ops: CUDA; and a plan that does not know where it runs, which then
+    keeps room for them)."""
+    if rounds_attention(compute, dtype):
+        return "bfloat16"
+    if on_host and compute == "float32" and np.dtype(dtype) == np.float32:
+        return "float32"
+    return None
+
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
 FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bfloat16" multiplies
                                                # their values (each a bfloat16) as they are

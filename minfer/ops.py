@@ -288,46 +288,61 @@ def toeplitz_view(xp: Any, table: Any, T: int) -> Any:
 def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scores: Any,
                        ctx: Any, stats: tuple[Any, Any] | None = None,
                        round_weights: bool = False) -> None:
-    """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance.
-    q, k, v (B, H, T|S, D); scores a (B, H, T, S) contiguous scratch; ctx (B, T, H, D).
+    """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance (H
+    rows of table), in array ops: what runs where the compiled encoder attention does not
+    (`float_distance_attention`, `rounded_distance_attention`). q, k, v (B, H, T|S, D);
+    scores a contiguous scratch; ctx (B, T, H, D).
 
-    With the compiled kernels each thread's heads take their products into their own contiguous
-    part of `scores`, then one compiled sweep per row adds the table's bias and the key mask and
-    takes the softmax (kernels/pass_softmax.py). Elsewhere the heads run in two rounds, the
-    second half of `scores` holding a round's bias built from the table (so the scratch is
-    (B, 2 * ceil(H / 2), T, S): `distance_scores`), then `attention`'s sweeps. `round_weights`
-    (that path only: `rounded_distance_attention` without the kernels): the softmax weights
-    rounded to bfloat16 before the value product."""
+    The (batch row, head) pairs run in rounds, a round's scores in the first half of `scores`
+    and its bias, built from the table, in the second: with `distance_scores` elements two
+    rounds of half the heads (what the array backends' scratch holds), with fewer as many
+    pairs as fit, at least one (T x S scores and bias: what `distance_scratch` adds to the
+    kernels' blocks, should they not run after all). `round_weights`: the softmax weights
+    rounded to bfloat16 before the value product (`rounded_distance_attention`)."""
     B, H, T, D = q.shape
     S = k.shape[2]
     ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
     flat = scores.reshape(-1)
-    kc = None if round_weights else compiled(xp, q)
-    if kc is not None:
-        def heads(h0: int, h1: int) -> None:
-            s = flat[B * h0 * T * S:B * h1 * T * S].reshape(B, h1 - h0, T, S)
-            xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
-            kc.softmax_distance_bias(s, bias.table, h0, bias.key_mask)
-            xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
-        over_heads(xp, H, heads)
-        return
-    half = (H + 1) // 2
+    pairs = flat.size // (2 * T * S)                  # (batch row, head) pairs a round holds
+    if pairs < 1:
+        raise ValueError(f"distance_attention: the scratch holds {flat.size} elements, "
+                         f"{2 * T * S} needed")
+    heads = min((H + 1) // 2, pairs)
+    rows = min(B, pairs // heads)
     mask = bias.key_mask.reshape(B, 1, 1, S)
-    for h0 in range(0, H, half):
-        h1 = min(H, h0 + half)
-        n = B * (h1 - h0) * T * S
-        s = flat[:n].reshape(B, h1 - h0, T, S)
-        chunk = flat[n:2 * n].reshape(B, h1 - h0, T, S)
-        chunk[0] = toeplitz_view(xp, bias.table[h0:h1], T)              # (h, T, S)
-        if B > 1:
-            chunk[1:] = chunk[0]
-        chunk += mask
-        xp.matmul(q[:, h0:h1], k[:, h0:h1].swapaxes(-1, -2), out=s)
-        s += chunk
-        softmax_(xp, s, None if stats is None else (stats[0][:, h0:h1], stats[1][:, h0:h1]))
-        if round_weights:
-            s[...] = round_to_bfloat16(xp, s)
-        xp.matmul(s, v[:, h0:h1], out=ctx4[:, h0:h1])
+    for b0 in range(0, B, rows):
+        b1 = min(B, b0 + rows)
+        for h0 in range(0, H, heads):
+            h1 = min(H, h0 + heads)
+            n = (b1 - b0) * (h1 - h0) * T * S
+            s = flat[:n].reshape(b1 - b0, h1 - h0, T, S)
+            chunk = flat[n:2 * n].reshape(b1 - b0, h1 - h0, T, S)
+            chunk[0] = toeplitz_view(xp, bias.table[h0:h1], T)          # (h, T, S)
+            if b1 - b0 > 1:
+                chunk[1:] = chunk[0]
+            chunk += mask[b0:b1]
+            xp.matmul(q[b0:b1, h0:h1], k[b0:b1, h0:h1].swapaxes(-1, -2), out=s)
+            s += chunk
+            softmax_(xp, s, None if stats is None else
+                     (stats[0][b0:b1, h0:h1], stats[1][b0:b1, h0:h1]))
+            if round_weights:
+                s[...] = round_to_bfloat16(xp, s)
+            xp.matmul(s, v[b0:b1, h0:h1], out=ctx4[b0:b1, h0:h1])
+
+
+def float_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: Any, ctx: Any,
+                             stats: tuple[Any, Any] | None = None) -> None:
+    """The encoder's self-attention of `distance_attention` in float32 over the pass's q|k|v
+    (B, T, 3, H, D) (the q|k|v product's output, contiguous): with the compiled kernels one call,
+    the scores a block of queries at a time (kernels/pass_attention_float.py: no (B, H, T, T)
+    tensor), elsewhere `distance_attention`. scores: the scratch of `distance_scratch`
+    elements, ctx (B, T, H, D)."""
+    kc = compiled(xp, qkv)
+    if kc is not None:
+        kc.attend_f32(qkv, bias.table, bias.key_mask, ctx, scores)
+        return
+    q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
+    distance_attention(xp, q, k, v, bias, scores, ctx, stats)
 
 
 def rounded_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: Any, ctx: Any,
@@ -358,16 +373,19 @@ def distance_scores(B: int, H: int, T: int, S: int) -> int:
     return B * 2 * ((H + 1) // 2) * T * S
 
 
-def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, rounded: bool) -> int:
-    """Elements (of `itemsize` bytes) of an encoder pass's attention scratch: `distance_scores`
-    for `distance_attention` (and for `rounded_distance_attention` without the kernels); with
-    `rounded` and the compiled kernels (the path rounded_distance_attention then takes), the
-    packed q|k|v and per-thread blocks of kernels/pass_attention.py (attention_layout.py):
-    linear in T where the scores are quadratic (T5-XXL's 64 heads over 512 tokens: 13 MiB a
-    batch row against 64 MiB)."""
-    threads = kernels.max_threads() if rounded else 0
+def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, kind: str | None) -> int:
+    """Elements (of `itemsize` bytes) of an encoder pass's attention scratch: with the compiled
+    kernels and a `kind` of compiled attention (backend.encoder_attention_kind), that kernel's
+    blocks (attention_layout.py: bfloat16, the packed q|k|v and per-thread blocks; float32, per
+    thread one head's keys and values and a block of scores), linear in T where the scores are
+    quadratic (T5-XXL's 64 heads over 512 tokens: 13 MiB a batch row in bfloat16 against 64
+    MiB), and at least one (batch row, head)'s scores and bias for `distance_attention`, which
+    runs instead where the kernels do not (a process forked after their threads started);
+    otherwise `distance_scores`."""
+    threads = kernels.max_threads() if kind else 0
     if threads:
-        return -(-AttentionShape(B, H, T, T, D, threads).nbytes() // itemsize)
+        blocks = -(-AttentionShape(B, H, T, T, D, threads, kind).nbytes() // itemsize)
+        return max(blocks, 2 * T * T)
     return distance_scores(B, H, T, T)
 
 

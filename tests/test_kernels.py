@@ -4,6 +4,7 @@ import json
 import os
 import time
 
+import numba
 import numpy as np
 import pytest
 
@@ -496,6 +497,23 @@ def test_a_compile_child_that_fails_is_not_tried_again(tmp_path):
 
 
 # -- a pass's softmax with its bias by distance (kernels/pass_softmax.py, ops.distance_attention) ----
+def _softmax_distance_bias(scores, table, h0, key_mask):
+    """scores (B, h, T, S) of heads h0.. -> softmax(scores + table[h0 + g, j - i + T - 1] +
+    key_mask[b, j]) in place: `_softmax_row` on every row, as the attention kernels run it."""
+    from minfer.kernels.pass_softmax import _softmax_row
+    from minfer.kernels.step_ops import NON_FINITE_SAFE
+
+    @numba.njit(**NON_FINITE_SAFE)
+    def rows(scores, table, h0, key_mask):
+        B, Hc, T, S = scores.shape
+        for b in range(B):
+            for g in range(Hc):
+                tb = table[0 if table.shape[0] == 1 else h0 + g]
+                for i in range(T):
+                    _softmax_row(scores[b, g, i], tb[T - 1 - i:T - 1 - i + S], key_mask[b], S)
+    rows(scores, table, h0, key_mask)
+
+
 def _distance_reference(s, table, key_mask):
     """softmax(s + table[h, j - i + T - 1] + key_mask[b, j]) in float64."""
     B, H, T, S = s.shape
@@ -513,17 +531,17 @@ def test_softmax_with_a_distance_table_equals_the_bias_matrix(B, H, T, S):
     key_mask = np.zeros((B, S), np.float32)
     key_mask[0, S // 2:] = np.finfo(np.float32).min                    # row 0's second half padded
     got = s.copy()
-    k.softmax_distance_bias(got, table, 0, key_mask)
+    _softmax_distance_bias(got, table, 0, key_mask)
     want = _distance_reference(s, table, key_mask)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     assert (got[0, :, :, S // 2:] == 0).all() if S > 1 else True   # padded keys weigh nothing
     # a head range: heads h0.. of a longer table, and one row shared by every head
     wide = np.concatenate([rng.standard_normal((2, T + S - 1)).astype(np.float32), table])
     got = s.copy()
-    k.softmax_distance_bias(got, wide, 2, key_mask)
+    _softmax_distance_bias(got, wide, 2, key_mask)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
     got = s.copy()
-    k.softmax_distance_bias(got, table[:1], 0, key_mask)
+    _softmax_distance_bias(got, table[:1], 0, key_mask)
     np.testing.assert_allclose(got, _distance_reference(s, table[:1], key_mask), rtol=2e-6, atol=1e-7)
 
 
@@ -532,12 +550,12 @@ def test_the_distance_softmax_exponential_is_exact_to_float32_rounding():
     # rows (0, x) give (1, e^x) / (1 + e^x); below e^-87.3 (no normal float32) exactly 0
     x = -np.concatenate([np.linspace(0, 87, 100001), rng.random(1000) * 1e-6]).astype(np.float32)
     s = np.stack([np.zeros_like(x), x], axis=-1).reshape(1, 1, -1, 2)
-    k.softmax_distance_bias(s, np.zeros((1, s.shape[2] + 1), np.float32), 0,
-                            np.zeros((1, 2), np.float32))
+    _softmax_distance_bias(s, np.zeros((1, s.shape[2] + 1), np.float32), 0,
+                           np.zeros((1, 2), np.float32))
     np.testing.assert_allclose(s[0, 0, :, 1] / s[0, 0, :, 0], np.exp(x.astype(np.float64)),
                                rtol=1e-6)
     s = np.array([0.0, -88.0, -200.0, 0.0], np.float32).reshape(1, 1, 1, 4)
-    k.softmax_distance_bias(s, np.zeros((1, 4), np.float32), 0, np.zeros((1, 4), np.float32))
+    _softmax_distance_bias(s, np.zeros((1, 4), np.float32), 0, np.zeros((1, 4), np.float32))
     np.testing.assert_array_equal(s[0, 0, 0], [0.5, 0.0, 0.0, 0.5])
 
 
@@ -553,16 +571,18 @@ def test_the_distance_softmax_keeps_nan_and_uniform_rows_as_numpy():
     with np.errstate(invalid="ignore"):
         want = np.exp(want - want.max(-1, keepdims=True))
         want /= want.sum(-1, keepdims=True)
-    k.softmax_distance_bias(s, np.zeros((1, 9), np.float32), 0, np.zeros((1, 4), np.float32))
+    _softmax_distance_bias(s, np.zeros((1, 9), np.float32), 0, np.zeros((1, 4), np.float32))
     assert np.isnan(s[0, 0, :2]).all() and np.isnan(s[0, 0, 3]).all()
     np.testing.assert_allclose(s[0, 0, 2], 0.25, rtol=1e-6)
     np.testing.assert_allclose(s[0, 0, 4:], want[0, 0, 4:], rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("H", [1, 5, 6])
-def test_distance_attention_equals_attention_with_the_bias_matrix(H, monkeypatch, three_threads):
-    # the compiled path (head ranges over the threads) and the other backends' (two rounds of
-    # heads, each round's bias built from the table in the scratch's second half)
+def test_distance_attention_equals_attention_with_the_bias_matrix(H, three_threads):
+    # the array path in rounds of (batch row, head) pairs, each round's bias built from the
+    # table in the scratch's second half: two rounds of half the heads (`distance_scores`), or
+    # as many pairs as a smaller scratch holds (one; five: rounds across batch rows and heads);
+    # and the compiled float32 kernel over the same q|k|v
     B, T, S, D = 3, 9, 9, 8
     q, kk, v = (rng.standard_normal((B, H, n, D)).astype(np.float32) for n in (T, S, S))
     table = rng.standard_normal((H, T + S - 1)).astype(np.float32)
@@ -574,14 +594,19 @@ def test_distance_attention_equals_attention_with_the_bias_matrix(H, monkeypatch
     ops.attention(np, q, kk, v, bias, np.empty((B, H, T, S), np.float32), want)
     distance = ops.DistanceBias(table, key_mask)
     np.testing.assert_array_equal(ops.toeplitz_view(np, table, T), table[:, idx])
-    for compiled in (True, False):
-        if not compiled:
-            monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
-        scores = np.full(ops.distance_scores(B, H, T, S), np.nan, np.float32)
+    for size in (ops.distance_scores(B, H, T, S), 2 * T * S, 2 * T * S * 5 + 7):
+        scores = np.full(size, np.nan, np.float32)
         got = np.full((B, T, H, D), np.nan, np.float32)
         stats = (np.empty((B, H, T, 1), np.float32), np.empty((B, H, T, 1), np.float32))
         ops.distance_attention(np, q, kk, v, distance, scores, got, stats)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="scratch holds"):
+        ops.distance_attention(np, q, kk, v, distance, np.empty(2 * T * S - 1, np.float32), got)
+    qkv = np.ascontiguousarray(np.stack([q, kk, v], axis=2).transpose(0, 3, 2, 1, 4))  # (B, T, 3, H, D)
+    work = np.full(ops.distance_scratch(B, H, T, D, 4, "float32"), np.nan, np.float32)
+    got = np.full((B, T, H, D), np.nan, np.float32)
+    ops.float_distance_attention(np, qkv, distance, work, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_first_runs_compile_is_dealt_to_children_once_each(monkeypatch):

@@ -74,12 +74,19 @@ def case(B, H, T, D, shared=False):
     return qkv, table, key_mask
 
 
-def run(qkv, table, key_mask, best=True, fill=0xFF):
+def run(qkv, table, key_mask, best=True, fill=0xFF, kind="bfloat16"):
+    """The bfloat16 kernel (`best` False: the tiles of a CPU without AVX512_BF16) or, with
+    `kind` "float32", the float32 one (test_float_attention)."""
     B, T, _, H, D = qkv.shape
-    # the scratch full of garbage: every padding element the tiles read must be written
-    work = np.full(AttentionShape(B, H, T, T, D, numba.get_num_threads()).nbytes(), fill, np.uint8)
+    # the scratch full of garbage (0xFF: NaN as float32): every padding element the tiles read
+    # must be written
+    work = np.full(AttentionShape(B, H, T, T, D, numba.get_num_threads(), kind).nbytes(), fill,
+                   np.uint8)
     ctx = np.full((B, T, H, D), np.nan, np.float32)
-    k.attend_bf16(qkv, table, key_mask, ctx, work, best)
+    if kind == "bfloat16":
+        k.attend_bf16(qkv, table, key_mask, ctx, work, best)
+    else:
+        k.attend_f32(qkv, table, key_mask, ctx, work)
     return ctx
 
 
@@ -121,7 +128,8 @@ def test_nan_and_infinite_inputs_give_nan_rows_as_numpy():
 
 
 @needs_kernels
-def test_every_thread_count_gives_the_same_bits():
+@pytest.mark.parametrize("kind", ["bfloat16", "float32"])
+def test_every_thread_count_gives_the_same_bits(kind):
     qkv, table, key_mask = case(3, 5, 70, 24)
     before = numba.get_num_threads()
     try:
@@ -129,23 +137,29 @@ def test_every_thread_count_gives_the_same_bits():
         most = numba.config.NUMBA_NUM_THREADS
         for n in sorted({1, min(2, most), most}):
             numba.set_num_threads(n)
-            outs.append(run(qkv, table, key_mask))
+            outs.append(run(qkv, table, key_mask, kind=kind))
     finally:
         numba.set_num_threads(before)
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 
 
+KERNELS = {"bfloat16": "attend_bf16", "float32": "attend_f32"}   # (the float32 kernel's other
+                                                                  # tests: test_float_attention)
+
+
 @needs_kernels
-def test_a_warm_call_allocates_nothing_on_the_host():
+@pytest.mark.parametrize("kind", KERNELS)
+def test_a_warm_call_allocates_nothing_on_the_host(kind):
     qkv, table, key_mask = case(2, 4, 96, 64)
     B, T, _, H, D = qkv.shape
-    work = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads()).nbytes(), np.uint8)
+    attend = getattr(k, KERNELS[kind])
+    work = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads(), kind).nbytes(), np.uint8)
     ctx = np.empty((B, T, H, D), np.float32)
-    k.attend_bf16(qkv, table, key_mask, ctx, work)
+    attend(qkv, table, key_mask, ctx, work)
     tracemalloc.start()
     try:
-        k.attend_bf16(qkv, table, key_mask, ctx, work)
+        attend(qkv, table, key_mask, ctx, work)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -153,11 +167,17 @@ def test_a_warm_call_allocates_nothing_on_the_host():
 
 
 @needs_kernels
-def test_a_short_scratch_is_a_clear_error():
+@pytest.mark.parametrize("kind", KERNELS)
+def test_a_short_scratch_is_a_clear_error(kind):
     qkv, table, key_mask = case(1, 2, 9, 8)
-    small = np.empty(AttentionShape(1, 2, 9, 9, 8, numba.get_num_threads()).nbytes() - 64, np.uint8)
-    with pytest.raises(ValueError, match="scratch holds"):
-        k.attend_bf16(qkv, table, key_mask, np.empty((1, 9, 2, 8), np.float32), small)
+    attend = getattr(k, KERNELS[kind])
+    shape = AttentionShape(1, 2, 9, 9, 8, numba.get_num_threads(), kind)
+    with pytest.raises(ValueError, match=f"{kind} attention: the scratch holds"):
+        attend(qkv, table, key_mask, np.empty((1, 9, 2, 8), np.float32),
+               np.empty(shape.nbytes() - 64, np.uint8))
+    with pytest.raises(ValueError, match=f"{KERNELS[kind]}: table"):
+        attend(qkv, table[:, 1:], key_mask, np.empty((1, 9, 2, 8), np.float32),
+               np.empty(shape.nbytes(), np.uint8))
 
 
 @pytest.mark.parametrize("T", [1, 3, 40, 130])
@@ -176,7 +196,7 @@ def test_the_numpy_path_computes_what_the_kernel_does(T, monkeypatch):
         if not compiled:
             monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
             monkeypatch.setattr(kernels, "max_threads", lambda: 0)
-        scores = np.full(ops.distance_scratch(B, H, T, D, 4, rounded=True), np.nan, np.float32)
+        scores = np.full(ops.distance_scratch(B, H, T, D, 4, "bfloat16"), np.nan, np.float32)
         ctx = np.full((B, T, H, D), np.nan, np.float32)
         ops.rounded_distance_attention(np, qkv.copy(), bias, scores, ctx, stats)
         assert np.abs(ctx - want).max() <= TOLERANCE * np.abs(want).max()
@@ -187,24 +207,32 @@ def test_the_numpy_path_computes_what_the_kernel_does(T, monkeypatch):
 
 
 def test_the_encoder_scratch_is_sized_for_the_attention_its_compute_mode_runs():
-    """float32: the scores of `distance_attention`; a rounding mode with the kernels: the packed
-    q|k|v of pass_attention, linear in T (T5-XXL's 64 heads over 512 tokens: a fifth of the
-    scores), short inputs (packing more than scoring) included; without the kernels the scores
-    again (rounded_distance_attention's NumPy path needs them)."""
+    """With the kernels: a rounding mode, the packed q|k|v of pass_attention; float32, the
+    per-thread blocks of pass_attention_float; both linear in T (T5-XXL's 64 heads over 512
+    tokens: a fifth of the scores in bfloat16), short inputs (packing more than scoring)
+    included, and room for one (batch row, head) of distance_attention's scores and bias (the
+    path where the kernels do not run after all). Without the kernels, and on CUDA, the scores
+    of `distance_attention`; a plan (where the pass runs unknown) the larger of the two."""
     cfg = minfer.load(T5_DIR).config
     H, D = cfg.num_heads, cfg.d_kv
     threads = kernels.max_threads()
     for T in (1, 2, 7, 64, 300):
-        plain = EncoderScratch.specs(cfg, 3, T, np.float32)["scores"][0][0]
-        assert plain == ops.distance_scores(3, H, T, T)
-        for compute in ("bfloat16", "int8"):
-            elements = EncoderScratch.specs(cfg, 3, T, np.float32, compute)["scores"][0][0]
+        scores = ops.distance_scores(3, H, T, T)
+        assert EncoderScratch.specs(cfg, 3, T, np.float32, "float32", False)["scores"][0][0] == scores
+        host = EncoderScratch.specs(cfg, 3, T, np.float32, "float32", True)["scores"][0][0]
+        plan = EncoderScratch.specs(cfg, 3, T, np.float32, "float32")["scores"][0][0]
+        assert plan == max(host, scores)
+        for compute, kind in (("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "bfloat16")):
+            elements = EncoderScratch.specs(cfg, 3, T, np.float32, compute, True)["scores"][0][0]
             if threads:
-                assert elements * 4 >= AttentionShape(3, H, T, T, D, threads).nbytes()
+                assert elements * 4 >= AttentionShape(3, H, T, T, D, threads, kind).nbytes()
+                assert elements >= 2 * T * T
             else:
-                assert elements == plain
-    # T5-XXL's encoder (64 heads of 64) over 512 tokens, 2 threads: 12.4 MiB against 64 MiB
+                assert elements == scores
+    # T5-XXL's encoder (64 heads of 64) over 512 tokens, 2 threads: 12.4 MiB (bfloat16), 0.8
+    # MiB (float32) against 64 MiB
     assert AttentionShape(1, 64, 512, 512, 64, 2).nbytes() * 5 < ops.distance_scores(1, 64, 512, 512) * 4
+    assert AttentionShape(1, 64, 512, 512, 64, 2, "float32").nbytes() * 64 < ops.distance_scores(1, 64, 512, 512) * 4
 
 
 @pytest.mark.parametrize("dtype,compute,rounded", [(None, None, False), ("bfloat16", "bfloat16", True),

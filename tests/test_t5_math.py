@@ -101,11 +101,14 @@ def test_incremental_steps_equal_the_full_forward(tmp_path, overrides):
 
 def test_the_encoder_pass_holds_no_bias_matrix():
     # the position bias is an (H, 2T - 1) table by distance (ops.distance_attention); only the
-    # scores scratch is (B, H, T, T)-sized (two rounds of heads on backends without the kernels)
+    # scores scratch is (B, H, T, T)-sized, where the array ops run the attention (two rounds of
+    # heads: CUDA, or the CPU without the kernels); the CPU's kernels hold blocks of scores
+    from minfer import kernels
     from minfer.models.t5.buffers import EncoderScratch
     cfg = T5Config.from_hf({**BASE, "num_heads": 5})
     B, T = 3, 64
-    specs = EncoderScratch.specs(cfg, B, T, np.float32)
-    big = {name for name, (shape, _) in specs.items() if np.prod(shape) >= B * 5 * T * T}
-    assert big == {"scores"}
+    for on_host in (True, False, None):              # (None: a plan, for either)
+        specs = EncoderScratch.specs(cfg, B, T, np.float32, "float32", on_host)
+        big = {name for name, (shape, _) in specs.items() if np.prod(shape) >= B * 5 * T * T}
+        assert big == (set() if on_host and kernels.max_threads() else {"scores"})
     assert specs["distance"][0] == (5, 2 * T - 1) and specs["mask"][0] == (B, T)

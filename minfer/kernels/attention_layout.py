@@ -1,7 +1,14 @@
-"""The scratch of the encoder's bfloat16 attention (kernels/pass_attention.py), in plain NumPy so
-that the run's planning (models/t5/buffers.py, through ops.distance_scratch) sizes it without
-loading numba: one declaration of the parts, their shapes and their order.
+"""The scratch of the encoder's compiled attention (kernels/pass_attention.py in bfloat16,
+kernels/pass_attention_float.py in float32), in plain NumPy so that the run's planning
+(models/t5/buffers.py, through ops.distance_scratch) sizes it without loading numba: one
+declaration of the parts, their shapes and their order.
 
+float32: per thread, one (batch row, head)'s keys transposed (D, S), padded with zeros to whole
+vectors of FLOAT_LANES, through a staging block of FLOAT_LANES keys; its values (S, D) padded
+likewise where D is not whole vectors (else none: they are read in place); one block of
+QUERY_BLOCK queries' scores.
+
+bfloat16:
 Per (batch row, head): the queries as the bfloat16 tiles' interleaved input rows (groups of
 GROUP rows, each row padded to whole steps of STEP columns), the keys as panels of PANEL keys
 (Dp / 2 words of column pairs per key), the values as panels of PANEL value columns over the
@@ -23,6 +30,7 @@ QUERY_BLOCK = 64           # query rows whose scores a thread holds at once
 LANE_ROWS = 16             # positions one packing task takes: a vector of key lanes (even:
                            # value words pair two positions)
 ALIGN = 64                 # each part from a cache line
+FLOAT_LANES = 16           # float32 lanes of the float32 tile's vectors (float_tiles.LANES)
 
 
 def up(n: int, m: int) -> int:
@@ -39,10 +47,17 @@ class AttentionShape:
     S: int
     D: int
     threads: int
+    kind: str = "bfloat16"     # or "float32"
 
     def parts(self) -> dict[str, tuple[tuple[int, ...], type]]:
         """name -> (shape, dtype) of each part, in order."""
         B, H, T, S, D = self.B, self.H, self.T, self.S, self.D
+        if self.kind == "float32":
+            Sf, Df = up(S, FLOAT_LANES), up(D, FLOAT_LANES)
+            return {"keys": ((self.threads, D, Sf), np.float32),
+                    "values": ((self.threads, S if D % FLOAT_LANES else 0, Df), np.float32),
+                    "staging": ((self.threads, FLOAT_LANES, D), np.float32),
+                    "scores": ((self.threads, min(T, QUERY_BLOCK), Sf), np.float32)}
         Dp, Sp = up(D, STEP), up(S, STEP)
         rows = up(min(T, QUERY_BLOCK), GROUP)
         return {"queries": ((B, H, up(T, GROUP) // GROUP, GROUP * Dp), np.uint16),
@@ -51,6 +66,21 @@ class AttentionShape:
                 "rounded": ((self.threads, LANE_ROWS, Dp // 2), np.uint32),
                 "scores": ((self.threads, rows, S), np.float32),
                 "weights": ((self.threads, rows // GROUP, GROUP * Sp), np.uint16)}
+
+    @classmethod
+    def of_call(cls, kind: str, qkv, table, key_mask, ctx, threads: int) -> AttentionShape:
+        """The shape of an attention kernel's call (`kind`: bfloat16 or float32) over qkv
+        (B, T, 3, H, D), or a ValueError naming what does not fit: qkv contiguous, ctx (B, T,
+        H, D) with contiguous rows of D, table (H | 1, 2T - 1), key_mask (B, T)."""
+        name = "attend_bf16" if kind == "bfloat16" else "attend_f32"
+        B, T, three, H, D = qkv.shape
+        if three != 3 or not qkv.flags.c_contiguous or ctx.shape != (B, T, H, D):
+            raise ValueError(f"{name}: qkv (B, T, 3, H, D) contiguous, ctx (B, T, H, D)")
+        if table.shape[1] != 2 * T - 1 or table.shape[0] not in (1, H) or key_mask.shape != (B, T):
+            raise ValueError(f"{name}: table (H | 1, 2T - 1), key_mask (B, T)")
+        if ctx.strides[3] != 4:
+            raise ValueError(f"{name}: ctx needs contiguous rows of D")
+        return cls(B, H, T, T, D, threads, kind)
 
     def nbytes(self) -> int:
         """Bytes `carve` needs: every part from an ALIGN boundary, and the buffer's own start."""
@@ -61,7 +91,7 @@ class AttentionShape:
         """The parts as arrays over the contiguous buffer `work` (at least `nbytes()` bytes)."""
         flat = work.reshape(-1).view(np.uint8)
         if flat.nbytes < self.nbytes():
-            raise ValueError(f"bfloat16 attention: the scratch holds {flat.nbytes} bytes, "
+            raise ValueError(f"{self.kind} attention: the scratch holds {flat.nbytes} bytes, "
                              f"{self.nbytes()} needed")
         at = -flat.ctypes.data % ALIGN
         out = {}

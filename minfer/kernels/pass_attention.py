@@ -287,14 +287,7 @@ def _attend_fallback(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, wei
 
 
 def _parts(qkv, table, key_mask, ctx, work, threads) -> dict[str, np.ndarray]:
-    B, T, three, H, D = qkv.shape
-    if three != 3 or not qkv.flags.c_contiguous or ctx.shape != (B, T, H, D):
-        raise ValueError("attend_bf16: qkv (B, T, 3, H, D) contiguous, ctx (B, T, H, D)")
-    if table.shape[1] != 2 * T - 1 or table.shape[0] not in (1, H) or key_mask.shape != (B, T):
-        raise ValueError("attend_bf16: table (H | 1, 2T - 1), key_mask (B, T)")
-    if ctx.strides[3] != 4:
-        raise ValueError("attend_bf16: ctx needs contiguous rows of D")
-    return AttentionShape(B, H, T, T, D, threads).carve(work)
+    return AttentionShape.of_call("bfloat16", qkv, table, key_mask, ctx, threads).carve(work)
 
 
 def attend_bf16(qkv, table, key_mask, ctx, work, best: bool = True) -> None:

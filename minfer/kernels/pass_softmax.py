@@ -1,5 +1,7 @@
-"""The softmax of a pass's attention scores with T5's position bias read from its distance table:
-one compiled pass per row instead of a (B, H, T, S) bias tensor and five NumPy passes.
+"""The softmax of a row of a pass's attention scores with T5's position bias read from its
+distance table: what the compiled encoder attentions (pass_attention_float.py in float32,
+pass_attention.py in bfloat16) run on each row of a block of scores, instead of a (B, H, T, S)
+bias tensor and five NumPy passes.
 
 T5's position bias depends only on the key's distance from the query (and the head), so a pass
 of T queries over S keys needs one row of T + S - 1 values per head, `table[h, j - i + T - 1]`,
@@ -116,21 +118,3 @@ def _softmax_row(row, bias, mask, S):
     inv = _exponentials(row, bias, mask, S)
     for j in range(S):
         row[j] *= inv
-
-
-@njit(cache=True, nogil=True, **NON_FINITE_SAFE)
-def softmax_distance_bias(scores, table, h0, key_mask):
-    """scores (B, h, T, S) float32, C-contiguous, the products q k^T of heads h0 .. h0 + h - 1,
-    become their softmax over S with the position bias table[h0 + g, j - i + T - 1] (table (H,
-    T + S - 1), or (1, T + S - 1) for a bias shared by every head: a causal mask alone, say)
-    and key_mask[b, j] (B, S) added first. Max-subtracted: a row of equal (even all-masked)
-    values gives uniform weights, never NaN; NaN or +inf scores give NaN rows, as NumPy's
-    softmax does."""
-    B, Hc, T, S = scores.shape
-    shared = table.shape[0] == 1
-    for b in range(B):
-        mask = key_mask[b]
-        for g in range(Hc):
-            tb = table[0 if shared else h0 + g]
-            for i in range(T):
-                _softmax_row(scores[b, g, i], tb[T - 1 - i:T - 1 - i + S], mask, S)

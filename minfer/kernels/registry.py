@@ -15,14 +15,15 @@ import numba
 import numpy as np
 
 from ..io import tensors as io_tensors
-from . import (attention_layout, bfloat16_products, bfloat16_tiles, float_products, pass_attention,
-               pass_softmax, quantised_products, step_ops, tiles, widening)
+from . import (attention_layout, bfloat16_products, bfloat16_tiles, float_products, float_tiles,
+               pass_attention, pass_attention_float, pass_softmax, quantised_products, step_ops,
+               tiles, widening)
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
                              matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
 from .pass_attention import attend_bf16
-from .pass_softmax import softmax_distance_bias
+from .pass_attention_float import attend_f32
 from .quantised_products import (_qmatmul_i4, _qmatmul_i8, _qmatmul_i8g, add_rms_norm_quantised,
                                  grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
@@ -36,7 +37,7 @@ from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, 
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
                                            pass_softmax, pass_attention, io_tensors,
-                                           attention_layout))
+                                           attention_layout, float_tiles, pass_attention_float))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:
@@ -174,18 +175,18 @@ def _steps() -> None:
 
 
 def _pass_attention() -> None:
-    softmax_distance_bias(np.zeros((1, 2, 2, 2), np.float32), np.zeros((2, 3), np.float32), 0,
-                          np.zeros((1, 2), np.float32))
     qkv = np.zeros((1, 2, 3, 1, 4), np.float32)
-    work = np.zeros(attention_layout.AttentionShape(1, 1, 2, 2, 4, max_threads()).nbytes(), np.uint8)
-    attend_bf16(qkv, np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32),
-                np.empty((1, 2, 1, 4), np.float32), work)
+    args = (qkv, np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32),
+            np.empty((1, 2, 1, 4), np.float32))
+    for kind, attend in (("bfloat16", attend_bf16), ("float32", attend_f32)):
+        shape = attention_layout.AttentionShape(1, 1, 2, 2, 4, max_threads(), kind)
+        attend(*args, np.zeros(shape.nbytes(), np.uint8))
 
 
 # Each warm-up with its compile seconds (one core, a cold cache, AMD EPYC Zen 4, 2026-11-28:
 # benchmarks/README.md "A first run's compile, in parts"): `shares` deals them to the compiling
 # children, heaviest first to the least loaded, so that each child's share takes about as long.
-WARM_UPS = ((46.4, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
+WARM_UPS = ((52.2, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
             (18.4, _fp8_products), (11.1, _int4_products), (11.4, _grouped_products),
             (12.0, _steps), (9.5, _bfloat16_products), (2.2, _widenings))
 
@@ -216,7 +217,7 @@ def max_threads() -> int:
 
 
 __all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "add_rms_norm_quantised",
-           "attend_bf16", "attend_query",
+           "attend_bf16", "attend_f32", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
            "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "relu", "set_threads",
-           "softmax_distance_bias", "top_k", "warm_up"]
+           "top_k", "warm_up"]

@@ -17,7 +17,7 @@ import numpy as np
 
 from ... import ops
 from ...arena import BufferSet, BufferSpec, bytes_needed
-from ...backend import rounds_attention
+from ...backend import encoder_attention_kind
 from .config import T5Config
 
 # What a memory limit reserves workspace for unless `workspace=` says otherwise: one prompt of up
@@ -93,17 +93,22 @@ class PassScratch(BufferSet):
 @dataclass
 class EncoderScratch(PassScratch):
     """An encoder pass: its bias is given by distance (ops.DistanceBias), never as a (B, H, T,
-    T) tensor; the scores scratch has room for `ops.distance_attention`'s two rounds, or with a
-    compute mode that rounds the attention (backend.rounds_attention) for what
-    `ops.rounded_distance_attention` takes (`ops.distance_scratch`)."""
+    T) tensor; the scores scratch has room for what the pass's attention takes
+    (`ops.distance_scratch`): the compiled kernel's blocks (backend.encoder_attention_kind), or
+    `ops.distance_attention`'s two rounds of scores."""
     distance: Any = None  # (H, 2T - 1) position bias by distance (refilled per layer: UMT5)
     mask: Any = None      # (B, T) the padding mask, additive, uploaded
 
     @classmethod
-    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any, compute: str = "float32") -> BufferSpec:
+    def specs(cls, cfg: T5Config, B: int, T: int, dtype: Any, compute: str = "float32",
+              on_host: bool | None = None) -> BufferSpec:
+        """(on_host: whether the pass runs in NumPy; None, unknown (a plan): the scratch of
+        whichever attention needs more)"""
         H = cfg.num_heads
-        scores = ops.distance_scratch(B, H, T, cfg.d_kv, np.dtype(dtype).itemsize,
-                                      rounds_attention(compute, dtype))
+        kinds = {encoder_attention_kind(compute, dtype, host)
+                 for host in ((True, False) if on_host is None else (on_host,))}
+        scores = max(ops.distance_scratch(B, H, T, cfg.d_kv, np.dtype(dtype).itemsize, kind)
+                     for kind in kinds)
         return {**PassScratch.specs(cfg, B, T, T, dtype), "scores": ((scores,), dtype),
                 "distance": ((H, 2 * T - 1), dtype), "mask": ((B, T), dtype)}
 

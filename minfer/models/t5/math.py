@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ... import ops
-from ...backend import rounds_attention
+from ...backend import encoder_attention_kind
 from .long_attention import LongAttention
 from .buffers import (DecodeBuffers, DecoderScratch, EncoderScratch, LongEncoderScratch,
                       PassScratch, reorder_elements)
@@ -188,20 +188,23 @@ class PassAttention:
 
 class EncoderAttention:
     """The encoder's self-attention over its own positions, the bias given by distance (T5's
-    position bias) and key (padding): ops.distance_attention, or with `rounded` (compute modes
-    backend.rounds_attention) ops.rounded_distance_attention over the pass's q|k|v."""
+    position bias) and key (padding), by `kind` (backend.encoder_attention_kind): "bfloat16"
+    ops.rounded_distance_attention, "float32" ops.float_distance_attention (both over the
+    pass's q|k|v, compiled where the kernels run), None ops.distance_attention."""
 
-    def __init__(self, xp: Any, bias: Any, rounded: bool = False):
-        self.xp, self.bias, self.rounded = xp, bias, rounded
+    def __init__(self, xp: Any, bias: Any, kind: str | None = None):
+        self.xp, self.bias, self.kind = xp, bias, kind
 
     def self_attend(self, i: int, q: Any, k: Any, v: Any, ws: PassScratch) -> None:
         B, H, T, D = q.shape
         ctx, stats = ws.ctx.reshape(B, T, H, D), ws.stats_as(B, H, T)
-        if self.rounded:   # (q, k and v are views of ws.qkv)
-            ops.rounded_distance_attention(self.xp, ws.qkv.reshape(B, T, 3, H, D), self.bias,
-                                           ws.scores, ctx, stats)
+        if self.kind is None:
+            ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores, ctx, stats=stats)
             return
-        ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores, ctx, stats=stats)
+        qkv = ws.qkv.reshape(B, T, 3, H, D)        # (q, k and v are views of it)
+        attend = (ops.rounded_distance_attention if self.kind == "bfloat16" else
+                  ops.float_distance_attention)
+        attend(self.xp, qkv, self.bias, ws.scores, ctx, stats)
 
 
 class StepAttention:
@@ -339,10 +342,11 @@ def encoder_attention(be: Any, cfg: T5Config, params: dict,
                              bias_table(cfg, params, "encoder", 0),
                              params.get("encoder.global_rel_bias"))
         return ws, lambda i, blk: long.layer(blk)
-    ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype, be.compute)
+    on_host = be.xp is np
+    ws = EncoderScratch.allocate(be.arena, cfg, B, T, be.dtype, be.compute, on_host)
     mask_bias(be, attention_mask, ws.mask)                                 # (B, T)
     attn = EncoderAttention(be.xp, ops.DistanceBias(ws.distance, ws.mask),
-                            rounded=rounds_attention(be.compute, ws.qkv.dtype))
+                            encoder_attention_kind(be.compute, ws.qkv.dtype, on_host))
 
     def layer(i: int, blk: dict) -> EncoderAttention:
         if refills_bias(cfg, i):   # (H, 2T - 1): once, or per layer (UMT5)
