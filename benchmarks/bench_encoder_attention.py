@@ -3,8 +3,10 @@
     python benchmarks/bench_encoder_attention.py [--shapes 16x128,8x256] [--heads 12] [--dim 64]
                                                  [--rounds 5] [--threads 2]
 
-For each batch x length: ms per call of ops.distance_attention (float32: BLAS products per
-head, the compiled distance softmax, the (B, H, T, T) scores) and of
+For each batch x length: ms per call of ops.float_distance_attention (float32,
+kernels/pass_attention_float.py: keys transposed per head, float32 panel products, no score
+tensor), of ops.distance_attention (float32 in array ops, what CUDA and MINFER_KERNELS=numpy run:
+BLAS products per head, NumPy's softmax, the (B, H, T, T) scores), of
 ops.rounded_distance_attention (kernels/pass_attention.py: q|k|v packed, bfloat16 panel
 products, no score tensor), and of the latter's packing phase alone; interleaved rounds in one
 process (medians), t5-base's 12 heads of 64 by default, random q|k|v, a random bias table and
@@ -65,9 +67,13 @@ def time_shape(B: int, T: int, H: int, D: int, rounds: int) -> dict[str, list[fl
     layout = AttentionShape(B, H, T, T, D, numba.get_num_threads())
     work = np.empty(layout.nbytes(), np.uint8)
     parts = layout.carve(work)
+    floats = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads(), "float32").nbytes(),
+                      np.uint8)
     q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
     calls = {
-        "float32 (distance_attention)":
+        "float32 (float_distance_attention)":
+            lambda: ops.float_distance_attention(np, qkv, bias, floats, ctx, stats),
+        "float32 in array ops (distance_attention)":
             lambda: ops.distance_attention(np, q, k, v, bias, scores, ctx, stats),
         "bfloat16 (rounded_distance_attention)":
             lambda: ops.rounded_distance_attention(np, qkv, bias, work, ctx, stats),
