@@ -36,8 +36,10 @@ def main() -> int:
     from minfer import ops
     real_linear = ops.linear
 
-    def no_product(xp, x, w, out=None):
-        return out if out is not None else xp.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+    def no_product(xp, x, w, out=None, relu=False):
+        # (x may be the QuantisedRows of a fused norm: its float rows give the shape)
+        rows = getattr(x, "rows", x)
+        return out if out is not None else xp.zeros((*rows.shape[:-1], w.shape[0]), rows.dtype)
 
     ids = b5.source_ids()
     folder = b5.ensure_checkpoint(args.shape)
