@@ -7,7 +7,7 @@ For each batch x length: ms per call of ops.float_distance_attention (float32,
 kernels/pass_attention_float.py: keys transposed per head, float32 panel products, no score
 tensor), of ops.distance_attention (float32 in array ops, what CUDA and MINFER_KERNELS=numpy run:
 BLAS products per head, NumPy's softmax, the (B, H, T, T) scores), of
-ops.rounded_distance_attention (kernels/pass_attention.py: q|k|v packed, bfloat16 panel
+ops.rounded_distance_attention (kernels/pass_attention.py: each head's q|k|v packed, bfloat16 panel
 products, no score tensor), and of the latter's packing phase alone; interleaved rounds in one
 process (medians), t5-base's 12 heads of 64 by default, random q|k|v, a random bias table and
 no padding. Prints the CPU line of product_timing.cpu() first.
@@ -21,7 +21,7 @@ import time
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from minfer import kernels, ops
 from minfer.kernels import pass_attention
@@ -31,7 +31,12 @@ from product_timing import cpu
 
 @njit(parallel=True, cache=False)
 def _pack_only(qkv, qx, kp, vp, rounded):
-    pass_attention._pack_rows(qkv, qx, kp, vp, rounded)
+    """The bfloat16 kernel's packing of every (batch row, head), each thread into its parts."""
+    B, H = qkv.shape[0], qkv.shape[3]
+    threads = qx.shape[0]
+    for t in prange(threads):
+        for task in range(t, B * H, threads):
+            pass_attention._pack_head(qkv, task // H, task % H, qx[t], kp[t], vp[t], rounded[t])
 
 
 def main() -> None:

@@ -376,10 +376,10 @@ def distance_scores(B: int, H: int, T: int, S: int) -> int:
 def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, kind: str | None) -> int:
     """Elements (of `itemsize` bytes) of an encoder pass's attention scratch: with the compiled
     kernels and a `kind` of compiled attention (backend.encoder_attention_kind), that kernel's
-    blocks (attention_layout.py: bfloat16, the packed q|k|v and per-thread blocks; float32, per
-    thread one head's keys and values and a block of scores), linear in T where the scores are
-    quadratic (T5-XXL's 64 heads over 512 tokens: 13 MiB a batch row in bfloat16 against 64
-    MiB), and at least one (batch row, head)'s scores and bias for `distance_attention`, which
+    blocks (attention_layout.py: per thread, one (batch row, head)'s packed q|k|v in bfloat16,
+    its keys in float32, and a block of scores), linear in T where the scores are quadratic
+    (T5-XXL's 64 heads over 512 tokens, 2 threads: 0.75 MiB in either against 64 MiB a batch
+    row), and at least one (batch row, head)'s scores and bias for `distance_attention`, which
     runs instead where the kernels do not (a process forked after their threads started);
     otherwise `distance_scores`."""
     threads = kernels.max_threads() if kind else 0

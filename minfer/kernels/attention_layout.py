@@ -8,13 +8,13 @@ vectors of FLOAT_LANES, through a staging block of FLOAT_LANES keys; its values 
 likewise where D is not whole vectors (else none: they are read in place); one block of
 QUERY_BLOCK queries' scores.
 
-bfloat16:
-Per (batch row, head): the queries as the bfloat16 tiles' interleaved input rows (groups of
-GROUP rows, each row padded to whole steps of STEP columns), the keys as panels of PANEL keys
-(Dp / 2 words of column pairs per key), the values as panels of PANEL value columns over the
-keys (Sp / 2 words of key pairs per column). Per thread: LANE_ROWS positions' rows rounded (the
-packing's staging), one block of QUERY_BLOCK queries' float32 scores and their bfloat16 weights
-(interleaved rows again, the value product's input).
+bfloat16, per thread, for the (batch row, head) it runs: the queries as the bfloat16 tiles'
+interleaved input rows (groups of GROUP rows, each row padded to whole steps of STEP columns),
+the keys as panels of PANEL keys (Dp / 2 words of column pairs per key), the values as panels of
+PANEL value columns over the keys (Sp / 2 words of key pairs per column); LANE_ROWS positions'
+rows rounded (the packing's staging), one block of QUERY_BLOCK queries' float32 scores and their
+bfloat16 weights (interleaved rows again, the value product's input). Neither kind grows with
+the batch or the heads.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class AttentionShape:
 
     def parts(self) -> dict[str, tuple[tuple[int, ...], type]]:
         """name -> (shape, dtype) of each part, in order."""
-        B, H, T, S, D = self.B, self.H, self.T, self.S, self.D
+        T, S, D = self.T, self.S, self.D             # (B and H: the call's, not the parts')
         if self.kind == "float32":
             Sf, Df = up(S, FLOAT_LANES), up(D, FLOAT_LANES)
             return {"keys": ((self.threads, D, Sf), np.float32),
@@ -60,9 +60,9 @@ class AttentionShape:
                     "scores": ((self.threads, min(T, QUERY_BLOCK), Sf), np.float32)}
         Dp, Sp = up(D, STEP), up(S, STEP)
         rows = up(min(T, QUERY_BLOCK), GROUP)
-        return {"queries": ((B, H, up(T, GROUP) // GROUP, GROUP * Dp), np.uint16),
-                "keys": ((B, H, up(S, PANEL) * Dp), np.uint16),
-                "values": ((B, H, up(D, PANEL) * Sp), np.uint16),
+        return {"queries": ((self.threads, up(T, GROUP) // GROUP, GROUP * Dp), np.uint16),
+                "keys": ((self.threads, up(S, PANEL) * Dp), np.uint16),
+                "values": ((self.threads, up(D, PANEL) * Sp), np.uint16),
                 "rounded": ((self.threads, LANE_ROWS, Dp // 2), np.uint32),
                 "scores": ((self.threads, rows, S), np.float32),
                 "weights": ((self.threads, rows // GROUP, GROUP * Sp), np.uint16)}

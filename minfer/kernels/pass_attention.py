@@ -4,21 +4,22 @@ on the bfloat16 panel tiles (bfloat16_tiles.py: `vdpbf16ps` where the CPU has AV
 softmax in float32, and no (B, H, T, T) score tensor: a thread holds one block of query rows'
 scores at a time. What compute="bfloat16" and compute="int8" run (ops.rounded_distance_attention).
 
-Two phases (the scratch's layout: attention_layout.py):
-1. `_pack_rows`: q, k and v (the q|k|v product's output, (B, T, 3, H, D)) rounded to bfloat16
-   into the layouts the tiles read, per (batch row, head): the queries as the tiles' interleaved
-   input rows (bfloat16_products._carve's layout), the keys as panels of PANEL keys (word
-   q * width + r: columns 2q, 2q + 1 of key r: bfloat16_products._pack_panel's layout), the
-   values transposed into panels of PANEL value columns over the keys (word q * width + r: keys
-   2q, 2q + 1 of column r). Each parallel task takes LANE_ROWS positions of one batch row and
-   every head, so that it reads whole stretches of q|k|v; q, k and v in three loops, which ran
-   faster than one loop doing all three (benchmarks/README.md, "Measurements behind constants
-   in the code").
-2. `_heads`, over (batch row, head) pairs: per block of up to QUERY_BLOCK queries, their scores
-   against every key panel (float32, into the thread's (QUERY_BLOCK, T)), each row's softmax with
-   the bias and key mask added (`_softmax_rounded`: its last sweep writes the weights rounded to
-   bfloat16 straight into the interleaved rows the value product reads), the weights times the
-   value panels into the output rows.
+`_heads` gives each thread its share of the (batch row, head) pairs and its own parts of the
+scratch (attention_layout.py), and for each pair:
+1. `_pack_head`: its q, k and v (the q|k|v product's output, (B, T, 3, H, D)) rounded to
+   bfloat16 into the layouts the tiles read, in the thread's parts (in L2 while the pair runs):
+   the queries as the tiles' interleaved input rows (bfloat16_products._carve's layout), the
+   keys as panels of PANEL keys (word q * width + r: columns 2q, 2q + 1 of key r:
+   bfloat16_products._pack_panel's layout), the values transposed into panels of PANEL value
+   columns over the keys (word q * width + r: keys 2q, 2q + 1 of column r), LANE_ROWS
+   positions at a time; q, k and v in three loops, which ran faster than one loop doing all
+   three (benchmarks/README.md, "Measurements behind constants in the code"). (Packing every
+   pair first, into parts of the whole (B, H), then reading them back ran 6-10% slower.)
+2. per block of up to QUERY_BLOCK queries, their scores against every key panel (float32, into
+   the thread's (QUERY_BLOCK, T)), each row's softmax with the bias and key mask added
+   (`_softmax_rounded`: its last sweep writes the weights rounded to bfloat16 straight into the
+   interleaved rows the value product reads), the weights times the value panels into the
+   output rows.
 
 Rounding, as the bfloat16 products': queries, keys, values and the softmax weights to bfloat16
 (nearest, ties to even), every sum in float32. The weights are rounded after the division, so a
@@ -81,138 +82,117 @@ def _round_rows(qkv, b, t0, n, part, h, D, rows):
 
 
 @njit(inline="always")
-def _pack_queries(qkv, b, t0, t1, D, qx, rows):
-    """Query rows t0 .. t1 - 1 (t0 a multiple of GROUP) of batch row b, every head, into the
-    interleaved rows (a step of a row: STEP / 2 words)."""
+def _pack_queries(qkv, b, h, t0, t1, D, qx, rows):
+    """Query rows t0 .. t1 - 1 (t0 a multiple of GROUP) of head h of batch row b into the
+    thread's interleaved rows qx (a step of a row: STEP / 2 words)."""
     half = STEP // 2
     words = qx.view(np.uint32)
-    for h in range(qkv.shape[3]):
-        _round_rows(qkv, b, t0, t1 - t0, 0, h, D, rows)
-        for r in range(t1 - t0):
-            g, c = (t0 + r) // GROUP, ((t0 + r) % GROUP) * half
-            for s in range((D + 1) // 2 // half + ((D + 1) // 2 % half > 0)):
-                n = min(half, (D + 1) // 2 - s * half)
-                dst = words[b, h, g, s * GROUP * half + c:]
-                src = rows[r, s * half:]
-                for j in range(n):
-                    dst[j] = src[j]
+    _round_rows(qkv, b, t0, t1 - t0, 0, h, D, rows)
+    for r in range(t1 - t0):
+        g, c = (t0 + r) // GROUP, ((t0 + r) % GROUP) * half
+        for s in range((D + 1) // 2 // half + ((D + 1) // 2 % half > 0)):
+            n = min(half, (D + 1) // 2 - s * half)
+            dst = words[g, s * GROUP * half + c:]
+            src = rows[r, s * half:]
+            for j in range(n):
+                dst[j] = src[j]
 
 
 @njit(inline="always")
-def _pack_keys(qkv, b, t0, t1, S, D, kp, rows):
-    """Keys t0 .. t1 - 1 (within one panel) of batch row b, every head, into their panel's
-    lanes: each column pair's run of lanes."""
+def _pack_keys(qkv, b, h, t0, t1, S, D, kp, rows):
+    """Keys t0 .. t1 - 1 (within one panel) of head h of batch row b into their panel's lanes
+    in the thread's kp: each column pair's run of lanes."""
     Dp = _padded(D)
     p0 = t0 // PANEL * PANEL
     width = _panel_width(S, p0)
     at = p0 * Dp // 2 + t0 - p0           # the block's first lane (panels of PANEL x Dp / 2 words)
     words = kp.view(np.uint32)
-    for h in range(qkv.shape[3]):
-        _round_rows(qkv, b, t0, t1 - t0, 1, h, D, rows)
-        for c in range((D + 1) // 2):
-            dst = words[b, h, at + c * width:]
-            for r in range(t1 - t0):
-                dst[r] = rows[r, c]
+    _round_rows(qkv, b, t0, t1 - t0, 1, h, D, rows)
+    for c in range((D + 1) // 2):
+        dst = words[at + c * width:]
+        for r in range(t1 - t0):
+            dst[r] = rows[r, c]
 
 
 @njit(inline="always")
-def _pack_values(qkv, b, t0, t1, S, D, vp, rows):
-    """Value rows t0 .. t1 - 1 (t0 even) of batch row b, every head, into the value panels'
-    words (keys 2q, 2q + 1 of column r): a run of columns per pair of positions."""
+def _pack_values(qkv, b, h, t0, t1, S, D, vp, rows):
+    """Value rows t0 .. t1 - 1 (t0 even) of head h of batch row b into the thread's value
+    panels' words (keys 2q, 2q + 1 of column r): a run of columns per pair of positions."""
     Sp = _padded(S)
     words = vp.view(np.uint32)
     halves = rows.view(np.uint16)         # (LANE_ROWS, Dp): row r's column d at [r, d]
-    for h in range(qkv.shape[3]):
-        _round_rows(qkv, b, t0, t1 - t0, 2, h, D, rows)
-        for r in range(0, t1 - t0, 2):
-            t = t0 + r
-            for d0 in range(0, D, PANEL):
-                dst = words[b, h, d0 * Sp // 2 + (t // 2) * _panel_width(D, d0):]
-                lo = halves[r, d0:]
-                nd = min(PANEL, D - d0)
-                if t + 1 < t1:
-                    hi = halves[r + 1, d0:]
-                    for j in range(nd):
-                        dst[j] = np.uint32(lo[j]) | (np.uint32(hi[j]) << np.uint32(16))
-                else:
-                    for j in range(nd):
-                        dst[j] = np.uint32(lo[j])
+    _round_rows(qkv, b, t0, t1 - t0, 2, h, D, rows)
+    for r in range(0, t1 - t0, 2):
+        t = t0 + r
+        for d0 in range(0, D, PANEL):
+            dst = words[d0 * Sp // 2 + (t // 2) * _panel_width(D, d0):]
+            lo = halves[r, d0:]
+            nd = min(PANEL, D - d0)
+            if t + 1 < t1:
+                hi = halves[r + 1, d0:]
+                for j in range(nd):
+                    dst[j] = np.uint32(lo[j]) | (np.uint32(hi[j]) << np.uint32(16))
+            else:
+                for j in range(nd):
+                    dst[j] = np.uint32(lo[j])
 
 
 @njit(inline="always")
-def _zero_padding(b, h, T, S, D, qx, kp, vp):
-    """The packed parts' padding of (b, h), which the rows never write: the queries' columns
+def _zero_padding(T, S, D, qx, kp, vp):
+    """The padding of a thread's packed parts, which the rows never write: the queries' columns
     past D and rows past T, the keys' columns past D and lanes past S, the values' keys past S
-    and lanes past D; all zero (a zero weight or value adds nothing: no garbage enters a sum)."""
+    and lanes past D; all zero (a zero weight or value adds nothing: no garbage enters a sum).
+    Once a call: every (batch row, head) the thread packs leaves them as they are."""
     Dp, Sp = _padded(D), _padded(S)
     for t in range(T, _up(T, GROUP)):
         g, c = t // GROUP, (t % GROUP) * STEP
         for col in range(Dp):
-            qx[b, h, g, (col // STEP) * GROUP * STEP + c + col % STEP] = 0
+            qx[g, (col // STEP) * GROUP * STEP + c + col % STEP] = 0
     for t in range(T):
         g, c = t // GROUP, (t % GROUP) * STEP
         for col in range(D, Dp):
-            qx[b, h, g, (col // STEP) * GROUP * STEP + c + col % STEP] = 0
+            qx[g, (col // STEP) * GROUP * STEP + c + col % STEP] = 0
     for p0 in range(0, S, PANEL):
         width = _panel_width(S, p0)
         base = p0 * Dp
         for r in range(width):
             first = D if p0 + r < S else 0
             for col in range(first, Dp):
-                kp[b, h, base + 2 * ((col // 2) * width + r) + col % 2] = 0
+                kp[base + 2 * ((col // 2) * width + r) + col % 2] = 0
     for d0 in range(0, D, PANEL):
         width = _panel_width(D, d0)
         base = d0 * Sp
         for j in range(Sp):
             first = min(PANEL, D - d0) if j < S else 0
             for r in range(first, width):
-                vp[b, h, base + 2 * ((j // 2) * width + r) + j % 2] = 0
+                vp[base + 2 * ((j // 2) * width + r) + j % 2] = 0
 
 
 @njit(inline="always")
-def _pack_part(qkv, part, b, t0, t1, D, qx, kp, vp, rows):
+def _pack_part(qkv, part, b, h, D, qx, kp, vp, rows):
+    """Part `part` (0 q, 1 k, 2 v) of head h of batch row b, every position, LANE_ROWS at a time."""
     T = qkv.shape[1]
-    if part == 0:
-        _pack_queries(qkv, b, t0, t1, D, qx, rows)
-    elif part == 1:
-        _pack_keys(qkv, b, t0, t1, T, D, kp, rows)
-    else:
-        _pack_values(qkv, b, t0, t1, T, D, vp, rows)
+    for t0 in range(0, T, LANE_ROWS):
+        t1 = min(T, t0 + LANE_ROWS)
+        if part == 0:
+            _pack_queries(qkv, b, h, t0, t1, D, qx, rows)
+        elif part == 1:
+            _pack_keys(qkv, b, h, t0, t1, T, D, kp, rows)
+        else:
+            _pack_values(qkv, b, h, t0, t1, T, D, vp, rows)
 
 
 @njit(inline="always")
-def _pack_block(qkv, part, b, t0, qx, kp, vp, rows):
-    """Positions t0 .. t0 + LANE_ROWS - 1 of batch row b: their q (part 0), k (1) or v (2)
-    rows. T5's head size as a constant where it is 64: LLVM then unrolls and vectorises the
-    rows' loops (benchmarks/README.md)."""
-    T, D = qkv.shape[1], qkv.shape[4]
-    t1 = min(T, t0 + LANE_ROWS)
-    if D == HEAD_DIM:
-        _pack_part(qkv, part, b, t0, t1, HEAD_DIM, qx, kp, vp, rows)
-    else:
-        _pack_part(qkv, part, b, t0, t1, D, qx, kp, vp, rows)
-
-
-@njit(inline="always")
-def _pack_rows(qkv, qx, kp, vp, rounded):
-    """qkv (B, T, 3, H, D) rounded and packed, LANE_ROWS positions a task, each thread its
-    share of the tasks with its own `rounded` (LANE_ROWS, Dp / 2) words; then the padding."""
-    B, T, _, H, D = qkv.shape
-    N = _up(T, LANE_ROWS) // LANE_ROWS                  # blocks of positions per batch row
-    threads = rounded.shape[0]
-    # (three loops, not one: the three together ran at half the speed of each alone)
-    for t in prange(threads):
-        for i in range(t, B * N, threads):
-            _pack_block(qkv, 0, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
-    for t in prange(threads):
-        for i in range(t, B * N, threads):
-            _pack_block(qkv, 1, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
-    for t in prange(threads):
-        for i in range(t, B * N, threads):
-            _pack_block(qkv, 2, i // N, i % N * LANE_ROWS, qx, kp, vp, rounded[t])
-    if T % PANEL or D % PANEL:     # (a separate loop: the tasks' work is even within each)
-        for j in prange(B * H):
-            _zero_padding(j // H, j % H, T, T, D, qx, kp, vp)
+def _pack_head(qkv, b, h, qx, kp, vp, rows):
+    """Head h of batch row b's q, k and v rounded into the thread's packed parts (in three
+    loops, not one: see the module's docstring). T5's head size as a constant where it is 64:
+    LLVM then unrolls and vectorises the rows' loops (benchmarks/README.md)."""
+    D = qkv.shape[4]
+    for part in range(3):
+        if D == HEAD_DIM:
+            _pack_part(qkv, part, b, h, HEAD_DIM, qx, kp, vp, rows)
+        else:
+            _pack_part(qkv, part, b, h, D, qx, kp, vp, rows)
 
 
 # -- phase 2: per (batch row, head), blocks of queries ------------------------------------------------
@@ -251,39 +231,39 @@ def _product(x, rows, packed, K, N, out, best):
 
 
 @njit(inline="always")
-def _heads(table, key_mask, ctx, qx, kp, vp, scores, weights, best):
-    """Phase 2 (see the module's docstring): each thread its share of the (batch row, head)
-    pairs, its own scores and weights."""
+def _heads(qkv, table, key_mask, ctx, queries, keys, values, rounded, scores, weights, best):
+    """Each thread its share of the (batch row, head) pairs, its own packed parts, scores and
+    weights (see the module's docstring)."""
     B, T, H, D = ctx.shape
     S = key_mask.shape[1]
     threads = scores.shape[0]
     shared = table.shape[0] == 1
     for t in prange(threads):
-        sc, px = scores[t], weights[t]
+        qx, kp, vp, sc, px = queries[t], keys[t], values[t], scores[t], weights[t]
         flat = px.reshape(-1)
+        _zero_padding(T, S, D, qx, kp, vp)
         for task in range(t, B * H, threads):
             b, h = task // H, task % H
             tb = table[0 if shared else h]
+            _pack_head(qkv, b, h, qx, kp, vp, rounded[t])
             for t0 in range(0, T, QUERY_BLOCK):
                 rows = min(T - t0, QUERY_BLOCK)
-                _product(qx[b, h, t0 // GROUP:], rows, kp[b, h], D, S, sc, best)
+                _product(qx[t0 // GROUP:], rows, kp, D, S, sc, best)
                 for r in range(rows):
                     i = t0 + r
                     _softmax_rounded(sc[r], tb[T - 1 - i:T - 1 - i + S], key_mask[b], S, flat,
                                      (r // GROUP) * px.shape[1] + (r % GROUP) * STEP)
-                _product(px, rows, vp[b, h], S, D, ctx[b, t0:t0 + rows, h], best)
+                _product(px, rows, vp, S, D, ctx[b, t0:t0 + rows, h], best)
 
 
 @njit(parallel=True, cache=True, **NON_FINITE_SAFE)
 def _attend_best(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, weights):
-    _pack_rows(qkv, qx, kp, vp, rounded)
-    _heads(table, key_mask, ctx, qx, kp, vp, scores, weights, True)
+    _heads(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, weights, True)
 
 
 @njit(parallel=True, cache=True, **NON_FINITE_SAFE)
 def _attend_fallback(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, weights):
-    _pack_rows(qkv, qx, kp, vp, rounded)
-    _heads(table, key_mask, ctx, qx, kp, vp, scores, weights, False)
+    _heads(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, weights, False)
 
 
 def _parts(qkv, table, key_mask, ctx, work, threads) -> dict[str, np.ndarray]:
