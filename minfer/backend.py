@@ -62,6 +62,7 @@ def encoder_attention_kind(compute: str, dtype: Any, on_host: bool | None) -> st
         return "float32"
     return None
 
+
 QUANTISED_FORMATS = ("int8", "int4")     # what compute="int8" multiplies
 FP8_FORMATS = ("float8_e4m3", "float8_e5m2")   # a file's fp8 codes: compute="bfloat16" multiplies
                                                # their values (each a bfloat16) as they are
