@@ -266,17 +266,14 @@ def _attend_fallback(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, wei
     _heads(qkv, table, key_mask, ctx, qx, kp, vp, rounded, scores, weights, False)
 
 
-def _parts(qkv, table, key_mask, ctx, work, threads) -> dict[str, np.ndarray]:
-    return AttentionShape.of_call("bfloat16", qkv, table, key_mask, ctx, threads).carve(work)
-
-
 def attend_bf16(qkv, table, key_mask, ctx, work, best: bool = True) -> None:
     """ctx (B, T, H, D) = softmax(q k^T + bias) v with bfloat16 products, the self-attention of
     T positions: qkv (B, T, 3, H, D) float32 (the q|k|v product's output, contiguous), the bias
     table[h, j - i + T - 1] (H, 2T - 1) (or (1, ...) for every head) plus key_mask[b, j] (B, T);
     work a contiguous buffer of at least AttentionShape(B, H, T, T, D, threads).nbytes() bytes
     for numba's current thread count. best False: the tiles a CPU without AVX512_BF16 runs."""
-    p = _parts(qkv, table, key_mask, ctx, work, numba.get_num_threads())
+    shape = AttentionShape.of_call("bfloat16", qkv, table, key_mask, ctx, numba.get_num_threads())
+    p = shape.carve(work)
     run = _attend_best if best else _attend_fallback
     run(qkv, table, key_mask, ctx, p["queries"], p["keys"], p["values"], p["rounded"],
         p["scores"], p["weights"])
