@@ -421,13 +421,22 @@ def head_slice(a: Any, H: int, h0: int, h1: int) -> Any:
     return a
 
 
-def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool, work: Any = None) -> Any:
+def activate(xp: Any, name: str, hidden: Any, F: int, gated: bool, work: Any = None,
+             into: Any = None) -> Any:
     """The FF's activation in place on hidden (..., F | 2F) -> the (..., F) view to multiply
     by W_out: act(h), or act(h[..., :F]) * h[..., F:] for a gated FF. `work`: float32 scratch
-    of (..., F * ACTIVATION_WORK[name]) for activations that need one (then none is allocated)."""
-    k = compiled(xp, hidden) if name == "relu" else None   # the others: NumPy's vector math
-    if k is not None and hidden.flags.c_contiguous:
-        k.relu(hidden.reshape(-1, hidden.shape[-1]), F, gated)
+    of (..., F * ACTIVATION_WORK[name]) for activations that need one (then none is allocated).
+    `into`: W_out's slot; where its product takes rows already quantised
+    (`PackedWeight.norm_work`, compute="int8"), the activated rows go quantised into its scratch
+    and the result is `QuantisedRows` of the (..., F) view (hidden then left as it was)."""
+    k = compiled(xp, hidden)
+    if k is not None and hidden.flags.c_contiguous and name in k.ACTIVATION_KINDS:
+        rows, kind = hidden.reshape(-1, hidden.shape[-1]), k.ACTIVATION_KINDS[name]
+        ready = into.norm_work(rows.shape[0]) if isinstance(into, PackedWeight) else None
+        if ready is not None:
+            k.activate_quantised(rows, F, gated, kind, ready, into.groups)
+            return QuantisedRows(hidden[..., :F])
+        k.activate(rows, F, gated, kind)
         return hidden[..., :F]
     act = activation(name)   # in place: every activation writes into the view it is given
     if work is not None:     # one pass over all rows, through the caller's scratch

@@ -10,8 +10,7 @@ MiB a batch row for T5-XXL's 64 heads over 512 tokens) and reads the bias from L
 row is there. Each row (S float32s, in L1) takes three sweeps: scores + bias + key mask and
 their maximum, the exponentials and their sum, the division.
 
-The exponential is written out (`_exp_nonpositive`) so that LLVM vectorises the sweep: numba's
-exp is a scalar libm call (no SVML here), about ten times NumPy's vector loop per element.
+The exponential is `vector_math.exp_nonpositive`, written out so that LLVM vectorises the sweep.
 """
 
 from __future__ import annotations
@@ -22,43 +21,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .step_ops import NON_FINITE_SAFE
-
-# exp(x) for x <= 0 as 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series
-# to r^7 / 7! (relative error below 3e-8 there: under float32's rounding). x below EXP_FLOOR
-# (e^-87.3, float32's smallest normal number) gives 0, as it gives a padded key (NumPy would give
-# a subnormal down to e^-103.9: against the row maximum's 1 such a term is lost in the sum), so
-# that 2^n stays a normal number, which the exponent bits can hold.
-LOG2_E = np.float32(1.4426950408889634)
-LN2_HI = np.float32(0.693145751953125)      # ln 2 split so that n * LN2_HI is exact for |n| < 2^9
-LN2_LO = np.float32(1.4286068203094173e-06)
-EXP_FLOOR = np.float32(-87.33654)           # 2^-126 * e^(tiny): the smallest normal result
-_TAYLOR = tuple(np.float32(1.0 / f) for f in (5040.0, 720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0))
-
-
-@intrinsic
-def _pow2(typingctx, n):
-    """2^n for an integral float32 n in [-126, 127]: n + 127 placed in the exponent bits (in IR,
-    so the sweep vectorises: numba's own integer arithmetic widens to int64)."""
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        biased = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
-    return types.float32(types.float32), codegen
-
-
-@njit(inline="always", **NON_FINITE_SAFE)
-def _exp_nonpositive(x):
-    """e^x for x <= 0 (a score minus its row's maximum), 0 below EXP_FLOOR; NaN stays NaN
-    (through r: the exponent n is taken from 0 instead, an integer conversion of NaN being
-    undefined in LLVM)."""
-    small = x < EXP_FLOOR
-    y = EXP_FLOOR if small else x
-    n = np.floor((y if y == y else np.float32(0.0)) * LOG2_E + np.float32(0.5))
-    r = (y - n * LN2_HI) - n * LN2_LO
-    p = _TAYLOR[0]
-    for c in _TAYLOR[1:]:
-        p = p * r + c
-    return np.float32(0.0) if small else p * _pow2(n)
+from .vector_math import exp_nonpositive
 
 
 @intrinsic
@@ -106,7 +69,7 @@ def _exponentials(row, bias, mask, S):
     top = _largest(row, S)
     total = np.float32(0.0)
     for j in range(S):
-        e = _exp_nonpositive(row[j] - top)
+        e = exp_nonpositive(row[j] - top)
         row[j] = e
         total += e
     return np.float32(1.0) / total

@@ -15,9 +15,10 @@ import numba
 import numpy as np
 
 from ..io import tensors as io_tensors
-from . import (attention_layout, bfloat16_products, bfloat16_tiles, float_products, float_tiles,
-               pass_attention, pass_attention_float, pass_softmax, quantised_products, step_ops,
-               tiles, widening)
+from . import (activations, attention_layout, bfloat16_products, bfloat16_tiles, float_products,
+               float_tiles, pass_attention, pass_attention_float, pass_softmax, quantised_products,
+               step_ops, tiles, vector_math, widening)
+from .activations import ACTIVATION_KINDS, activate, activate_quantised
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
 from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, matmul_f32,
@@ -27,7 +28,7 @@ from .pass_attention_float import attend_f32
 from .quantised_products import (_qmatmul_i4, _qmatmul_i8, _qmatmul_i8g, add_rms_norm_quantised,
                                  grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
-from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, relu, top_k
+from .step_ops import add_rms_norm, attend_query, attend_query_parallel, gather_rows, top_k
 from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, widen_i4g,
                        widen_i8)
 
@@ -37,7 +38,8 @@ from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, 
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
                                            pass_softmax, pass_attention, io_tensors,
-                                           attention_layout, float_tiles, pass_attention_float))
+                                           attention_layout, float_tiles, pass_attention_float,
+                                           vector_math, activations))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:
@@ -142,6 +144,13 @@ def _int8_products() -> None:
                            np.ones(64, np.float32), 1e-6, _work(), 1)
 
 
+def _activations() -> None:
+    for kind in sorted(set(ACTIVATION_KINDS.values())):
+        activate(np.ones((1, 4), np.float32), 2, True, kind)
+    activate_quantised(np.ones((1, 128), np.float32), 64, True, ACTIVATION_KINDS["gelu_new"],
+                       _work(), 1)
+
+
 def _int4_products() -> None:
     qmatmul_i4(_X64, _NIBBLES, _SCALES, _OUT64, _work())
 
@@ -162,7 +171,6 @@ def _fp8_products() -> None:
 def _steps() -> None:
     add_rms_norm(np.ones((1, 4), np.float32), np.ones((1, 4), np.float32),
                  np.ones(4, np.float32), 1e-6, np.empty((1, 4), np.float32))
-    relu(np.ones((1, 4), np.float32), 2, True)
     top_k(np.zeros((1, 4), np.float32), 2, np.empty((1, 2), np.int64), np.empty((1, 2), np.float32))
     cache = np.zeros((1, 1, 2, 2, 4), np.float32)        # (L, B, H, N, D)
     q, ctx = np.zeros((1, 2, 4), np.float32), np.empty((1, 2, 4), np.float32)
@@ -188,7 +196,7 @@ def _pass_attention() -> None:
 # children, heaviest first to the least loaded, so that each child's share takes about as long.
 WARM_UPS = ((52.2, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
             (18.4, _fp8_products), (11.1, _int4_products), (11.4, _grouped_products),
-            (12.0, _steps), (9.5, _bfloat16_products), (2.2, _widenings))
+            (9.7, _steps), (14.5, _activations), (9.5, _bfloat16_products), (2.2, _widenings))
 
 
 def shares(parts: int) -> list[list]:
@@ -216,8 +224,9 @@ def max_threads() -> int:
     return numba.config.NUMBA_NUM_THREADS
 
 
-__all__ = ["BY_FORMAT", "FormatKernels", "SOURCES", "add_rms_norm", "add_rms_norm_quantised",
+__all__ = ["ACTIVATION_KINDS", "BY_FORMAT", "FormatKernels", "SOURCES", "activate",
+           "activate_quantised", "add_rms_norm", "add_rms_norm_quantised",
            "attend_bf16", "attend_f32", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
-           "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "relu", "set_threads",
+           "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "set_threads",
            "top_k", "warm_up"]

@@ -1,6 +1,6 @@
 """Fused step functions: one call per sublayer of a decoding step instead of a dozen small NumPy
 calls (attention of one query position over a KV cache with its bias and softmax; a residual add
-with the RMS norm after it; the FF's relu), and decoding's host-side work (top-k of each row,
+with the RMS norm after it), and decoding's host-side work (top-k of each row,
 the rows of a beam reorder).
 """
 
@@ -108,21 +108,6 @@ def attend_query_parallel(q, k, v, S, bias, ctx):
     B, H = q.shape[0], q.shape[1]
     for bh in prange(B * H):
         _attend_one(q, k, v, S, bias, ctx, bh // H, bh % H, np.empty(S, np.float32))
-
-
-# Only ReLU is compiled: numba's exp / tanh / erf are scalar calls (no vector math library), so
-# GELU and SiLU over a row ran several times slower here than in NumPy's vectorised loops.
-@njit(fastmath=True, cache=True)
-def relu(hidden, F, gated):
-    """In place over hidden (R, F | 2F): max(h, 0) for the first F columns, times the second F
-    columns when `gated` (T5 v1.1's act(x W_0) * (x W_1))."""
-    R = hidden.shape[0]
-    for r in range(R):
-        row = hidden[r]
-        for c in range(F):
-            a = max(row[c], np.float32(0.0))
-            row[c] = a * row[F + c] if gated else a
-
 
 
 # -- decoding's host-side work ------------------------------------------------------------------------

@@ -273,9 +273,10 @@ def feed_forward(xp: Any, cfg: T5Config, blk: dict, h: Any, ws: PassScratch) -> 
     W_out computes in float32 (HF keeps `wo` float32), into ws.ffo."""
     if cfg.act == "relu" and not cfg.gated:     # (in the int8 products' epilogue)
         gate = ops.linear(xp, h, blk["w_in"], out=ws.ff, relu=True)       # (B, T, F)
-    else:
+    else:   # (quantised straight into W_out's scratch where its product takes them so)
         hidden = ops.linear(xp, h, blk["w_in"], out=ws.ff)                # (B, T, F | 2F)
-        gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated, ws.act)  # (B, T, F)
+        gate = ops.activate(xp, cfg.act, hidden, cfg.d_ff, cfg.gated, ws.act,
+                            into=blk["w_out"] if ws.ffo is None else None)  # (B, T, F)
     if ws.ffo is None:
         return ops.linear(xp, gate, blk["w_out"], out=ws.proj)
     wide = ws.act[..., :cfg.d_ff]
