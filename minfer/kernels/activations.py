@@ -24,7 +24,11 @@ from .vector_math import normal_cdf, sigmoid
 RELU, GELU_TANH, GELU_ERF, SILU = 0, 1, 2, 3
 ACTIVATION_KINDS = {"relu": RELU, "gelu_new": GELU_TANH, "gelu_pytorch_tanh": GELU_TANH,
                     "gelu_fast": GELU_TANH, "gelu": GELU_ERF, "silu": SILU, "swish": SILU}
-ACTIVATE_PARALLEL = 1 << 15    # elements of the activated rows above which the rows run in parallel
+# Elements of the activated rows from which the rows run over the threads: a GELU or SiLU
+# element costs several times a ReLU's, so two threads win from one decoding row of a gated
+# 2,048-wide FF on (benchmarks/README.md, "Measurements behind constants"); ReLU keeps the
+# norm's threshold.
+ACTIVATE_PARALLEL, RELU_PARALLEL = 1 << 12, 1 << 16
 # No fast-math: `activate` then the product's own quantisation, and `activate_quantised`, must
 # give the same bytes (with contraction, LLVM may fuse a multiply-add in one build and not in the
 # other); numpy's error model keeps a division by zero inf, never an exception.
@@ -74,7 +78,7 @@ def activate(hidden, F, gated, kind):
     when `gated`); kind: RELU, GELU_TANH, GELU_ERF or SILU. An encoder pass's rows over the
     threads, a decoding step's few on this one."""
     R = hidden.shape[0]
-    if R * F < ACTIVATE_PARALLEL:
+    if R * F < (RELU_PARALLEL if kind == RELU else ACTIVATE_PARALLEL):
         _rows_in_place(hidden, F, gated, kind, 0, R)
         return
     tasks = min(R, 4 * _iget_num_threads())
@@ -101,7 +105,7 @@ def activate_quantised(hidden, F, gated, kind, work, groups):
     R = hidden.shape[0]
     xq, sums, sx = _carve(work, R, F, groups)
     G = F // groups
-    if R * F < ACTIVATE_PARALLEL:
+    if R * F < (RELU_PARALLEL if kind == RELU else ACTIVATE_PARALLEL):
         _rows_quantised(hidden, F, gated, kind, xq, sums, sx, G, 0, R)
         return
     tasks = min(R, 4 * _iget_num_threads())
