@@ -501,7 +501,7 @@ def _softmax_distance_bias(scores, table, h0, key_mask):
     """scores (B, h, T, S) of heads h0.. -> softmax(scores + table[h0 + g, j - i + T - 1] +
     key_mask[b, j]) in place: `_softmax_row` on every row, as the attention kernels run it."""
     from minfer.kernels.pass_softmax import _softmax_row
-    from minfer.kernels.step_ops import NON_FINITE_SAFE
+    from minfer.kernels.vector_math import NON_FINITE_SAFE
 
     @numba.njit(**NON_FINITE_SAFE)
     def rows(scores, table, h0, key_mask):

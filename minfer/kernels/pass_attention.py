@@ -36,7 +36,7 @@ from . import bfloat16_tiles
 from .attention_layout import GROUP, LANE_ROWS, PANEL, QUERY_BLOCK, STEP, AttentionShape
 from .bfloat16_products import _padded, _panel_rows, _to_bf16
 from .pass_softmax import _exponentials
-from .step_ops import NON_FINITE_SAFE
+from .vector_math import NON_FINITE_SAFE
 
 # the layout's constants are the tiles' own
 assert (PANEL, GROUP, STEP) == (bfloat16_tiles.PANEL, bfloat16_tiles.GROUP, bfloat16_tiles.STEP)

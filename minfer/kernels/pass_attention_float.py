@@ -21,7 +21,7 @@ from numba import njit, prange
 from .attention_layout import QUERY_BLOCK, AttentionShape
 from .float_tiles import LANES, PANEL, panel
 from .pass_softmax import _softmax_row
-from .step_ops import NON_FINITE_SAFE
+from .vector_math import NON_FINITE_SAFE
 
 
 @njit(inline="always")

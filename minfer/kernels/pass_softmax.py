@@ -20,8 +20,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .step_ops import NON_FINITE_SAFE
-from .vector_math import exp_nonpositive
+from .vector_math import NON_FINITE_SAFE, exp_nonpositive
 
 
 @intrinsic

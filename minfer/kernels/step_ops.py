@@ -11,11 +11,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-# The fused step functions take fastmath's reassociation (which vectorises their sums) but not its
-# "no NaN / no inf" assumptions, and NumPy's error model (x / 0 is inf, not ZeroDivisionError):
-# an overflowed score must come out as NaN logits, which generation names in a one-line error,
-# never as a raw exception from inside a kernel or a finite value LLVM made up.
-NON_FINITE_SAFE = dict(fastmath={"reassoc", "contract", "arcp", "nsz", "afn"}, error_model="numpy")
+from .vector_math import NON_FINITE_SAFE, exp_nonpositive
 
 
 # -- fused step functions ---------------------------------------------------------------------------------
@@ -76,7 +72,7 @@ def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
         top = max(top, acc)
     total = np.float32(0.0)
     for j in range(S):
-        e = np.exp(scores[j] - top)
+        e = exp_nonpositive(scores[j] - top)
         scores[j] = e
         total += e
     out = ctx[b, h]

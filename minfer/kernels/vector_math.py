@@ -1,7 +1,8 @@
 """Elementary functions written out in arithmetic LLVM vectorises: numba's exp / tanh / erf are
 scalar libm calls (no SVML here), about ten times NumPy's vector loops per element, so a
 compiled sweep that called them lost to NumPy. The softmax of the pass attentions
-(pass_softmax.py) and the FF's activations (activations.py) are built on these.
+(pass_softmax.py), the decoding steps' attention (step_ops.py) and the FF's activations
+(activations.py) are built on these; NON_FINITE_SAFE, the compile flags of the float kernels.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .step_ops import NON_FINITE_SAFE
+# The float kernels take fastmath's reassociation (which vectorises their sums) but not its "no
+# NaN / no inf" assumptions, and NumPy's error model (x / 0 is inf, not ZeroDivisionError): an
+# overflowed score must come out as NaN logits, which generation names in a one-line error, never
+# as a raw exception from inside a kernel or a finite value LLVM made up.
+NON_FINITE_SAFE = dict(fastmath={"reassoc", "contract", "arcp", "nsz", "afn"}, error_model="numpy")
 
 # exp(x) for x <= 0 as 2^n * e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor series
 # to r^7 / 7! (relative error below 3e-8 there: under float32's rounding). x below EXP_FLOOR
