@@ -130,13 +130,12 @@ def _compile_ahead(module: Any) -> None:
         code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
                 "from minfer.kernels import environment; environment.configure(); "
                 "from minfer.kernels import registry; "
-                "registry.warm_up(int(sys.argv[2]), int(sys.argv[3]))")
-        parts = _compile_parts()
+                "registry.warm_up(json.loads(sys.argv[2]))")
         children: list[subprocess.Popen] = []
         try:
-            for part in range(parts):      # side by side: each compiles its share of the kernels
+            for share in module.shares(_compile_parts()):   # side by side: a share a child
                 children.append(subprocess.Popen(
-                    [sys.executable, "-c", code, json.dumps(path), str(part), str(parts)],
+                    [sys.executable, "-c", code, json.dumps(path), json.dumps(share)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             deadline = time.monotonic() + 1800
             done = all(c.wait(timeout=max(1.0, deadline - time.monotonic())) == 0

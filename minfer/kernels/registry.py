@@ -199,21 +199,23 @@ WARM_UPS = ((52.2, _pass_attention), (35.5, _float_products), (21.3, _int8_produ
             (9.7, _steps), (14.5, _activations), (9.5, _bfloat16_products), (2.2, _widenings))
 
 
-def shares(parts: int) -> list[list]:
-    """WARM_UPS' calls in `parts` lists of about equal compile time."""
+def shares(parts: int) -> list[list[str]]:
+    """The names of WARM_UPS' calls in `parts` lists of about equal compile time."""
     loads, dealt = [0.0] * parts, [[] for _ in range(parts)]
     for seconds, call in sorted(WARM_UPS, key=lambda entry: -entry[0]):
         least = loads.index(min(loads))
         loads[least] += seconds
-        dealt[least].append(call)
+        dealt[least].append(call.__name__)
     return dealt
 
 
-def warm_up(part: int = 0, parts: int = 1) -> None:
+def warm_up(names: list[str] | None = None) -> None:
     """Compile (or load from the cache) the kernels for the array types the models use: all of
-    them, or share `part` of `parts` (`shares`: a first run compiles them side by side)."""
-    for call in shares(parts)[part]:
-        call()
+    them, or the warm-ups named (a share `shares` dealt: a first run compiles them side by
+    side, one child a share)."""
+    for _, call in WARM_UPS:
+        if names is None or call.__name__ in names:
+            call()
 
 
 def set_threads(n: int) -> None:
