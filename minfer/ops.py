@@ -26,10 +26,10 @@ import numpy as np
 from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
+from .kernels.activation_formulas import ERF_A, ERF_P, GELU_TANH_CUBIC, SQRT_2_OVER_PI
 from .kernels.attention_layout import AttentionShape
 from .products import MIN_PART_ROWS, PackedWeight, QuantisedRows, round_to_bfloat16
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
 LSE_CHUNK_BYTES = 1 << 18          # rows handled together by logsumexp_ (about L2-sized)
 
@@ -472,8 +472,8 @@ def gelu_tanh_(xp: Any, x: Any, work: Any = None) -> Any:
     """GELU, tanh approximation ('gelu_new'): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
     `work`: float32 scratch of x's shape (the inner term, computed in float32)."""
     inner = x * x if work is None else xp.multiply(x, x, out=work, dtype=np.float32)
-    inner *= 0.044715 * _SQRT_2_OVER_PI
-    inner += _SQRT_2_OVER_PI
+    inner *= GELU_TANH_CUBIC * SQRT_2_OVER_PI
+    inner += SQRT_2_OVER_PI
     inner *= x
     xp.tanh(inner, out=inner)
     inner += 1.0
@@ -486,13 +486,11 @@ def erf(xp: Any, x: Any) -> Any:
     """erf without scipy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7, below float32 noise in GELU)."""
     sign = xp.sign(x)
     a = xp.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027
-                                                                          + t * 1.061405429))))
-    return sign * (1.0 - poly * xp.exp(-a * a))
-
-
-_ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+    t = 1.0 / (1.0 + ERF_P * a)
+    poly = ERF_A[-1]
+    for c in reversed(ERF_A[:-1]):                  # Horner: poly(t) = t (A1 + t (A2 + ...))
+        poly = poly * t + c
+    return sign * (1.0 - t * poly * xp.exp(-a * a))
 
 
 def gelu_erf_(xp: Any, x: Any, work: Any = None) -> Any:
@@ -506,11 +504,11 @@ def gelu_erf_(xp: Any, x: Any, work: Any = None) -> Any:
         xp.multiply(a, a, out=e)
         xp.negative(e, out=e)
         xp.exp(e, out=e)
-        xp.multiply(a, _ERF_P, out=t)
+        xp.multiply(a, ERF_P, out=t)
         t += 1.0
         xp.reciprocal(t, out=t)
-        a[...] = _ERF_A[-1]
-        for c in reversed(_ERF_A[:-1]):             # Horner: poly(t) = t (a1 + t (a2 + ...))
+        a[...] = ERF_A[-1]
+        for c in reversed(ERF_A[:-1]):             # Horner: poly(t) = t (A1 + t (A2 + ...))
             a *= t
             a += c
         a *= t

@@ -11,12 +11,11 @@ encoder pass (benchmarks/README.md, "Compiled activations").
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 from numba.np.ufunc.parallel import _iget_num_threads
 
+from .activation_formulas import GELU_TANH_CUBIC, SQRT_2_OVER_PI
 from .quantised_products import _carve, _place, _quantise_row
 from .vector_math import normal_cdf, sigmoid
 
@@ -34,9 +33,9 @@ ACTIVATE_PARALLEL, RELU_PARALLEL = 1 << 12, 1 << 16
 # other); numpy's error model keeps a division by zero inf, never an exception.
 STRICT = dict(error_model="numpy")
 
-# gelu_tanh(x) = x (1 + tanh(y)) / 2 = x sigmoid(2 y), y = sqrt(2 / pi) (x + 0.044715 x^3)
-_TWO_C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
-_TWO_C_CUBE = np.float32(2.0 * math.sqrt(2.0 / math.pi) * 0.044715)
+# gelu_tanh(x) = x (1 + tanh(y)) / 2 = x sigmoid(2 y), y = sqrt(2 / pi) (x + GELU_TANH_CUBIC x^3)
+_TWO_C = np.float32(2.0 * SQRT_2_OVER_PI)
+_TWO_C_CUBE = np.float32(2.0 * SQRT_2_OVER_PI * GELU_TANH_CUBIC)
 
 
 @njit(inline="always", **STRICT)

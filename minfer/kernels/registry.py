@@ -15,9 +15,9 @@ import numba
 import numpy as np
 
 from ..io import tensors as io_tensors
-from . import (activations, attention_layout, bfloat16_products, bfloat16_tiles, float_products,
-               float_tiles, pass_attention, pass_attention_float, pass_softmax, quantised_products,
-               step_ops, tiles, vector_math, widening)
+from . import (activation_formulas, activations, attention_layout, bfloat16_products,
+               bfloat16_tiles, float_products, float_tiles, pass_attention, pass_attention_float,
+               pass_softmax, quantised_products, step_ops, tiles, vector_math, widening)
 from .activations import ACTIVATION_KINDS, activate, activate_quantised
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
@@ -34,12 +34,13 @@ from .widening import (widen_bf16, widen_e4m3, widen_e5m2, widen_f16, widen_i4, 
 
 # The sources whose compiled code numba caches (kernels._kernel_stamp hashes them), and the
 # plain modules whose constants they compile in: io/tensors.py (the fp8 tables of the bfloat16
-# products), kernels/attention_layout.py (the bfloat16 attention's layout).
+# products), kernels/attention_layout.py (the bfloat16 attention's layout),
+# kernels/activation_formulas.py (the activations' constants).
 SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_products,
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
                                            pass_softmax, pass_attention, io_tensors,
                                            attention_layout, float_tiles, pass_attention_float,
-                                           vector_math, activations))
+                                           vector_math, activations, activation_formulas))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:

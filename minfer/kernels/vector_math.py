@@ -14,6 +14,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import activation_formulas
+
 # The float kernels take fastmath's reassociation (which vectorises their sums) but not its "no
 # NaN / no inf" assumptions, and NumPy's error model (x / 0 is inf, not ZeroDivisionError): an
 # overflowed score must come out as NaN logits, which generation names in a one-line error, never
@@ -68,12 +70,10 @@ def sigmoid(z):
     return s if z >= np.float32(0.0) else e * s
 
 
-# erfc(a) for a >= 0 as Abramowitz & Stegun 7.1.26 gives it: t = 1 / (1 + P a),
-# erfc(a) = t (A1 + t (A2 + t (A3 + t (A4 + t A5)))) e^(-a^2), |error| < 1.5e-7 (below float32's
-# noise in a GELU). The same formula as ops.erf (NumPy), without its 1 - erfc for negative x.
-ERF_P = np.float32(0.3275911)
-_ERF_A = tuple(np.float32(a) for a in (1.061405429, -1.453152027, 1.421413741, -0.284496736,
-                                       0.254829592))      # (A5 .. A1: Horner's order)
+# erfc(a) for a >= 0 as Abramowitz & Stegun 7.1.26 gives it (activation_formulas.ERF_*), without
+# ops.erf's 1 - erfc for negative x
+ERF_P = np.float32(activation_formulas.ERF_P)
+_ERF_A = tuple(np.float32(a) for a in reversed(activation_formulas.ERF_A))   # (Horner's order)
 INV_SQRT_2 = np.float32(1.0 / math.sqrt(2.0))
 
 
