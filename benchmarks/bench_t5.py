@@ -53,7 +53,7 @@ DEFAULT_TOKENIZER = Path("/work/shared/t5-tokenizer")
 TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer_config.json",
                    "special_tokens_map.json")
 
-SHAPES = ("t5-small", "t5-base")
+SHAPES = ("t5-small", "t5-base", "t5-v1_1-base")
 SOURCE_LEN = 32
 NEW_TOKENS = 64
 INPUT_SEED = 20240601
@@ -62,7 +62,7 @@ RESULT_MARK = "BENCH_RESULT "  # a worker's last stdout line: this mark, then JS
 
 # How the random weights are rescaled after writing (see rescale_weights), per shape:
 # (embedding scale, attention / feed-forward gain), picked by trying a few values
-RESCALE = {"t5-small": (0.1, 2.0), "t5-base": (0.03, 2.0)}
+RESCALE = {"t5-small": (0.1, 2.0), "t5-base": (0.03, 2.0), "t5-v1_1-base": (0.03, 2.0)}
 LINEAR_SUFFIXES = tuple(f".{w}.weight" for w in ("q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"))
 RESCALED_MARK = "benchmark_rescaled.json"
 

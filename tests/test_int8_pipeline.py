@@ -148,9 +148,10 @@ def unfused(model, monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_a_whole_model_computes_the_same_bits_fused(dtype, monkeypatch):
-    """The trained T5 (ReLU FF) with compute="int8": encoder states of a padded batch and the
-    generated answers, fused (norms into every product they feed, ReLU in the epilogue) and
-    not, are identical; the fused norm runs for the encoder's and the decoder's norms."""
+    """The trained T5 (a gated-GELU FF) with compute="int8": encoder states of a padded batch
+    and the generated answers, fused (norms and the activation into the scratch of the product
+    they feed) and not, are identical; the fused norm runs for the encoder's and the decoder's
+    norms."""
     from test_shipped_models import read_jsonl
     prompts = [r["prompt"] for r in read_jsonl(T5_DIR / "heldout.jsonl")][:23]   # (odd rows)
     m = minfer.load(T5_DIR, dtype=dtype, compute="int8")

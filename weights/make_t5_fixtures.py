@@ -72,6 +72,7 @@ flags is given the fixtures are not rewritten):
 
     python weights/make_t5_fixtures.py --t5-small-shaped /tmp/t5-small-random
     python weights/make_t5_fixtures.py --t5-base-shaped /tmp/t5-base-random
+    python weights/make_t5_fixtures.py --t5-v1_1-base-shaped /tmp/t5-v1_1-base-random
 
 No network access is needed: configs are built by hand with ``T5Config``.
 Tested with torch 2.13 (CPU) and transformers 4.57.
@@ -653,6 +654,9 @@ T5_BASE_SHAPE = dict(
     num_heads=12,
     d_kv=64,
 )
+# t5-v1_1-base / flan-t5-base: the gated-GELU FF (two input projections of 2048), untied head
+T5_V1_1_BASE_SHAPE = dict(T5_BASE_SHAPE, d_ff=2048, feed_forward_proj="gated-gelu",
+                          tie_word_embeddings=False)
 
 
 def write_random_checkpoint(folder, config_kwargs: dict, seed=0, dtype="float32"):
@@ -682,14 +686,18 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tries", type=int, default=500, help="seeds to try per case")
     parser.add_argument("--t5-small-shaped", metavar="DIR", help="write a random checkpoint with t5-small shapes to DIR")
     parser.add_argument("--t5-base-shaped", metavar="DIR", help="write a random checkpoint with t5-base shapes to DIR")
+    parser.add_argument("--t5-v1_1-base-shaped", metavar="DIR",
+                        help="write a random checkpoint with t5-v1_1-base shapes (gated-GELU) to DIR")
     args = parser.parse_args(argv)
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     torch.set_num_threads(1)  # deterministic reductions, and it is tiny anyway
 
-    if args.t5_small_shaped or args.t5_base_shaped:
-        for folder, shape in ((args.t5_small_shaped, T5_SMALL_SHAPE), (args.t5_base_shaped, T5_BASE_SHAPE)):
+    shaped = ((args.t5_small_shaped, T5_SMALL_SHAPE), (args.t5_base_shaped, T5_BASE_SHAPE),
+              (args.t5_v1_1_base_shaped, T5_V1_1_BASE_SHAPE))
+    if any(folder for folder, _ in shaped):
+        for folder, shape in shaped:
             if folder:
                 write_random_checkpoint(folder, shape)
                 size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
