@@ -17,7 +17,7 @@ from numba.np.ufunc.parallel import _iget_num_threads
 
 from .activation_formulas import GELU_TANH_CUBIC, SQRT_2_OVER_PI
 from .quantised_products import _carve, _place, _quantise_row
-from .vector_math import normal_cdf, sigmoid
+from .vector_math import NON_FINITE_SAFE, normal_cdf, sigmoid
 
 # The kinds the kernels compile (`ACTIVATION_KINDS` names them by HF's activation names)
 RELU, GELU_TANH, GELU_ERF, SILU = 0, 1, 2, 3
@@ -28,9 +28,11 @@ ACTIVATION_KINDS = {"relu": RELU, "gelu_new": GELU_TANH, "gelu_pytorch_tanh": GE
 # 2,048-wide FF on (benchmarks/README.md, "Measurements behind constants"); ReLU keeps the
 # norm's threshold.
 ACTIVATE_PARALLEL, RELU_PARALLEL = 1 << 12, 1 << 16
-# No fast-math: `activate` then the product's own quantisation, and `activate_quantised`, must
-# give the same bytes (with contraction, LLVM may fuse a multiply-add in one build and not in the
-# other); numpy's error model keeps a division by zero inf, never an exception.
+# `activate` then the product's own quantisation, and `activate_quantised`, must give the same
+# bytes: both call one compiled row function (`_activate_row`, not inlined), so the fast-math
+# contraction it takes is the same machine code in both; their own loops only copy and quantise
+# (the quantisation as the products compile it: no fast-math). numpy's error model keeps a
+# division by zero inf, never an exception.
 STRICT = dict(error_model="numpy")
 
 # gelu_tanh(x) = x (1 + tanh(y)) / 2 = x sigmoid(2 y), y = sqrt(2 / pi) (x + GELU_TANH_CUBIC x^3)
@@ -38,7 +40,7 @@ _TWO_C = np.float32(2.0 * SQRT_2_OVER_PI)
 _TWO_C_CUBE = np.float32(2.0 * SQRT_2_OVER_PI * GELU_TANH_CUBIC)
 
 
-@njit(inline="always", **STRICT)
+@njit(cache=True, **NON_FINITE_SAFE)
 def _activate_row(src, F, gated, kind, dst):
     """dst[:F] = act(src[:F]) (* src[F:2F] when gated). One loop per kind (a branch on the kind
     inside the loop would keep it scalar; `numba.literally` would cost a dispatch each call from
