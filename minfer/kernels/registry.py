@@ -197,7 +197,7 @@ def _pass_attention() -> None:
 # children, heaviest first to the least loaded, so that each child's share takes about as long.
 WARM_UPS = ((52.2, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
             (18.4, _fp8_products), (11.1, _int4_products), (11.4, _grouped_products),
-            (9.7, _steps), (14.5, _activations), (9.5, _bfloat16_products), (2.2, _widenings))
+            (9.7, _steps), (7.4, _activations), (9.5, _bfloat16_products), (2.2, _widenings))
 
 
 def shares(parts: int) -> list[list[str]]:
