@@ -24,7 +24,7 @@ RELU, GELU_TANH, GELU_ERF, SILU = 0, 1, 2, 3
 ACTIVATION_KINDS = {"relu": RELU, "gelu_new": GELU_TANH, "gelu_pytorch_tanh": GELU_TANH,
                     "gelu_fast": GELU_TANH, "gelu": GELU_ERF, "silu": SILU, "swish": SILU}
 # Elements of the activated rows from which the rows run over the threads: a GELU or SiLU
-# element costs several times a ReLU's, so two threads win from one decoding row of a gated
+# element costs several times a ReLU's, so two threads win from two decoding rows of a gated
 # 2,048-wide FF on (benchmarks/README.md, "Measurements behind constants"); ReLU keeps the
 # norm's threshold.
 ACTIVATE_PARALLEL, RELU_PARALLEL = 1 << 12, 1 << 16
