@@ -31,6 +31,7 @@ from .kernels.attention_layout import AttentionShape
 from .products import MIN_PART_ROWS, PackedWeight, QuantisedRows, round_to_bfloat16
 
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
+EVERY_ROW = np.empty(0, np.int64)  # the step attention kernels' kv_rows for "row b reads row b"
 LSE_CHUNK_BYTES = 1 << 18          # rows handled together by logsumexp_ (about L2-sized)
 
 
@@ -236,13 +237,16 @@ def logsumexp_(xp: Any, x: Any) -> Any:
 
 
 def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
-              keys: int | None = None, stats: tuple[Any, Any] | None = None) -> None:
+              keys: int | None = None, stats: tuple[Any, Any] | None = None,
+              kv_rows: np.ndarray | None = None) -> None:
     """softmax(q k^T + bias) v into ctx. q (B, H, T, D), k/v (B, H, S, D), bias broadcast to
     (B, H, T, S), scores a (B, H, T, S) scratch, ctx a (B, T, H, D) output. No scaling: callers
     that need 1/sqrt(D) fold it into q (T5 folds it into its initialisation). `keys`: only the
     first `keys` positions of k/v take part (KV caches: pass the whole cache and its filled
     length, so the compiled kernel reads contiguous rows instead of a strided view). `stats`:
-    the softmax's row scratch, each (B, H, T, 1) (see softmax_)."""
+    the softmax's row scratch, each (B, H, T, 1) (see softmax_). `kv_rows` (B,) int64 on the
+    host: row b of q reads row kv_rows[b] of k and v (decoding's beams and samples share their
+    input's cross K/V; rows that read the same one are adjacent); None: row b."""
     B, H, T, D = q.shape
     S = k.shape[2] if keys is None else keys
     kc = compiled(xp, q) if T == 1 else None
@@ -250,7 +254,19 @@ def attention(xp: Any, q: Any, k: Any, v: Any, bias: Any, scores: Any, ctx: Any,
         bias3 = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)[:, :, 0]   # (Bb, Hb, S)
         run = kc.attend_query_parallel if B * H * S * D > PARALLEL_ATTENTION_WORK else kc.attend_query
         run(np.ascontiguousarray(q[:, :, 0]), np.ascontiguousarray(k), np.ascontiguousarray(v),
-            S, bias3, ctx[:, 0])   # (contiguous already, but for views of other arrays: copied)
+            S, bias3, ctx[:, 0],   # (contiguous already, but for views of other arrays: copied)
+            EVERY_ROW if kv_rows is None else kv_rows)
+        return
+    if kv_rows is not None:   # each run of rows reading one k / v row: that row broadcast
+        a = 0
+        while a < B:
+            e, row = a + 1, int(kv_rows[a])
+            while e < B and kv_rows[e] == row:
+                e += 1
+            attention(xp, q[a:e], k[row:row + 1], v[row:row + 1],
+                      bias[a:e] if bias.ndim == 4 and bias.shape[0] > 1 else bias, scores[a:e],
+                      ctx[a:e], keys, None if stats is None else (stats[0][a:e], stats[1][a:e]))
+            a = e
         return
     if S != k.shape[2]:
         k, v = k[:, :, :S], v[:, :, :S]

@@ -87,6 +87,29 @@ def test_one_query_attention_with_broadcast_bias(B, H, S, D, bias_shape):
         assert not np.isnan(ctx).any()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("T", [1, 2])
+def test_attention_rows_read_the_key_value_rows_kv_rows_names(compiled, T, monkeypatch):
+    """kv_rows: row b of q attends over row kv_rows[b] of k and v (a decoding state's beams
+    read their input's one copy of the cross K/V), in the compiled step kernels (one query
+    position) and the array path (any number; CUDA, MINFER_KERNELS=numpy): as attention over
+    k and v expanded to a row each, with each row's own mask."""
+    B, H, S, D = 5, 3, 7, 16
+    kv_rows = np.array([0, 0, 0, 1, 1])                    # two inputs: three beams, two beams
+    q = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    kk, v = (rng.standard_normal((2, H, S, D)).astype(np.float32) for _ in range(2))
+    bias = np.zeros((B, 1, 1, S), np.float32)
+    bias[3:, :, :, 5:] = np.finfo(np.float32).min          # the second input is shorter
+    if not compiled:
+        monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
+    elif T > 1:
+        pytest.skip("the compiled kernels take one query position")
+    want = numpy_attention(q, kk[kv_rows], v[kv_rows], bias).transpose(0, 2, 1, 3)
+    got = np.full((B, T, H, D), np.nan, np.float32)
+    ops.attention(np, q, kk, v, bias, np.empty((B, H, T, S), np.float32), got, kv_rows=kv_rows)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["relu", "gelu_new", "gelu", "silu"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_activate_equals_the_numpy_activations(name, gated):
@@ -286,7 +309,7 @@ def test_non_finite_attention_scores_give_nan_not_an_exception(bad, parallel):
     cache = rng.standard_normal((2, 2, 5, 4)).astype(np.float32)
     ctx = np.zeros((2, 2, 4), np.float32)
     run = k.attend_query_parallel if parallel else k.attend_query
-    run(q, cache, cache, 5, np.zeros((1, 1, 5), np.float32), ctx)
+    run(q, cache, cache, 5, np.zeros((1, 1, 5), np.float32), ctx, np.empty(0, np.int64))
     assert np.isnan(ctx[0, 1]).all()
     assert np.isfinite(ctx[1]).all() and np.isfinite(ctx[0, 0]).all()
 

@@ -98,3 +98,34 @@ def test_encode_of_a_huge_text_cut_to_max_length_reads_only_what_it_keeps(text_m
     with pytest.raises(InputError, match="more than max_length 24"):
         text_model.encode(huge, max_length=24)
     assert max(longest) < 100_000
+
+
+def test_beams_share_their_inputs_cross_keys_and_values(tmp_path):
+    """A decode state of B inputs x `repeat` rows holds the cross-attention K/V once per input
+    (every row reads its input's, `cross_rows`, which follows the rows through reorders):
+    (repeat - 1) / repeat of that memory less than a copy a row. Beam search over a batch whose
+    rows finish apart (reorders that drop inputs) keeps the answers of each input alone."""
+    from minfer.models.t5.buffers import DecodeBuffers
+    folder = write_t5(tmp_path / "m", seed=5, num_layers=2, num_decoder_layers=2)
+    m = minfer.load(folder)
+    ids, mask = m.batch([[5, 6, 7, 8, 1], [9, 10, 1]])
+    B, S, N, repeat = 2, ids.shape[1], 6, 3
+    with m.start_decoding(ids, mask, N, repeat=repeat) as state:
+        assert state.buf.cross_k.shape[1] == B and list(state.buf.cross_rows) == [0, 0, 0, 1, 1, 1]
+        state.step(state.first_tokens)
+        state.reorder([3, 4, 1])          # rows of the second input, then one of the first
+        assert list(state.live.cross_rows) == [1, 1, 0]
+    cfg, dtype = m.config, m.backend.dtype
+    shared = DecodeBuffers.nbytes(cfg, B * repeat, S, N, dtype, B)
+    copied = DecodeBuffers.nbytes(cfg, B * repeat, S, N, dtype)
+    L, H, D = cfg.num_decoder_layers, cfg.num_heads, cfg.d_kv
+    assert copied - shared >= 2 * L * (B * repeat - B) * H * S * D * np.dtype(dtype).itemsize
+    beams, rows = m.plan(B * repeat, S, N, repeat=repeat), m.plan(B * repeat, S, N)
+    assert beams["decode_state"] == shared and rows["decode_state"] == copied
+    assert beams["peak"] < rows["peak"]           # (and the encoder runs for B prompts only)
+    with pytest.raises(InputError, match="batch 5 is not a whole number of prompts of repeat 3"):
+        m.plan(5, S, N, repeat=3)
+    prompts = [[5, 6, 7, 8, 1], [9, 10, 1], [11, 12, 13, 1]]
+    kw = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2)
+    together = m.generate(prompts, **kw)
+    assert together == [seq for p in prompts for seq in m.generate([p], **kw)]   # (2 a prompt)

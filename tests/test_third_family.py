@@ -144,9 +144,11 @@ class PromptScratch(BufferSet):
 
 
 def run_bytes(cfg: ToyConfig, dtype: Any, batch: int, input_len: int | None,
-              max_new_tokens: int | None = None, compute: str = "float32") -> dict[str, int]:
+              max_new_tokens: int | None = None, compute: str = "float32",
+              repeat: int = 1) -> dict[str, int]:
     # (not in the doc: Model.load calls this with input_len=None and max_new_tokens=None, and
-    # every caller reads the "peak" key; compute: the backend's compute mode, unused here)
+    # every caller reads the "peak" key; compute: the backend's compute mode, and repeat: rows
+    # per prompt, unused here)
     state = DecodeBuffers.nbytes(cfg, batch, dtype)
     prompt = PromptScratch.nbytes(cfg, batch, input_len or 1, dtype)
     return {"decode_state": state, "prompt_scratch": prompt, "peak": state + prompt}

@@ -72,8 +72,9 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 class BatchPlanner:
     """How many prompts of a given token length may share a batch: `max_batch_size` at most, and
-    no more than the model's memory plan (`model.plan(rows, input_len, max_new_tokens)["peak"]`,
-    every row's decode state sized for max_new_tokens, times beams or samples per prompt) lets fit
+    no more than the model's memory plan (`model.plan(rows, input_len, max_new_tokens, repeat)
+    ["peak"]`, every row's decode state sized for max_new_tokens, rows = prompts times beams or
+    samples per prompt) lets fit
     in what the arena has free when the planner is made, but always one prompt that fits in what
     the arena has free when no request runs (`model.free_when_idle`): that one waits for memory
     (batcher.admit) rather than fail. Models without `plan` (test doubles of the decoding
@@ -91,7 +92,8 @@ class BatchPlanner:
 
     def peak(self, batch: int, length: int) -> int:
         # a model's plan knows how it runs a prompt of this length (Transformer-XL: in segments)
-        return int(self.plan(batch * self.repeat, length, self.max_new_tokens)["peak"])
+        return int(self.plan(batch * self.repeat, length, self.max_new_tokens,
+                             repeat=self.repeat)["peak"])
 
     def max_rows(self, length: int) -> int:
         """The most prompts of this length in one batch (0: not even one ever fits)."""

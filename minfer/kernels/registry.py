@@ -179,7 +179,7 @@ def _steps() -> None:
     biases = (np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 4), np.float32)[:, :, 2:])
     for attend in (attend_query, attend_query_parallel):
         for bias in biases:
-            attend(q, cache[0], cache[0], 2, bias, ctx)
+            attend(q, cache[0], cache[0], 2, bias, ctx, np.zeros(1, np.int64))
     gather_rows(cache, np.zeros(1, np.int64), 1)
 
 

@@ -53,13 +53,15 @@ def add_rms_norm(x, delta, weight, eps, h):
 
 
 @njit(cache=True, **NON_FINITE_SAFE)
-def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
-    """One (row, head): softmax(q . k_j + bias_j) over keys j < S, then the weighted sum of v.
-    k[b, h] and v[b, h] are C-contiguous (N, D) cache rows: numba then knows each key is
-    contiguous and vectorises the dot products (on strided views it did not)."""
+def _attend_one(q, k, v, S, bias, ctx, b, h, scores, kv_rows):
+    """One (row, head): softmax(q . k_j + bias_j) over keys j < S, then the weighted sum of v,
+    k and v of row kv_rows[b] (b when kv_rows is empty). k[r, h] and v[r, h] are C-contiguous
+    (N, D) cache rows: numba then knows each key is contiguous and vectorises the dot products
+    (on strided views it did not)."""
     D = k.shape[3]
     qv = q[b, h]
-    kb, vb = k[b, h], v[b, h]
+    r = kv_rows[b] if kv_rows.shape[0] > 0 else b
+    kb, vb = k[r, h], v[r, h]
     brow = bias[b if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0]
     top = -np.inf
     for j in range(S):
@@ -86,24 +88,24 @@ def _attend_one(q, k, v, S, bias, ctx, b, h, scores):
 
 
 @njit(cache=True, **NON_FINITE_SAFE)
-def attend_query(q, k, v, S, bias, ctx):
+def attend_query(q, k, v, S, bias, ctx, kv_rows):
     """One query position per (row, head): q (B, H, D), the first S keys/values of C-contiguous
-    caches (B, H, N, D), additive bias (Bb, Hb, >=S) broadcast over rows / heads when Bb / Hb is
-    1, -> ctx (B, H, D). Softmax is max-subtracted: a fully masked row gives uniform weights,
-    not NaN."""
+    caches (Bk, H, N, D), row b reading row kv_rows[b] of them (kv_rows empty: row b), additive
+    bias (Bb, Hb, >=S) broadcast over rows / heads when Bb / Hb is 1, -> ctx (B, H, D). Softmax
+    is max-subtracted: a fully masked row gives uniform weights, not NaN."""
     B, H = q.shape[0], q.shape[1]
     scores = np.empty(S, np.float32)
     for b in range(B):
         for h in range(H):
-            _attend_one(q, k, v, S, bias, ctx, b, h, scores)
+            _attend_one(q, k, v, S, bias, ctx, b, h, scores, kv_rows)
 
 
 @njit(parallel=True, cache=True, **NON_FINITE_SAFE)
-def attend_query_parallel(q, k, v, S, bias, ctx):
+def attend_query_parallel(q, k, v, S, bias, ctx, kv_rows):
     """`attend_query` with the (row, head) pairs spread over the threads (large batches)."""
     B, H = q.shape[0], q.shape[1]
     for bh in prange(B * H):
-        _attend_one(q, k, v, S, bias, ctx, bh // H, bh % H, np.empty(S, np.float32))
+        _attend_one(q, k, v, S, bias, ctx, bh // H, bh % H, np.empty(S, np.float32), kv_rows)
 
 
 # -- decoding's host-side work ------------------------------------------------------------------------

@@ -170,12 +170,13 @@ class Model(OwnsWeights, DecodingModel):
         return ids, mask
 
     def plan(self, batch: int = 1, input_len: int | None = None,
-             max_new_tokens: int | None = None) -> dict[str, int]:
+             max_new_tokens: int | None = None, repeat: int = 1) -> dict[str, int]:
         """Arena bytes a run of this shape needs (pure: nothing is allocated): named parts and
-        their "peak". input_len: prompt tokens (T5) or segment length (Transformer-XL)."""
-        check_plan_arguments(batch, input_len, max_new_tokens)
+        their "peak". batch: rows; input_len: prompt tokens (T5) or segment length
+        (Transformer-XL); repeat: rows per prompt (beams, samples: batch // repeat prompts)."""
+        check_plan_arguments(batch, input_len, max_new_tokens, repeat)
         return self.family.run_bytes(self.config, self.backend.dtype, batch, input_len,
-                                     max_new_tokens, compute=self.backend.compute)
+                                     max_new_tokens, compute=self.backend.compute, repeat=repeat)
 
     def parameter_count(self) -> int:
         return self.family.weight_table(self.config).parameter_count()
@@ -258,16 +259,21 @@ class Model(OwnsWeights, DecodingModel):
 PLAN_MAX = 1 << 40   # rows or tokens a plan is asked about, at most (byte counts stay int64)
 
 
-def check_plan_arguments(batch: Any, input_len: Any, max_new_tokens: Any) -> None:
+def check_plan_arguments(batch: Any, input_len: Any, max_new_tokens: Any,
+                         repeat: Any = 1) -> None:
     """plan()'s sizes are integers in range (a negative batch planned negative bytes, a string
-    batch repeated itself into a number hundreds of digits long), or a one-line InputError."""
+    batch repeated itself into a number hundreds of digits long), repeat divides batch, or a
+    one-line InputError."""
     for name, value, low in (("batch", batch, 1), ("input_len", input_len, 1),
-                             ("max_new_tokens", max_new_tokens, 0)):
-        if value is None and name != "batch":
+                             ("max_new_tokens", max_new_tokens, 0), ("repeat", repeat, 1)):
+        if value is None and name not in ("batch", "repeat"):
             continue
         if not is_integer(value) or not low <= int(value) <= PLAN_MAX:
             raise InputError(f"plan(): {name} must be an integer in [{low}, {PLAN_MAX}], "
                              f"got {short_repr(value)}")
+    if int(batch) % int(repeat):
+        raise InputError(f"plan(): batch {int(batch)} is not a whole number of prompts of "
+                         f"repeat {int(repeat)} rows each")
 
 
 def as_batch(inputs: Any, pad_id: int, vocab_size: int, what: str = "input_ids",

@@ -14,7 +14,8 @@ class Family:
                                     # describe(), summary()
     weight_table: Callable[[Any], Any]       # config -> params.table.WeightTable
     run_bytes: Callable[..., dict[str, int]]  # (config, dtype, batch, input_len, max_new_tokens,
-                                              # compute=): the arena bytes of a run
+                                              # compute=, repeat=): the arena bytes of a run
+                                              # of batch rows, repeat rows per prompt
     is_encoder_decoder: bool        # results keep the decoder start token (HF's convention)
     add_eos_to_prompt: bool         # prompts end with eos (T5) or not (Transformer-XL)
     # (config, checkpoint tensor names, parts asked or None, folder) -> the config restricted to

@@ -227,21 +227,27 @@ class StepScratch(PassScratch):
 @dataclass
 class DecodeBuffers(PassScratch):
     """One request's incremental decoding state, kept for its whole length: the KV caches of N
-    positions, the cross-attention K/V, the bias tables, and the one-position step scratch."""
+    positions, the cross-attention K/V of each input (a row reads its input's: `cross_rows`,
+    so the beams or samples of one input share one copy), the bias tables, and the one-position
+    step scratch."""
     self_k: Any = None      # (L, B, H, N, D)
     self_v: Any = None
-    cross_k: Any = None     # (L, B, H, S, D)
+    cross_k: Any = None     # (L, Bs, H, S, D): one row per input (Bs <= B)
     cross_v: Any = None
     cross_bias: Any = None  # (B, 1, 1, S) the source padding mask
     self_bias: Any = None   # (Lb, H, N) the causal bias by reversed distance (see math.py), one
                             # table per bias table of the decoder (Lb: 1, or L for UMT5)
     logits: Any = None      # (B, 1, V)
+    cross_rows: Any = None  # (B,) int64 on the host: the cross K/V row each row reads
 
     @classmethod
-    def specs(cls, cfg: T5Config, B: int, S: int, N: int, dtype: Any) -> BufferSpec:
+    def specs(cls, cfg: T5Config, B: int, S: int, N: int, dtype: Any,
+              sources: int | None = None) -> BufferSpec:
+        """(sources: the inputs whose cross K/V the B rows read; None: B, a row each)"""
         H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
+        Bs = B if sources is None else sources
         return {"self_k": ((L, B, H, N, D), dtype), "self_v": ((L, B, H, N, D), dtype),
-                "cross_k": ((L, B, H, S, D), dtype), "cross_v": ((L, B, H, S, D), dtype),
+                "cross_k": ((L, Bs, H, S, D), dtype), "cross_v": ((L, Bs, H, S, D), dtype),
                 "cross_bias": ((B, 1, 1, S), dtype),
                 "self_bias": ((cfg.bias_tables("decoder"), H, N), dtype),
                 **PassScratch.specs(cfg, B, 1, max(N, S), dtype, cross=True),
@@ -249,9 +255,10 @@ class DecodeBuffers(PassScratch):
 
     def rows(self, b: int) -> "DecodeBuffers":
         """Views of the first b rows (the live batch after rows finished), built once per size."""
-        live = {f: getattr(self, f)[:b] for f in (*self.ROWS, "logits", "cross_bias", "ids")
+        live = {f: getattr(self, f)[:b] for f in (*self.ROWS, "logits", "cross_bias", "ids",
+                                                  "cross_rows")
                 if getattr(self, f) is not None}
-        live.update({f: getattr(self, f)[:, :b] for f in ("self_k", "self_v", "cross_k", "cross_v")})
+        live.update({f: getattr(self, f)[:, :b] for f in ("self_k", "self_v")})
         return DecodeBuffers(**{**self.__dict__, **live})
 
 
@@ -262,19 +269,22 @@ def reorder_elements(self_shape: tuple[int, ...], cross_shape: tuple[int, ...], 
 
 
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
-              max_new_tokens: int | None, compute: str = "float32") -> dict[str, int]:
+              max_new_tokens: int | None, compute: str = "float32",
+              repeat: int = 1) -> dict[str, int]:
     """Arena bytes of one generation: its decode state plus the largest of the encoder pass, the
     cross K/V projection and a beam reorder (the device's library temporaries fit its arena's
     own pool, arena.SCOPE_TEMPORARIES; the model code itself allocates nothing on the device);
-    of an encoder-only model, one encoder pass and its output."""
+    of an encoder-only model, one encoder pass and its output. batch: rows, repeat of them per
+    prompt (beams, samples): the encoder and the cross K/V are the prompts' only."""
     S = input_len or (DEFAULT_ENCODER_INPUT_LEN if cfg.encoder_only else DEFAULT_INPUT_LEN)
-    out = bytes_needed({"out": ((batch, S, cfg.d_model), dtype)})
-    encoder = out + encoder_scratch(cfg).nbytes(cfg, batch, S, dtype, compute)
+    prompts = max(1, batch // repeat)
+    out = bytes_needed({"out": ((prompts, S, cfg.d_model), dtype)})
+    encoder = out + encoder_scratch(cfg).nbytes(cfg, prompts, S, dtype, compute)
     if cfg.encoder_only:
         return {"encoder_scratch": encoder, "peak": encoder}
     N = max_new_tokens or DEFAULT_NEW_TOKENS
-    state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype)
-    cross = out + bytes_needed({"raw": ((batch, S, 2 * cfg.inner), dtype)})
+    state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype, prompts)
+    cross = out + bytes_needed({"raw": ((prompts, S, 2 * cfg.inner), dtype)})
     H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
     reorder = bytes_needed({"tmp": ((reorder_elements(
         (L, batch, H, N, D), (L, batch, H, S, D), batch),), dtype)})

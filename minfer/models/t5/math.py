@@ -240,10 +240,11 @@ class StepAttention:
     def cross_attend(self, i: int, q: Any, ws: PassScratch) -> None:
         ctx = ws.ctx.reshape(q.shape[0], 1, q.shape[1], q.shape[3])
         for rows, buf, _, _ in self.groups:
-            qr, k = q[rows], buf.cross_k[i]                            # (b, H, S, D)
+            qr, k = q[rows], buf.cross_k[i]                  # (b, H, 1, D), (inputs, H, S, D)
             ops.attention(self.xp, qr, k, buf.cross_v[i], buf.cross_bias,
                           ws.scores_as(qr.shape[0], qr.shape[1], 1, k.shape[2]), ctx[rows],
-                          stats=ws.stats_as(qr.shape[0], qr.shape[1], 1))
+                          stats=ws.stats_as(qr.shape[0], qr.shape[1], 1),
+                          kv_rows=buf.cross_rows)
 
 
 def self_attention(xp: Any, cfg: T5Config, blk: dict, i: int, h: Any, ws: PassScratch,
@@ -428,8 +429,9 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
                 attention_mask: np.ndarray, buf: DecodeBuffers, max_len: int,
                 repeat: int = 1, encoder: Any = None) -> None:
     """Fill a fresh decode state of B * repeat rows: encode the B inputs once, every layer's
-    cross K/V, the causal bias table and the source mask; row i * repeat + j decodes input i.
-    `encoder(enc)`, when given, fills enc (B, S, C) instead of the encoder pass (a cache)."""
+    cross K/V (once per input: row i * repeat + j reads input i's, `cross_rows`), the causal
+    bias table and the source mask; row i * repeat + j decodes input i. `encoder(enc)`, when
+    given, fills enc (B, S, C) instead of the encoder pass (a cache)."""
     B, S = input_ids.shape
     for j in range(buf.self_bias.shape[0]):   # one table, or one per layer (UMT5)
         be.upload(buf.self_bias[j], causal_bias_by_distance(
@@ -442,12 +444,10 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
         else:
             encoder(enc)
         cross_kv(be, cfg, params, enc, buf.cross_k[:, :B], buf.cross_v[:, :B])
-    if repeat > 1:  # spread each input's rows over its repeat slots, last first (no overwrite)
+    buf.cross_rows = np.repeat(np.arange(B), repeat)
+    if repeat > 1:  # spread each input's mask over its repeat rows, last first (no overwrite)
         for i in range(B - 1, -1, -1):
-            rows = slice(i * repeat + (i == 0), (i + 1) * repeat)   # (row 0 is in place)
-            for a in (buf.cross_k, buf.cross_v):
-                a[:, rows] = a[:, i:i + 1]
-            buf.cross_bias[rows] = buf.cross_bias[i:i + 1]
+            buf.cross_bias[i * repeat + (i == 0):(i + 1) * repeat] = buf.cross_bias[i:i + 1]
 
 
 def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[DecodeBuffers, int]],
@@ -474,14 +474,14 @@ def decode_steps(be: Any, cfg: T5Config, params: dict, groups: list[tuple[Decode
 def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cross: bool) -> None:
     """Rows `rows` of the live batch become rows 0..n-1 (a row may repeat). Only the filled part
     of the self-attention caches moves, one layer at a time, through one layer's scratch (planned:
-    `buffers.reorder_elements`)."""
+    `buffers.reorder_elements`); the cross K/V stay where they are, each row's `cross_rows` entry
+    following it; `cross`: the source masks move too (rows of other inputs than before)."""
     n = len(rows)
+    buf.cross_rows[:n] = buf.cross_rows[rows]
     k = ops.compiled(be.xp, buf.self_k)
     if k is not None:  # one compiled pass per cache, the layers spread over the threads
-        for cache, used in ((buf.self_k, length), (buf.self_v, length),
-                            *(((buf.cross_k, buf.cross_k.shape[3]), (buf.cross_v, buf.cross_v.shape[3]))
-                              if cross else ())):
-            k.gather_rows(cache, rows, used)
+        for cache in (buf.self_k, buf.self_v):
+            k.gather_rows(cache, rows, length)
         if cross:
             buf.cross_bias[:n] = buf.cross_bias[rows]
         return
@@ -499,13 +499,10 @@ def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cr
             # scores a whole source's mask row of every row
             tmp = max((buf.scores, buf.qkv.reshape(-1)), key=lambda a: a.size)
         step = max(1, tmp.size // (n * H * D))                         # positions at a time
-        moves = [(buf.self_k, length), (buf.self_v, length)]
-        if cross:
-            moves += [(buf.cross_k, buf.cross_k.shape[3]), (buf.cross_v, buf.cross_v.shape[3])]
-        for cache, used in moves:
+        for cache in (buf.self_k, buf.self_v):
             for layer in range(cache.shape[0]):
-                for p in range(0, used, step):                         # rows of all chunks
-                    filled = cache[layer, :, :, p:min(used, p + step)]  # (b, H, <=step, D)
+                for p in range(0, length, step):                       # rows of all chunks
+                    filled = cache[layer, :, :, p:min(length, p + step)]  # (b, H, <=step, D)
                     got = tmp[:n * H * filled.shape[2] * D].reshape(n, H, filled.shape[2], D)
                     xp.take(filled, idx, axis=0, out=got)
                     filled[:n] = got

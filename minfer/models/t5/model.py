@@ -352,16 +352,15 @@ class T5Model(Model):
         be = self.backend
         B, S = input_ids.shape
         with self.lock:   # the state is this request's own hold: released in any order
-            buf, held = DecodeBuffers.hold(be.arena, self.config, B * repeat, S, max_len, be.dtype)
+            buf, held = DecodeBuffers.hold(be.arena, self.config, B * repeat, S, max_len, be.dtype,
+                                           B)   # (cross K/V once per input)
         try:
             with self.lock, quiet(), be.arena.scope():
                 t5.start_state(be, self.config, self.params, input_ids, attention_mask, buf,
                                max_len, repeat, self._cached_encoder(input_ids, attention_mask))
-                # on the CPU the encoder layer is named here (each input's first row after the
-                # spread over its beams); a device would sync for it: the first step names it
-                firsts = slice(0, B * repeat, repeat)   # each input's row; the others copy it
-                if be.xp is np and not all_finite(np, buf.cross_k[:, firsts],
-                                                  buf.cross_v[:, firsts]):
+                # on the CPU the encoder layer is named here; a device would sync for it: the
+                # first step names it
+                if be.xp is np and not all_finite(np, buf.cross_k, buf.cross_v):
                     enc = be.arena.alloc((B, S, self.config.d_model), be.dtype, "encoder output")
                     where = self._where_encoder_fails(input_ids, attention_mask, enc)
                     raise non_finite(self, "encoder states", where or

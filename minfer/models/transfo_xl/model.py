@@ -112,12 +112,13 @@ class XLModel(Model):
     family = FAMILY
 
     def plan(self, batch: int = 1, input_len: int | None = None,
-             max_new_tokens: int | None = None) -> dict[str, int]:
+             max_new_tokens: int | None = None, repeat: int = 1) -> dict[str, int]:
         """Arena bytes of a run (see Model.plan), with its prompt in the segments
         `start_decoding` will take: one call when that call and the memory fit the arena's
         free bytes when nothing else runs, else tgt_len segments (a busy arena may make
-        `start_decoding` take segments where the plan counted one call: less, never more)."""
-        check_plan_arguments(batch, input_len, max_new_tokens)
+        `start_decoding` take segments where the plan counted one call: less, never more).
+        (repeat: every row keeps its own segment memory, so it changes nothing here.)"""
+        check_plan_arguments(batch, input_len, max_new_tokens, repeat)
         cfg, dtype = self.config, self.backend.dtype
         whole = input_len is not None and (
             MemoryBuffers.nbytes(cfg, batch, dtype) + prompt_call_bytes(cfg, dtype, batch, input_len)
