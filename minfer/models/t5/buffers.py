@@ -262,10 +262,11 @@ class DecodeBuffers(PassScratch):
         return DecodeBuffers(**{**self.__dict__, **live})
 
 
-def reorder_elements(self_shape: tuple[int, ...], cross_shape: tuple[int, ...], rows: int) -> int:
-    """Elements of the scratch a reorder of `rows` rows moves one layer's cache through."""
+def reorder_elements(self_shape: tuple[int, ...], rows: int) -> int:
+    """Elements of the scratch a reorder of `rows` rows moves one layer's self-attention cache
+    through (the cross K/V never move: rows follow them through `cross_rows`)."""
     _, _, H, N, D = self_shape
-    return rows * H * max(N, cross_shape[3]) * D
+    return rows * H * N * D
 
 
 def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
@@ -286,7 +287,6 @@ def run_bytes(cfg: T5Config, dtype: Any, batch: int, input_len: int | None,
     state = DecodeBuffers.nbytes(cfg, batch, S, N, dtype, prompts)
     cross = out + bytes_needed({"raw": ((prompts, S, 2 * cfg.inner), dtype)})
     H, D, L = cfg.num_heads, cfg.d_kv, cfg.num_decoder_layers
-    reorder = bytes_needed({"tmp": ((reorder_elements(
-        (L, batch, H, N, D), (L, batch, H, S, D), batch),), dtype)})
+    reorder = bytes_needed({"tmp": ((reorder_elements((L, batch, H, N, D), batch),), dtype)})
     return {"decode_state": state, "encoder_scratch": encoder, "cross_kv_scratch": cross,
             "reorder_scratch": reorder, "peak": state + max(encoder, cross, reorder)}

@@ -443,7 +443,7 @@ def start_state(be: Any, cfg: T5Config, params: dict, input_ids: np.ndarray,
             encode(be, cfg, params, input_ids, attention_mask, enc)
         else:
             encoder(enc)
-        cross_kv(be, cfg, params, enc, buf.cross_k[:, :B], buf.cross_v[:, :B])
+        cross_kv(be, cfg, params, enc, buf.cross_k, buf.cross_v)   # (one row per input)
     buf.cross_rows = np.repeat(np.arange(B), repeat)
     if repeat > 1:  # spread each input's mask over its repeat rows, last first (no overwrite)
         for i in range(B - 1, -1, -1):
@@ -490,7 +490,7 @@ def reorder_state(be: Any, buf: DecodeBuffers, rows: np.ndarray, length: int, cr
         be.upload(buf.ids[:n], rows)
         idx = buf.ids[:n]
         _, _, H, N, D = buf.self_k.shape
-        elements = reorder_elements(buf.self_k.shape, buf.cross_k.shape, n)
+        elements = reorder_elements(buf.self_k.shape, n)
         if elements * buf.self_k.itemsize + be.arena.alignment <= be.arena.available:
             tmp = be.arena.alloc((elements,), buf.self_k.dtype, "reorder scratch")
         else:   # other requests hold what the plan counted for this: move the caches a few
