@@ -2,6 +2,7 @@
 
     python benchmarks/accuracy_modes.py [--modes float32,int8,int8/int8,int4,int4/int8]
                                         [--int4-group 64,128] [--json OUT]
+                                        [--attention own,bfloat16,int8,float32,int8-8bit]
 
 A mode is `dtype` or `dtype/compute` (`minfer.load(..., dtype=, compute=)`). For each:
 - weights/tiny-t5-dates: the share of its 800 held-out prompts whose greedy output equals
@@ -17,6 +18,12 @@ A mode is `dtype` or `dtype/compute` (`minfer.load(..., dtype=, compute=)`). For
   case for quantisation, not a prediction for trained models.
 No timing, no torch: runs anywhere the test suite does. `--int4-group` repeats the int4 modes
 with other group sizes (io/formats.py's INT4_GROUP: what the choice was measured with).
+`--attention` runs the modes whose encoder attention rounds its products' inputs (compute="int8",
+"bfloat16": backend.ROUNDED_ATTENTION) with each attention named: "own" (the mode's: int8 or
+bfloat16 products), "bfloat16" (ops.rounded_distance_attention), "int8"
+(ops.quantised_distance_attention), "float32" (ops.float_distance_attention), "int8-8bit" (an
+emulation of int8 products whose softmax weights keep 8 bits, not 7: `int8_attention`): what
+each attention costs in accuracy, the linear products' rounding left as it is.
 """
 
 from __future__ import annotations
@@ -59,8 +66,51 @@ def parse_mode(mode: str) -> tuple[str, str | None]:
     return dtype, compute or None
 
 
-def measure(mode: str, reference: dict) -> dict:
+def int8_attention(levels: int):
+    """ops.quantised_distance_attention's function emulated in float64 with `levels` for the
+    softmax weights: q and k quantised per (position, head) row and v per (head, column) over
+    the positions, symmetric (absmax / 127, nearest); the softmax in float; its weights as
+    round(levels * e), e = exp(s - max s) <= 1, divided by their sum (levels 127: what the
+    kernel's signed operand holds; 255 would need the weights as the unsigned one)."""
+    from minfer import ops
+
+    def quantised(a, axis):
+        scale = np.abs(a).max(axis=axis, keepdims=True) / 127
+        return np.rint(a / np.where(scale > 0, scale, 1)) * scale
+
+    def attend(xp, qkv, bias, scores, ctx, stats=None):
+        T = qkv.shape[1]
+        q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3).astype(np.float64) for j in range(3))
+        q, k, v = quantised(q, -1), quantised(k, -1), quantised(v, -2)      # (B, H, T, D)
+        s = q @ k.swapaxes(-1, -2) + ops.toeplitz_view(np, bias.table.astype(np.float64), T)
+        s += bias.key_mask[:, None, None, :]
+        e = np.exp(s - s.max(-1, keepdims=True))
+        w = np.rint(levels * e)
+        ctx[...] = (w @ v / w.sum(-1, keepdims=True)).transpose(0, 2, 1, 3)
+    return attend
+
+
+OWN_ATTENTION = {}            # backend.ROUNDED_ATTENTION as minfer has it
+REAL_QUANTISED = []           # ops.quantised_distance_attention as minfer has it
+
+
+def use_attention(attention: str) -> None:
+    """Every rounding mode's encoder attention becomes `attention` ("own": each mode's): the
+    kind backend.ROUNDED_ATTENTION gives it (its scratch planned and its function chosen by
+    that), and for "int8-8bit" the int8 kind's function emulated with 8-bit weights."""
+    from minfer import backend, ops
+    OWN_ATTENTION.update(OWN_ATTENTION or backend.ROUNDED_ATTENTION)
+    REAL_QUANTISED[:] = REAL_QUANTISED or [ops.quantised_distance_attention]
+    for compute, kind in OWN_ATTENTION.items():
+        backend.ROUNDED_ATTENTION[compute] = (kind if attention == "own" else
+                                              "int8" if attention == "int8-8bit" else attention)
+    ops.quantised_distance_attention = (int8_attention(255) if attention == "int8-8bit" else
+                                        REAL_QUANTISED[0])
+
+
+def measure(mode: str, reference: dict, attention: str = "own") -> dict:
     import minfer
+    use_attention(attention)
     dtype, compute = parse_mode(mode)
     t5 = minfer.load(T5_DIR, dtype=dtype, compute=compute)
     prompts = [r["prompt"] for r in reference["t5_rows"]]
@@ -80,7 +130,8 @@ def measure(mode: str, reference: dict) -> dict:
         logits[case] = float(np.abs(got.astype(np.float64) - ref["logits"]).max()
                              / np.abs(ref["logits"]).max())
     t5_rows, xl_rows = reference["t5_rows"], reference["xl_rows"]
-    return {"mode": mode, "weights": t5.backend.weight_format, "compute": t5.backend.compute,
+    return {"mode": mode, "encoder_attention": attention, "weights": t5.backend.weight_format,
+            "compute": t5.backend.compute,
             "t5_prompts": len(out),
             "t5_same_as_float32": float(np.mean([a == b for a, b in zip(out, reference["t5"])])),
             "t5_right": float(np.mean([a == r["target"] for a, r in zip(out, t5_rows)])),
@@ -96,8 +147,12 @@ def main() -> int:
     p.add_argument("--modes", default="float32,int8,int8/int8,int4,int4/int8")
     p.add_argument("--int4-group", default="", help="also run the int4 modes with these groups")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument("--attention", default="own",
+                   help="encoder attentions of the rounding modes: own, bfloat16, int8, float32, "
+                        "int8-8bit (emulated)")
     args = p.parse_args()
     import minfer
+    from minfer.backend import ROUNDED_ATTENTION
     from minfer.io import formats
     t5_rows = read_jsonl(T5_DIR / "heldout.jsonl")
     xl_ref = minfer.load(XL_DIR)
@@ -113,18 +168,22 @@ def main() -> int:
         dec = [t5_ref.generate(ids, max_new_tokens=24)[0][:-1]]  # start token .. last before eos
         reference["t5_forced"].append((ids, dec))
         reference["t5_logits"].append(t5_ref.forward(ids, dec))
-    runs = [(m, None) for m in args.modes.split(",") if m]
+    runs = [(m, None, "own") for m in args.modes.split(",") if m]
     for group in (int(g) for g in args.int4_group.split(",") if g):
-        runs += [(m, group) for m in args.modes.split(",") if m.startswith("int4")]
+        runs += [(m, group, "own") for m in args.modes.split(",") if m.startswith("int4")]
+    rounding = [m for m in args.modes.split(",") if parse_mode(m)[1] in ROUNDED_ATTENTION]
+    runs += [(m, None, a) for a in args.attention.split(",") if a != "own" for m in rounding]
     results = []
     default_group = formats.INT4_GROUP
-    for mode, group in runs:
+    for mode, group, attention in runs:
         formats.INT4_GROUP = group or default_group
-        r = measure(mode, reference)
+        r = measure(mode, reference, attention)
+        use_attention("own")
         r["int4_group"] = formats.INT4_GROUP if r["weights"] == "int4" else None
         results.append(r)
         worst = max(r["logit_error"].values())
         print(f"{mode:<10} {'group ' + str(r['int4_group']) if r['int4_group'] else '':<9} "
+              f"{'' if attention == 'own' else 'attention ' + attention:<20}"
               f"t5 {r['t5_same_as_float32']:.2%} as float32 ({r['t5_right']:.2%} right, "
               f"logits {r['t5_logit_error']:.1e})  "
               f"xl {r['xl_same_as_float32']:.2%} as float32 ({r['xl_right']:.2%} right)  "

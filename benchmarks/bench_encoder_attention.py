@@ -1,4 +1,4 @@
-"""One encoder layer's self-attention, float32 against bfloat16 products (issue 26).
+"""One encoder layer's self-attention, float32 against bfloat16 and int8 products (issue 26).
 
     python benchmarks/bench_encoder_attention.py [--shapes 16x128,8x256] [--heads 12] [--dim 64]
                                                  [--rounds 5] [--threads 2]
@@ -8,7 +8,9 @@ kernels/pass_attention_float.py: keys transposed per head, float32 panel product
 tensor), of ops.distance_attention (float32 in array ops, what CUDA and MINFER_KERNELS=numpy run:
 BLAS products per head, NumPy's softmax, the (B, H, T, T) scores), of
 ops.rounded_distance_attention (kernels/pass_attention.py: each head's q|k|v packed, bfloat16 panel
-products, no score tensor), and of the latter's packing phase alone; interleaved rounds in one
+products, no score tensor), and of the latter's packing phase alone, of
+ops.quantised_distance_attention (kernels/pass_attention_int8.py: each head's q|k|v quantised,
+int8 panel products, no score tensor); interleaved rounds in one
 process (medians), t5-base's 12 heads of 64 by default, random q|k|v, a random bias table and
 no padding. Prints the CPU line of product_timing.cpu() first.
 """
@@ -74,6 +76,8 @@ def time_shape(B: int, T: int, H: int, D: int, rounds: int) -> dict[str, list[fl
     parts = layout.carve(work)
     floats = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads(), "float32").nbytes(),
                       np.uint8)
+    quantised = np.empty(AttentionShape(B, H, T, T, D, numba.get_num_threads(), "int8").nbytes(),
+                         np.uint8)
     q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
     calls = {
         "float32 (float_distance_attention)":
@@ -85,6 +89,8 @@ def time_shape(B: int, T: int, H: int, D: int, rounds: int) -> dict[str, list[fl
         "  its packing alone":
             lambda: _pack_only(qkv, parts["queries"], parts["keys"], parts["values"],
                                parts["rounded"]),
+        "int8 (quantised_distance_attention)":
+            lambda: ops.quantised_distance_attention(np, qkv, bias, quantised, ctx, stats),
     }
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():

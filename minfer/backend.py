@@ -38,26 +38,27 @@ _DEFAULT_DTYPE = {"cpu": "float32", "cuda": "float16"}
 # to bfloat16; on CUDA the products run in the compute dtype.
 _COMPUTE = {"cpu": {"float32": "float32", "int8": "float32", "bfloat16": "float32"},
             "cuda": {"float16": "float16", "float32": "float32"}}
-# the CPU compute modes whose encoder attention rounds its products' inputs to bfloat16
-# (ops.rounded_distance_attention): both already round every linear product's inputs, at least
-# as coarsely (int8 steps per row), and the attention then runs on the bfloat16 tiles
-ROUNDED_ATTENTION = ("bfloat16", "int8")
+# the CPU compute modes whose encoder attention rounds its products' inputs as their linear
+# products do, and the attention each takes: compute="bfloat16" on the bfloat16 tiles
+# (ops.rounded_distance_attention), compute="int8" on the int8 tiles
+# (ops.quantised_distance_attention: its accuracy in benchmarks/README.md, "int8 attention")
+ROUNDED_ATTENTION = {"bfloat16": "bfloat16", "int8": "int8"}
 
 
 def rounds_attention(compute: str, dtype: Any) -> bool:
-    """Whether an encoder pass of this compute mode and activation dtype takes the bfloat16
+    """Whether an encoder pass of this compute mode and activation dtype takes a rounding
     attention (ROUNDED_ATTENTION, on the CPU's float32 activations)."""
     return compute in ROUNDED_ATTENTION and np.dtype(dtype) == np.float32
 
 
 def encoder_attention_kind(compute: str, dtype: Any, on_host: bool | None) -> str | None:
     """Which compiled encoder attention a pass of this compute mode and activation dtype takes
-    where the kernels are selected (their scratch: kernels/attention_layout.py): "bfloat16"
-    (`rounds_attention`: CPU compute modes), "float32" (float32 compute in NumPy: `on_host`),
-    or None (the array ops: CUDA; and a plan that does not know where it runs, which then
-    keeps room for them)."""
+    where the kernels are selected (their scratch: kernels/attention_layout.py): "bfloat16" or
+    "int8" (`rounds_attention`: the CPU's compute modes), "float32" (float32 compute in NumPy:
+    `on_host`), or None (the array ops: CUDA; and a plan that does not know where it runs,
+    which then keeps room for them)."""
     if rounds_attention(compute, dtype):
-        return "bfloat16"
+        return ROUNDED_ATTENTION[compute]
     if on_host and compute == "float32" and np.dtype(dtype) == np.float32:
         return "float32"
     return None

@@ -303,18 +303,20 @@ def toeplitz_view(xp: Any, table: Any, T: int) -> Any:
 
 def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scores: Any,
                        ctx: Any, stats: tuple[Any, Any] | None = None,
-                       round_weights: bool = False) -> None:
+                       round_weights: Callable[[Any, Any], None] | None = None) -> None:
     """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance (H
     rows of table), in array ops: what runs where the compiled encoder attention does not
-    (`float_distance_attention`, `rounded_distance_attention`). q, k, v (B, H, T|S, D);
+    (`float_distance_attention`, `rounded_distance_attention`, `quantised_distance_attention`).
+    q, k, v (B, H, T|S, D);
     scores a contiguous scratch; ctx (B, T, H, D).
 
     The (batch row, head) pairs run in rounds, a round's scores in the first half of `scores`
     and its bias, built from the table, in the second: with `distance_scores` elements two
     rounds of half the heads (what the array backends' scratch holds), with fewer as many
     pairs as fit, at least one (T x S scores and bias: what `distance_scratch` adds to the
-    kernels' blocks, should they not run after all). `round_weights`: the softmax weights
-    rounded to bfloat16 before the value product (`rounded_distance_attention`)."""
+    kernels' blocks, should they not run after all). `round_weights(xp, weights)`: rounds the
+    softmax weights (..., T, S) in place before the value product (`bfloat16_weights`,
+    `int8_weights`)."""
     B, H, T, D = q.shape
     S = k.shape[2]
     ctx4 = ctx.transpose(0, 2, 1, 3)                  # (B, H, T, D) view of the (B, T, H, D) output
@@ -341,8 +343,8 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
             s += chunk
             softmax_(xp, s, None if stats is None else
                      (stats[0][b0:b1, h0:h1], stats[1][b0:b1, h0:h1]))
-            if round_weights:
-                s[...] = round_to_bfloat16(xp, s)
+            if round_weights is not None:
+                round_weights(xp, s)
             xp.matmul(s, v[b0:b1, h0:h1], out=ctx4[b0:b1, h0:h1])
 
 
@@ -380,7 +382,59 @@ def rounded_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: An
     flat = qkv.reshape(-1, qkv.shape[-1])
     flat[...] = round_to_bfloat16(xp, flat)
     q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
-    distance_attention(xp, q, k, v, bias, scores, ctx, stats, round_weights=True)
+    distance_attention(xp, q, k, v, bias, scores, ctx, stats, round_weights=bfloat16_weights)
+
+
+def bfloat16_weights(xp: Any, weights: Any) -> None:
+    weights[...] = round_to_bfloat16(xp, weights)
+
+
+# the int8 attention's codes of a softmax weight: round(WEIGHT_LEVELS * w / the row's largest w)
+# (kernels/pass_attention_int8.py: its signed operand's 7 bits)
+WEIGHT_LEVELS = 127
+
+
+def int8_weights(xp: Any, weights: Any) -> None:
+    """Softmax rows (..., S) as the int8 attention multiplies them: codes round(127 w / max w)
+    (w / max w = exp(s - max s), what the kernel quantises), divided by their sum."""
+    weights *= WEIGHT_LEVELS / weights.max(axis=-1, keepdims=True)
+    xp.rint(weights, out=weights)
+    weights /= weights.sum(axis=-1, keepdims=True)
+
+
+def quantise_rows_in_place(xp: Any, a: Any, axis: int) -> None:
+    """a's values rounded to int8 steps of their absmax / 127 along `axis`, in place, as the int8
+    products quantise an input row (float32: the scale's inverse 127 / absmax, codes rounded to
+    nearest even); a zero line stays zero, one holding inf or NaN becomes NaN."""
+    top = xp.abs(a).max(axis=axis, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.float32(127.0) / top
+        a *= xp.where(top > 0, inv, 0).astype(a.dtype)
+        xp.rint(a, out=a)
+        a *= top / np.float32(127.0)
+
+
+def quantised_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: Any, ctx: Any,
+                                 stats: tuple[Any, Any] | None = None) -> None:
+    """The self-attention of `distance_attention` with int8 products: queries and keys quantised
+    per row (a position's D columns of a head), values per column over the positions, the
+    softmax weights to 7-bit codes (sums and the softmax in float32): what the encoder runs with
+    compute="int8". qkv (B, T, 3, H, D) the q|k|v product's output (contiguous; quantised in
+    place without the kernels), scores the scratch of `distance_scratch` elements, ctx (B, T,
+    H, D).
+
+    With the compiled kernels one call does it all, on the int8 tiles, without a score tensor
+    (kernels/pass_attention_int8.py); elsewhere q|k|v are quantised in place and the weights
+    after the softmax, around `distance_attention`'s float32 products (the same function up to
+    float rounding, which may flip a code where a value lies on a rounding boundary)."""
+    kc = compiled(xp, qkv)
+    if kc is not None:
+        kc.attend_i8(qkv, bias.table, bias.key_mask, ctx, scores)
+        return
+    quantise_rows_in_place(xp, qkv[:, :, :2], -1)         # q and k: per position and head
+    quantise_rows_in_place(xp, qkv[:, :, 2], 1)           # v: per head and column
+    q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
+    distance_attention(xp, q, k, v, bias, scores, ctx, stats, round_weights=int8_weights)
 
 
 def distance_scores(B: int, H: int, T: int, S: int) -> int:
@@ -392,8 +446,8 @@ def distance_scores(B: int, H: int, T: int, S: int) -> int:
 def distance_scratch(B: int, H: int, T: int, D: int, itemsize: int, kind: str | None) -> int:
     """Elements (of `itemsize` bytes) of an encoder pass's attention scratch: with the compiled
     kernels and a `kind` of compiled attention (backend.encoder_attention_kind), that kernel's
-    blocks (attention_layout.py: per thread, one (batch row, head)'s packed q|k|v in bfloat16,
-    its keys in float32, and a block of scores), linear in T where the scores are quadratic
+    blocks (attention_layout.py: per thread, one (batch row, head)'s packed q|k|v in bfloat16 or
+    int8, its keys in float32, and a block of scores), linear in T where the scores are quadratic
     (T5-XXL's 64 heads over 512 tokens, 2 threads: 0.75 MiB in either against 64 MiB a batch
     row), and at least one (batch row, head)'s scores and bias for `distance_attention`, which
     runs instead where the kernels do not (a process forked after their threads started);

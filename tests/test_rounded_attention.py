@@ -1,8 +1,9 @@
-"""The encoder's attention with bfloat16 products (compute="bfloat16" and "int8", issue 26):
-the compiled kernel (kernels/pass_attention.py) against attention of the rounded inputs in
-float64, at the edges of its blocks and panels; NaN, infinities and masked rows; thread counts;
-the NumPy path computing the same function; its scratch (sized for short inputs too, nothing
-allocated on the host); which compute modes take it."""
+"""The encoder's attention with bfloat16 products (compute="bfloat16", issue 26): the compiled
+kernel (kernels/pass_attention.py) against attention of the rounded inputs in float64, at the
+edges of its blocks and panels; NaN, infinities and masked rows; thread counts; the NumPy path
+computing the same function; the compiled attentions' scratch (sized for short inputs too,
+nothing allocated on the host: the int8 and float32 kernels' too); which compute modes take
+which attention (compute="int8"'s: test_int8_attention)."""
 from __future__ import annotations
 
 import tracemalloc
@@ -144,8 +145,8 @@ def test_every_thread_count_gives_the_same_bits(kind):
         np.testing.assert_array_equal(out, outs[0])
 
 
-KERNELS = {"bfloat16": "attend_bf16", "float32": "attend_f32"}   # (the float32 kernel's other
-                                                                  # tests: test_float_attention)
+KERNELS = {"bfloat16": "attend_bf16", "int8": "attend_i8",   # (the others' other tests:
+           "float32": "attend_f32"}                          # test_int8_attention, test_float_attention)
 
 
 @needs_kernels
@@ -222,7 +223,7 @@ def test_the_encoder_scratch_is_sized_for_the_attention_its_compute_mode_runs():
         host = EncoderScratch.specs(cfg, 3, T, np.float32, "float32", True)["scores"][0][0]
         plan = EncoderScratch.specs(cfg, 3, T, np.float32, "float32")["scores"][0][0]
         assert plan == max(host, scores)
-        for compute, kind in (("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "bfloat16")):
+        for compute, kind in (("float32", "float32"), ("bfloat16", "bfloat16"), ("int8", "int8")):
             elements = EncoderScratch.specs(cfg, 3, T, np.float32, compute, True)["scores"][0][0]
             if threads:
                 assert elements * 4 >= AttentionShape(3, H, T, T, D, threads, kind).nbytes()
@@ -231,24 +232,34 @@ def test_the_encoder_scratch_is_sized_for_the_attention_its_compute_mode_runs():
                 assert elements == scores
     # T5-XXL's encoder (64 heads of 64) over 512 tokens, 2 threads: 0.75 MiB in either kind
     # against 64 MiB, whatever the batch
-    for kind in ("bfloat16", "float32"):
+    for kind in KERNELS:
         one = AttentionShape(1, 64, 512, 512, 64, 2, kind).nbytes()
         assert one * 64 < ops.distance_scores(1, 64, 512, 512) * 4
         assert AttentionShape(8, 64, 512, 512, 64, 2, kind).nbytes() == one
 
 
-@pytest.mark.parametrize("dtype,compute,rounded", [(None, None, False), ("bfloat16", "bfloat16", True),
-                                                   ("int8", "int8", True), ("bfloat16", "float32", False)])
-def test_which_compute_modes_round_the_encoders_attention(dtype, compute, rounded, monkeypatch):
-    calls = []
-    real = ops.rounded_distance_attention
-    monkeypatch.setattr(ops, "rounded_distance_attention",
-                        lambda *a, **kw: (calls.append(a[1].shape), real(*a, **kw)))
+ATTENTIONS = ("rounded_distance_attention", "quantised_distance_attention",
+              "float_distance_attention", "distance_attention")
+
+
+@pytest.mark.parametrize("dtype,compute,attention", [
+    (None, None, "float_distance_attention"), ("bfloat16", "bfloat16", "rounded_distance_attention"),
+    ("int8", "int8", "quantised_distance_attention"), ("bfloat16", "float32", "float_distance_attention")])
+def test_which_attention_each_compute_mode_takes(dtype, compute, attention, monkeypatch):
+    calls = {name: 0 for name in ATTENTIONS}
+    for name in ATTENTIONS:
+        def counted(*a, real=getattr(ops, name), name=name, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        monkeypatch.setattr(ops, name, counted)
     m = minfer.load(T5_DIR, dtype=dtype, compute=compute)
     states = m.encode(["translate: 3 May 1999", "hello"])
     assert np.isfinite(states).all()
-    layers = m.config.num_layers
-    assert len(calls) == (layers if rounded else 0)
+    if k is None and attention == "float_distance_attention":
+        attention = "distance_attention"              # (float32 in NumPy: the array path itself)
+    assert calls[attention] == m.config.num_layers
+    assert sum(calls.values()) - calls["distance_attention"] == (
+        m.config.num_layers if attention != "distance_attention" else 0)
 
 
 @needs_kernels

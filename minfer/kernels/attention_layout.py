@@ -1,5 +1,5 @@
 """The scratch of the encoder's compiled attention (kernels/pass_attention.py in bfloat16,
-kernels/pass_attention_float.py in float32), in plain NumPy so that the run's planning
+kernels/pass_attention_int8.py in int8, kernels/pass_attention_float.py in float32), in plain NumPy so that the run's planning
 (models/t5/buffers.py, through ops.distance_scratch) sizes it without loading numba: one
 declaration of the parts, their shapes and their order.
 
@@ -13,8 +13,14 @@ interleaved input rows (groups of GROUP rows, each row padded to whole steps of 
 the keys as panels of PANEL keys (Dp / 2 words of column pairs per key), the values as panels of
 PANEL value columns over the keys (Sp / 2 words of key pairs per column); LANE_ROWS positions'
 rows rounded (the packing's staging), one block of QUERY_BLOCK queries' float32 scores and their
-bfloat16 weights (interleaved rows again, the value product's input). Neither kind grows with
-the batch or the heads.
+bfloat16 weights (interleaved rows again, the value product's input).
+
+int8, per thread: the queries quantised as the int8 products' input rows (INT8_STEP columns
+at a time, each row padded to Dp, a multiple of INT8_STEP) with their sums and scales; the keys
+quantised into rows of Dp, then as panels of PANEL keys, with their scales; the values as
+panels of PANEL value columns over Sp positions, with their column scales (and the columns'
+absmax and inverse while they are found); one block's float32 scores, its weights quantised as
+input rows, their sums and scales. No kind grows with the batch or the heads.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 PANEL = 64                 # keys (or value columns) of one packed panel: 4 vectors of 16 lanes
 GROUP = 4                  # input rows interleaved step by step
 STEP = 32                  # bfloat16 columns of one tile step: rows padded to a multiple
+INT8_STEP = 64             # int8 columns of one tile step (tiles.STEP)
 QUERY_BLOCK = 64           # query rows whose scores a thread holds at once
 LANE_ROWS = 16             # positions one packing task takes: a vector of key lanes (even:
                            # value words pair two positions)
@@ -47,7 +54,7 @@ class AttentionShape:
     S: int
     D: int
     threads: int
-    kind: str = "bfloat16"     # or "float32"
+    kind: str = "bfloat16"     # or "int8", "float32"
 
     def parts(self) -> dict[str, tuple[tuple[int, ...], type]]:
         """name -> (shape, dtype) of each part, in order."""
@@ -58,8 +65,24 @@ class AttentionShape:
                     "values": ((self.threads, S if D % FLOAT_LANES else 0, Df), np.float32),
                     "staging": ((self.threads, FLOAT_LANES, D), np.float32),
                     "scores": ((self.threads, min(T, QUERY_BLOCK), Sf), np.float32)}
-        Dp, Sp = up(D, STEP), up(S, STEP)
         rows = up(min(T, QUERY_BLOCK), GROUP)
+        if self.kind == "int8":
+            Dp, Sp, Dv = up(D, INT8_STEP), up(S, INT8_STEP), up(D, PANEL)
+            return {"queries": ((self.threads, T * Dp), np.int8),
+                    "query_sums": ((self.threads, T, 1), np.int32),
+                    "query_scales": ((self.threads, T), np.float32),
+                    "key_rows": ((self.threads, Sp, Dp), np.int8),
+                    "keys": ((self.threads, Sp * Dp), np.uint8),
+                    "key_scales": ((self.threads, Sp), np.float32),
+                    "values": ((self.threads, Dv * Sp), np.uint8),
+                    "value_scales": ((self.threads, Dv), np.float32),
+                    "column_top": ((self.threads, D), np.int32),
+                    "column_inv": ((self.threads, D), np.float32),
+                    "scores": ((self.threads, rows, S), np.float32),
+                    "weights": ((self.threads, rows * Sp), np.int8),
+                    "weight_sums": ((self.threads, rows, 1), np.int32),
+                    "weight_scales": ((self.threads, rows), np.float32)}
+        Dp, Sp = up(D, STEP), up(S, STEP)
         return {"queries": ((self.threads, up(T, GROUP) // GROUP, GROUP * Dp), np.uint16),
                 "keys": ((self.threads, up(S, PANEL) * Dp), np.uint16),
                 "values": ((self.threads, up(D, PANEL) * Sp), np.uint16),
@@ -69,10 +92,10 @@ class AttentionShape:
 
     @classmethod
     def of_call(cls, kind: str, qkv, table, key_mask, ctx, threads: int) -> AttentionShape:
-        """The shape of an attention kernel's call (`kind`: bfloat16 or float32) over qkv
+        """The shape of an attention kernel's call (`kind`: bfloat16, int8 or float32) over qkv
         (B, T, 3, H, D), or a ValueError naming what does not fit: qkv contiguous, ctx (B, T,
         H, D) with contiguous rows of D, table (H | 1, 2T - 1), key_mask (B, T)."""
-        name = "attend_bf16" if kind == "bfloat16" else "attend_f32"
+        name = {"bfloat16": "attend_bf16", "int8": "attend_i8"}.get(kind, "attend_f32")
         B, T, three, H, D = qkv.shape
         if three != 3 or not qkv.flags.c_contiguous or ctx.shape != (B, T, H, D):
             raise ValueError(f"{name}: qkv (B, T, 3, H, D) contiguous, ctx (B, T, H, D)")

@@ -17,7 +17,8 @@ import numpy as np
 from ..io import tensors as io_tensors
 from . import (activation_formulas, activations, attention_layout, bfloat16_products,
                bfloat16_tiles, float_products, float_tiles, pass_attention, pass_attention_float,
-               pass_softmax, quantised_products, step_ops, tiles, vector_math, widening)
+               pass_attention_int8, pass_softmax, quantised_products, step_ops, tiles,
+               vector_math, widening)
 from .activations import ACTIVATION_KINDS, activate, activate_quantised
 from .bfloat16_products import (bmatmul_bf16, bmatmul_e4m3, bmatmul_e5m2, bmatmul_work_bytes,
                                 fp8_work_bytes)
@@ -25,6 +26,7 @@ from .float_products import (matmul_bf16, matmul_e4m3, matmul_e5m2, matmul_f16, 
                              matmul_i4, matmul_i4g, matmul_i8, matmul_i8g)
 from .pass_attention import attend_bf16
 from .pass_attention_float import attend_f32
+from .pass_attention_int8 import attend_i8
 from .quantised_products import (_qmatmul_i4, _qmatmul_i8, _qmatmul_i8g, add_rms_norm_quantised,
                                  grouped_work_bytes, qmatmul_i4, qmatmul_i4_fallback, qmatmul_i8,
                                  qmatmul_i8_fallback, qmatmul_i8g, qmatmul_i8g_fallback)
@@ -40,7 +42,8 @@ SOURCES = tuple(Path(m.__file__) for m in (widening, float_products, quantised_p
                                            step_ops, tiles, bfloat16_products, bfloat16_tiles,
                                            pass_softmax, pass_attention, io_tensors,
                                            attention_layout, float_tiles, pass_attention_float,
-                                           vector_math, activations, activation_formulas))
+                                           vector_math, activations, activation_formulas,
+                                           pass_attention_int8))
 
 
 def _int8_work(M: int, K: int, groups: int) -> int:
@@ -187,7 +190,7 @@ def _pass_attention() -> None:
     qkv = np.zeros((1, 2, 3, 1, 4), np.float32)
     args = (qkv, np.zeros((1, 3), np.float32), np.zeros((1, 2), np.float32),
             np.empty((1, 2, 1, 4), np.float32))
-    for kind, attend in (("bfloat16", attend_bf16), ("float32", attend_f32)):
+    for kind, attend in (("bfloat16", attend_bf16), ("int8", attend_i8), ("float32", attend_f32)):
         shape = attention_layout.AttentionShape(1, 1, 2, 2, 4, max_threads(), kind)
         attend(*args, np.zeros(shape.nbytes(), np.uint8))
 
@@ -195,7 +198,7 @@ def _pass_attention() -> None:
 # Each warm-up with its compile seconds (one core, a cold cache, AMD EPYC Zen 4, 2026-11-28:
 # benchmarks/README.md "A first run's compile, in parts"): `shares` deals them to the compiling
 # children, heaviest first to the least loaded, so that each child's share takes about as long.
-WARM_UPS = ((52.2, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
+WARM_UPS = ((59.0, _pass_attention), (35.5, _float_products), (21.3, _int8_products),
             (18.4, _fp8_products), (11.1, _int4_products), (11.4, _grouped_products),
             (9.7, _steps), (7.4, _activations), (9.5, _bfloat16_products), (2.2, _widenings))
 
@@ -229,7 +232,7 @@ def max_threads() -> int:
 
 __all__ = ["ACTIVATION_KINDS", "BY_FORMAT", "FormatKernels", "SOURCES", "activate",
            "activate_quantised", "add_rms_norm", "add_rms_norm_quantised",
-           "attend_bf16", "attend_f32", "attend_query",
+           "attend_bf16", "attend_f32", "attend_i8", "attend_query",
            "attend_query_parallel", "gather_rows", "max_threads", "qmatmul_i4_fallback",
            "qmatmul_i8_fallback", "qmatmul_i8g_fallback", "set_threads",
            "top_k", "warm_up"]

@@ -189,8 +189,9 @@ class PassAttention:
 class EncoderAttention:
     """The encoder's self-attention over its own positions, the bias given by distance (T5's
     position bias) and key (padding), by `kind` (backend.encoder_attention_kind): "bfloat16"
-    ops.rounded_distance_attention, "float32" ops.float_distance_attention (both over the
-    pass's q|k|v, compiled where the kernels run), None ops.distance_attention."""
+    ops.rounded_distance_attention, "int8" ops.quantised_distance_attention, "float32"
+    ops.float_distance_attention (all over the pass's q|k|v, compiled where the kernels run),
+    None ops.distance_attention."""
 
     def __init__(self, xp: Any, bias: Any, kind: str | None = None):
         self.xp, self.bias, self.kind = xp, bias, kind
@@ -202,8 +203,9 @@ class EncoderAttention:
             ops.distance_attention(self.xp, q, k, v, self.bias, ws.scores, ctx, stats=stats)
             return
         qkv = ws.qkv.reshape(B, T, 3, H, D)        # (q, k and v are views of it)
-        attend = (ops.rounded_distance_attention if self.kind == "bfloat16" else
-                  ops.float_distance_attention)
+        attend = {"bfloat16": ops.rounded_distance_attention,
+                  "int8": ops.quantised_distance_attention}.get(self.kind,
+                                                                ops.float_distance_attention)
         attend(self.xp, qkv, self.bias, ws.scores, ctx, stats)
 
 
