@@ -27,7 +27,7 @@ from . import kernels
 from .errors import ConfigError
 from .io.limits import shown
 from .kernels.activation_formulas import ERF_A, ERF_P, GELU_TANH_CUBIC, SQRT_2_OVER_PI
-from .kernels.attention_layout import AttentionShape
+from .kernels.attention_layout import WEIGHT_LEVELS, AttentionShape
 from .products import MIN_PART_ROWS, PackedWeight, QuantisedRows, round_to_bfloat16
 
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
@@ -307,8 +307,7 @@ def distance_attention(xp: Any, q: Any, k: Any, v: Any, bias: DistanceBias, scor
     """softmax(q k^T + bias) v into ctx, as `attention`, with the bias given by distance (H
     rows of table), in array ops: what runs where the compiled encoder attention does not
     (`float_distance_attention`, `rounded_distance_attention`, `quantised_distance_attention`).
-    q, k, v (B, H, T|S, D);
-    scores a contiguous scratch; ctx (B, T, H, D).
+    q, k, v (B, H, T|S, D); scores a contiguous scratch; ctx (B, T, H, D).
 
     The (batch row, head) pairs run in rounds, a round's scores in the first half of `scores`
     and its bias, built from the table, in the second: with `distance_scores` elements two
@@ -386,17 +385,14 @@ def rounded_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: An
 
 
 def bfloat16_weights(xp: Any, weights: Any) -> None:
+    """Softmax rows as the bfloat16 attention multiplies them: rounded to bfloat16, in place."""
     weights[...] = round_to_bfloat16(xp, weights)
 
 
-# the int8 attention's codes of a softmax weight: round(WEIGHT_LEVELS * w / the row's largest w)
-# (kernels/pass_attention_int8.py: its signed operand's 7 bits)
-WEIGHT_LEVELS = 127
-
-
 def int8_weights(xp: Any, weights: Any) -> None:
-    """Softmax rows (..., S) as the int8 attention multiplies them: codes round(127 w / max w)
-    (w / max w = exp(s - max s), what the kernel quantises), divided by their sum."""
+    """Softmax rows (..., S) as the int8 attention multiplies them, in place: codes
+    round(WEIGHT_LEVELS w / max w) (w / max w = exp(s - max s), what the kernel quantises),
+    divided by their sum."""
     weights *= WEIGHT_LEVELS / weights.max(axis=-1, keepdims=True)
     xp.rint(weights, out=weights)
     weights /= weights.sum(axis=-1, keepdims=True)

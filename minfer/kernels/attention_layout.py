@@ -33,6 +33,8 @@ PANEL = 64                 # keys (or value columns) of one packed panel: 4 vect
 GROUP = 4                  # input rows interleaved step by step
 STEP = 32                  # bfloat16 columns of one tile step: rows padded to a multiple
 INT8_STEP = 64             # int8 columns of one tile step (tiles.STEP)
+WEIGHT_LEVELS = 127        # int8: a softmax weight's code is round(127 w / the row's largest w)
+                           # (the tiles' signed operand: 7 bits)
 QUERY_BLOCK = 64           # query rows whose scores a thread holds at once
 LANE_ROWS = 16             # positions one packing task takes: a vector of key lanes (even:
                            # value words pair two positions)

@@ -36,14 +36,14 @@ import numpy as np
 from numba import njit, prange
 
 from . import tiles
-from .attention_layout import INT8_STEP, PANEL, QUERY_BLOCK, AttentionShape
+from .attention_layout import INT8_STEP, PANEL, QUERY_BLOCK, WEIGHT_LEVELS, AttentionShape
 from .pass_softmax import _exponentials
 from .quantised_products import (OFFSET_BEST, OFFSET_FALLBACK, STEP, TILES, _abs_bits, _bits_f32,
                                  _pack, _panel, _place)
 from .vector_math import NON_FINITE_SAFE
 
 assert PANEL == tiles.PANEL and STEP == tiles.STEP == INT8_STEP
-WEIGHT_LEVELS = np.float32(127.0)     # a softmax weight's largest code (the signed operand's)
+LEVELS = np.float32(WEIGHT_LEVELS)    # (as the float32 the codes are rounded from)
 NO_FLOOR = np.float32(-np.inf)        # (the tiles' floor for their outputs: none)
 NOT_FINITE = np.int32(0x7F800000)     # |v|'s bits from here: inf or NaN
 
@@ -168,7 +168,7 @@ def _weights_quantised(row, bias, mask, S, Sp, xq, base, ss):
     total = np.int32(0)
     for s in range(Sp // STEP):
         n = max(min(STEP, S - s * STEP), 0) if finite else 0
-        total += _codes(row[s * STEP:], n, WEIGHT_LEVELS, xq[base + s * ss:base + s * ss + STEP])
+        total += _codes(row[s * STEP:], n, LEVELS, xq[base + s * ss:base + s * ss + STEP])
     if not finite or total == 0:
         return np.int32(0), np.float32(np.nan)
     return total, np.float32(1.0) / np.float32(total)
