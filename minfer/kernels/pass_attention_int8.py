@@ -35,7 +35,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import tiles
+from . import NO_FLOOR, tiles
 from .attention_layout import INT8_STEP, PANEL, QUERY_BLOCK, WEIGHT_LEVELS, AttentionShape
 from .pass_softmax import _exponentials
 from .quantised_products import (OFFSET_BEST, OFFSET_FALLBACK, STEP, TILES, _abs_bits, _bits_f32,
@@ -44,7 +44,6 @@ from .vector_math import NON_FINITE_SAFE
 
 assert PANEL == tiles.PANEL and STEP == tiles.STEP == INT8_STEP
 LEVELS = np.float32(WEIGHT_LEVELS)    # (as the float32 the codes are rounded from)
-NO_FLOOR = np.float32(-np.inf)        # (the tiles' floor for their outputs: none)
 NOT_FINITE = np.int32(0x7F800000)     # |v|'s bits from here: inf or NaN
 
 
