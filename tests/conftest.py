@@ -69,6 +69,18 @@ def _loaded_models():
     return {}
 
 
+def compiled_then_array_path(monkeypatch):
+    """For a test of one ops function on both of its paths: yields True with the compiled
+    kernels (where they run), then False with them off for ops (`ops.compiled`) and the
+    scratch planned as without them (`kernels.max_threads` 0)."""
+    from minfer import kernels, ops
+    if kernels.active() is not None:
+        yield True
+    monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
+    monkeypatch.setattr(kernels, "max_threads", lambda: 0)
+    yield False
+
+
 @pytest.fixture(params=["numba", "numpy"])
 def kernel_mode(request, monkeypatch):
     """Run the test with the compiled CPU kernels and again with the pure NumPy path

@@ -11,6 +11,7 @@ import tracemalloc
 import numba
 import numpy as np
 import pytest
+from conftest import compiled_then_array_path
 from test_shipped_models import T5_DIR
 
 import minfer
@@ -193,10 +194,7 @@ def test_the_numpy_path_computes_what_the_kernel_does(T, monkeypatch):
     bias = ops.DistanceBias(table, key_mask)
     stats = tuple(np.empty((B, H, T, 1), np.float32) for _ in range(2))
     results = []
-    for compiled in ((True, False) if k is not None else (False,)):
-        if not compiled:
-            monkeypatch.setattr(ops, "compiled", lambda xp, x: None)
-            monkeypatch.setattr(kernels, "max_threads", lambda: 0)
+    for _ in compiled_then_array_path(monkeypatch):
         scores = np.full(ops.distance_scratch(B, H, T, D, 4, "bfloat16"), np.nan, np.float32)
         ctx = np.full((B, T, H, D), np.nan, np.float32)
         ops.rounded_distance_attention(np, qkv.copy(), bias, scores, ctx, stats)
@@ -255,11 +253,9 @@ def test_which_attention_each_compute_mode_takes(dtype, compute, attention, monk
     m = minfer.load(T5_DIR, dtype=dtype, compute=compute)
     states = m.encode(["translate: 3 May 1999", "hello"])
     assert np.isfinite(states).all()
-    if k is None and attention == "float_distance_attention":
-        attention = "distance_attention"              # (float32 in NumPy: the array path itself)
     assert calls[attention] == m.config.num_layers
-    assert sum(calls.values()) - calls["distance_attention"] == (
-        m.config.num_layers if attention != "distance_attention" else 0)
+    # (distance_attention: what the others run where the kernels do not)
+    assert all(calls[name] == 0 for name in ATTENTIONS[:3] if name != attention)
 
 
 @needs_kernels
