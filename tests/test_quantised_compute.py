@@ -167,8 +167,9 @@ def test_cli_compute_option_and_info_say_which_products_run(tmp_path):
     lines = dict(line.split(None, 1) for line in proc.stdout.splitlines() if line.startswith("compute"))
     want = kernels.int8_products()
     assert lines["compute"].strip() == f"int8 x int8 products: {want}"
-    assert ("VNNI" in want) == ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
-                                or "avx_vnni" in Path("/proc/cpuinfo").read_text())
+    if kernels.active() is not None:                # (MINFER_KERNELS=numpy: no instructions named)
+        assert ("VNNI" in want) == ("avx512_vnni" in Path("/proc/cpuinfo").read_text()
+                                    or "avx_vnni" in Path("/proc/cpuinfo").read_text())
     proc = run_cli("info", "--model", str(T5_DIR), "--dtype", "bfloat16", "--compute", "int8")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1   # a bad flag: usage, exit 2
     assert "compute='int8' multiplies int8 or int4 weights" in proc.stderr
