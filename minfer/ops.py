@@ -366,7 +366,7 @@ def rounded_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: An
                                stats: tuple[Any, Any] | None = None) -> None:
     """The self-attention of `distance_attention` with its products' inputs rounded to bfloat16
     (queries, keys, values and the softmax weights; sums and the softmax in float32): what the
-    encoder runs with compute="bfloat16" or "int8" (backend.ROUNDED_ATTENTION). qkv (B, T, 3,
+    encoder runs with compute="bfloat16" (backend.ROUNDED_ATTENTION). qkv (B, T, 3,
     H, D) the q|k|v product's output (contiguous; rounded in place without the kernels), scores
     the scratch of `distance_scratch` elements, ctx (B, T, H, D).
 

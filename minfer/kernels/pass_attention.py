@@ -2,7 +2,8 @@
 (batch row, head), the position bias read by distance (as kernels/pass_softmax.py), both products
 on the bfloat16 panel tiles (bfloat16_tiles.py: `vdpbf16ps` where the CPU has AVX512_BF16), the
 softmax in float32, and no (B, H, T, T) score tensor: a thread holds one block of query rows'
-scores at a time. What compute="bfloat16" and compute="int8" run (ops.rounded_distance_attention).
+scores at a time. What compute="bfloat16" runs (ops.rounded_distance_attention; compute="int8"
+runs pass_attention_int8.py).
 
 `_heads` gives each thread its share of the (batch row, head) pairs and its own parts of the
 scratch (attention_layout.py), and for each pair:
