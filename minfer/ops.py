@@ -28,7 +28,8 @@ from .errors import ConfigError
 from .io.limits import shown
 from .kernels.activation_formulas import ERF_A, ERF_P, GELU_TANH_CUBIC, SQRT_2_OVER_PI
 from .kernels.attention_layout import WEIGHT_LEVELS, AttentionShape
-from .products import MIN_PART_ROWS, PackedWeight, QuantisedRows, round_to_bfloat16
+from .products import (MIN_PART_ROWS, PackedWeight, QuantisedRows, quantise_rows,
+                       round_to_bfloat16)
 
 PARALLEL_ATTENTION_WORK = 1 << 16  # (rows * heads * keys * head dim) above which threads help
 EVERY_ROW = np.empty(0, np.int64)  # the step attention kernels' kv_rows for "row b reads row b"
@@ -398,18 +399,6 @@ def int8_weights(xp: Any, weights: Any) -> None:
     weights /= weights.sum(axis=-1, keepdims=True)
 
 
-def quantise_rows_in_place(xp: Any, a: Any, axis: int) -> None:
-    """a's values rounded to int8 steps of their absmax / 127 along `axis`, in place, as the int8
-    products quantise an input row (float32: the scale's inverse 127 / absmax, codes rounded to
-    nearest even); a zero line stays zero, one holding inf or NaN becomes NaN."""
-    top = xp.abs(a).max(axis=axis, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.float32(127.0) / top
-        a *= xp.where(top > 0, inv, 0).astype(a.dtype)
-        xp.rint(a, out=a)
-        a *= top / np.float32(127.0)
-
-
 def quantised_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: Any, ctx: Any,
                                  stats: tuple[Any, Any] | None = None) -> None:
     """The self-attention of `distance_attention` with int8 products: queries and keys quantised
@@ -427,8 +416,11 @@ def quantised_distance_attention(xp: Any, qkv: Any, bias: DistanceBias, scores: 
     if kc is not None:
         kc.attend_i8(qkv, bias.table, bias.key_mask, ctx, scores)
         return
-    quantise_rows_in_place(xp, qkv[:, :, :2], -1)         # q and k: per position and head
-    quantise_rows_in_place(xp, qkv[:, :, 2], 1)           # v: per head and column
+    D = qkv.shape[-1]
+    qk = qkv[:, :, :2]                                    # q and k: per position and head
+    qk[...] = quantise_rows(xp, qk.reshape(-1, D)).reshape(qk.shape)
+    v = qkv[:, :, 2].transpose(0, 2, 3, 1)                # v: per head and column, (B, H, D, T)
+    v[...] = quantise_rows(xp, v.reshape(-1, v.shape[-1])).reshape(v.shape)
     q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))    # (B, H, T, D)
     distance_attention(xp, q, k, v, bias, scores, ctx, stats, round_weights=int8_weights)
 

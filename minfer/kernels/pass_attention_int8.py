@@ -68,22 +68,30 @@ def _codes(src, n, inv, part):
 
 
 @njit(inline="always")
+def _inverse_and_scale(top):
+    """For a line whose |values|' largest bits are `top` (`_abs_bits`): (127 / absmax, the
+    line's scale absmax / 127), or (0, 0) for a zero line and (0, NaN) for one holding inf or
+    NaN (its codes then 0: its outputs are NaN, which generation names)."""
+    if top >= NOT_FINITE:
+        return np.float32(0.0), np.float32(np.nan)
+    if top == 0:
+        return np.float32(0.0), np.float32(0.0)
+    return np.float32(127.0) / _bits_f32(top), _bits_f32(top) / np.float32(127.0)
+
+
+@njit(inline="always")
 def _quantise_padded(src, D, xq, base, ss, Dp):
     """src[:D] quantised into the row whose step s (STEP columns) is at xq[base + s * ss], zeros
-    from column D to Dp; returns (its sum, its scale): absmax / 127, 0 for a zero row and NaN for
-    one holding inf or NaN (its codes then 0: its outputs are NaN, which generation names)."""
+    from column D to Dp; returns (its sum, its scale: `_inverse_and_scale`'s)."""
     top = np.int32(0)
     for k in range(D):
         top = max(top, _abs_bits(src[k]))
-    finite = top < NOT_FINITE and top > 0
-    inv = np.float32(127.0) / _bits_f32(top) if finite else np.float32(0.0)
+    inv, scale = _inverse_and_scale(top)
     total = np.int32(0)
     for s in range(Dp // STEP):
-        n = max(min(STEP, D - s * STEP), 0) if finite else 0
+        n = max(min(STEP, D - s * STEP), 0) if inv > 0 else 0
         total += _codes(src[s * STEP:], n, inv, xq[base + s * ss:base + s * ss + STEP])
-    if not finite:
-        return np.int32(0), (np.float32(np.nan) if top else np.float32(0.0))
-    return total, _bits_f32(top) / np.float32(127.0)
+    return total, scale
 
 
 @njit(inline="always")
@@ -115,7 +123,7 @@ def _code(v, inv):
 
 @njit(inline="always")
 def _pack_values(qkv, b, h, D, Sp, panels, scales, top, inv, flip):
-    """The values' column scales (absmax over the positions / 127, as `_quantise_padded`'s) and
+    """The values' column scales (absmax over the positions: `_inverse_and_scale`) and
     the values transposed into panels of PANEL columns over Sp positions, zeros past S (with
     the tiles' offset: a zero weight times a zero input adds nothing)."""
     S = qkv.shape[1]
@@ -125,10 +133,7 @@ def _pack_values(qkv, b, h, D, Sp, panels, scales, top, inv, flip):
         for d in range(D):
             top[d] = max(top[d], _abs_bits(row[d]))
     for d in range(D):
-        finite = top[d] < NOT_FINITE and top[d] > 0
-        inv[d] = np.float32(127.0) / _bits_f32(top[d]) if finite else np.float32(0.0)
-        scales[d] = (_bits_f32(top[d]) / np.float32(127.0) if finite else
-                     (np.float32(np.nan) if top[d] else np.float32(0.0)))
+        inv[d], scales[d] = _inverse_and_scale(top[d])
     words = panels.view(np.uint32)
     for d0 in range(0, D, PANEL):
         nd = min(PANEL, D - d0)
